@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for vaed.v1 (regenerate with scripts/gen_proto.py)."""

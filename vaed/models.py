@@ -1,0 +1,148 @@
+"""Model specs: what `--model` accepts and how each becomes an AutoencoderKLWan.
+
+- a local diffusers folder: a pipeline root holding `vae/`, or the `vae` folder itself
+- a hub id such as `Wan-AI/Wan2.1-T2V-1.3B-Diffusers` (subfolder `vae`)
+- `random:<arch>[?seed=N]`: the real architecture with the weights of
+  `torch.manual_seed(seed); AutoencoderKLWan(**config)` (seed 0 by default).
+  Compute is identical to real weights, so tests and benchmarks use these
+  where weights cannot be downloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+RANDOM_PREFIX = "random:"
+
+# Wan2.2 TI2V-5B VAE: its published per-channel latent statistics.
+WAN22_LATENTS_MEAN = [
+    -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
+    -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
+    -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108, -0.2158, 0.2502,
+    -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230,
+    -0.0313, -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748,
+    0.0152, 0.1957, 0.1433, -0.2944, 0.3573, -0.0548, -0.1681, -0.0667,
+]  # fmt: skip
+WAN22_LATENTS_STD = [
+    0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013,
+    0.8158, 1.0344, 0.5894, 1.0901, 0.6885, 0.6165, 0.8454, 0.4978,
+    0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+    0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093,
+    0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
+    0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
+]  # fmt: skip
+
+WAN22_CONFIG: dict[str, Any] = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    latents_mean=WAN22_LATENTS_MEAN,
+    latents_std=WAN22_LATENTS_STD,
+)
+
+# Random architectures. The "-tiny" ones keep every structural feature of
+# their family (causal caches, temporal upsampling, Wan2.2's residual
+# up-blocks and 2x2 patches) at a few channels, so CPU tests decode in
+# milliseconds.
+RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
+    "wan2.1": {},
+    "wan2.2": WAN22_CONFIG,
+    "wan2.1-tiny": dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                        latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.5, 2.0, 0.8]),
+    "wan2.2-tiny": dict(base_dim=8, decoder_base_dim=8, z_dim=6, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                        temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                        out_channels=12, patch_size=2, scale_factor_spatial=16,
+                        latents_mean=WAN22_LATENTS_MEAN[:6], latents_std=WAN22_LATENTS_STD[:6]),
+}  # fmt: skip
+
+
+@dataclass
+class LoadedModel:
+    vae: Any  # diffusers AutoencoderKLWan, eval mode, on its device and dtype
+    spec: str
+    random_weights: bool
+
+
+def parse_random_spec(spec: str) -> tuple[str, int]:
+    """`random:wan2.1?seed=3` -> ("wan2.1", 3)."""
+    body = spec[len(RANDOM_PREFIX):]
+    arch, _, query = body.partition("?")
+    if arch not in RANDOM_CONFIGS:
+        raise ModelLoadError(f"unknown random architecture {arch!r}; choose one of {sorted(RANDOM_CONFIGS)}")
+    params = urllib.parse.parse_qs(query, strict_parsing=bool(query)) if query else {}
+    unknown = set(params) - {"seed"}
+    if unknown:
+        raise ModelLoadError(f"unknown option(s) {sorted(unknown)} in {spec!r}; only ?seed=N is accepted")
+    try:
+        seed = int(params.get("seed", ["0"])[-1])
+    except ValueError as exc:
+        raise ModelLoadError(f"seed must be an integer in {spec!r}") from exc
+    return arch, seed
+
+
+def build_random_vae(arch: str, seed: int = 0) -> Any:
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    return AutoencoderKLWan(**RANDOM_CONFIGS[arch])
+
+
+def _local_vae_folder(path: pathlib.Path) -> pathlib.Path | None:
+    if (path / "vae" / "config.json").is_file():
+        return path / "vae"
+    if (path / "config.json").is_file():
+        return path
+    return None
+
+
+def _load_pretrained(spec: str) -> Any:
+    from diffusers import AutoencoderKLWan
+
+    path = pathlib.Path(spec).expanduser()
+    if path.exists():
+        folder = _local_vae_folder(path)
+        if folder is None:
+            raise ModelLoadError(
+                f"{spec} holds no diffusers VAE: expected {path}/vae/config.json or {path}/config.json"
+            )
+        return AutoencoderKLWan.from_pretrained(str(folder))
+    try:
+        return AutoencoderKLWan.from_pretrained(spec, subfolder="vae")
+    except Exception as exc:  # hub errors come in many types; all mean "not here"
+        raise ModelLoadError(
+            f"could not load VAE weights for {spec!r} ({type(exc).__name__}: {exc}). "
+            "Pass a local diffusers folder (`--model /path/to/Wan2.1-T2V-1.3B-Diffusers` or its vae/ folder), "
+            "or serve seeded random weights with the same architecture (`--model random:wan2.1` or `random:wan2.2`)."
+        ) from exc
+
+
+def load_model(spec: str, device: str | torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load, move to device/dtype, eval mode, no grad."""
+    if spec.startswith(RANDOM_PREFIX):
+        arch, seed = parse_random_spec(spec)
+        vae = build_random_vae(arch, seed)
+        random_weights = True
+    else:
+        vae = _load_pretrained(spec)
+        random_weights = False
+    vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    log.info("loaded %s (%s weights) on %s as %s", spec, "random" if random_weights else "pretrained", device, dtype)
+    return LoadedModel(vae=vae, spec=spec, random_weights=random_weights)
