@@ -143,6 +143,15 @@ def load_model(spec: str, device: str | torch.device, dtype: torch.dtype) -> Loa
     else:
         vae = _load_pretrained(spec)
         random_weights = False
-    vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    from diffusers.utils import logging as diffusers_logging
+
+    # diffusers warns on every .to(dtype) of a model without fp32-pinned
+    # modules (the Wan VAE has none); keep that noise out of server logs.
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    finally:
+        diffusers_logging.set_verbosity(level)
     log.info("loaded %s (%s weights) on %s as %s", spec, "random" if random_weights else "pretrained", device, dtype)
     return LoadedModel(vae=vae, spec=spec, random_weights=random_weights)
