@@ -1,0 +1,98 @@
+# syntax=docker/dockerfile:1.7
+#
+# vaed GPU image: the gRPC VAE decode server on a pinned CUDA PyTorch base.
+#
+#   docker build -t vaed:0.1.0 .
+#   docker run --gpus 1 -p 50051:50051 -p 9090:9090 \
+#       -v /srv/models:/models:ro vaed:0.1.0
+#
+# Stages: "wheel" builds the vaed wheel from source; "runtime" installs the
+# dependencies (cached while pyproject.toml is unchanged) and then that wheel.
+
+# torch 2.11 + CUDA 12.8 + cuDNN 9: the stack the performance numbers in the
+# design notes were measured on (H200). Pinned tag, never "latest".
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+
+# ---------------------------------------------------------------- wheel
+FROM ${BASE_IMAGE} AS wheel
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto/ proto/
+COPY client/ client/
+COPY vaed/ vaed/
+# --no-deps: only vaed itself; its dependencies go into their own layer below.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------- runtime
+FROM ${BASE_IMAGE} AS runtime
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# gcc + libc6-dev: Triton JIT-compiles a small C launcher per kernel and the
+# runtime base ships no C compiler.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get clean \
+    && rm -rf /var/lib/apt/lists/*
+
+# Numeric, fixed UID/GID so Kubernetes runAsNonRoot can verify it and
+# fsGroup-owned volumes line up. /cache holds every writable cache; in
+# Kubernetes it is an emptyDir, so the root filesystem can stay read-only.
+ARG VAED_UID=10001
+RUN groupadd --system --gid "${VAED_UID}" vaed \
+    && useradd --system --uid "${VAED_UID}" --gid "${VAED_UID}" \
+       --home-dir /cache --no-create-home --shell /usr/sbin/nologin vaed \
+    && mkdir -p /cache /models \
+    && chown "${VAED_UID}:${VAED_UID}" /cache \
+    && chmod 0770 /cache
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HOME=/cache \
+    USER=vaed \
+    XDG_CACHE_HOME=/cache \
+    TORCH_HOME=/cache/torch \
+    TORCHINDUCTOR_CACHE_DIR=/cache/inductor \
+    TRITON_CACHE_DIR=/cache/triton \
+    HF_HOME=/cache/huggingface
+
+# Dependency layer: rebuilt only when pyproject.toml changes. The base
+# image's torch/triton are pinned as constraints so pip keeps them (a
+# resolver upgrade would pull a multi-GB CUDA build and a mismatched triton).
+COPY pyproject.toml /tmp/deps/pyproject.toml
+RUN python -c 'import importlib.metadata as md, tomllib; \
+deps = tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"]; \
+have = {d.metadata["Name"].lower(): d.version for d in md.distributions()}; \
+open("/tmp/deps/requirements.txt", "w").write("\n".join(deps) + "\n"); \
+open("/tmp/deps/constraints.txt", "w").write("".join(f"{n}=={have[n]}\n" for n in ("torch", "triton") if n in have))' \
+    && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
+    && rm -rf /tmp/deps
+
+# Source layer: the vaed wheel alone, without touching the dependencies.
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-deps /wheels/*.whl \
+    && vaed --help > /dev/null
+
+USER 10001:10001
+WORKDIR /cache
+
+EXPOSE 50051 9090
+
+# Kubernetes ignores HEALTHCHECK and uses its native gRPC probes instead
+# (k8s/); this one serves plain `docker run`. start-period covers weight load,
+# Triton compilation and the warm-up decode.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=300s --retries=3 \
+    CMD ["vaed", "health", "--server", "localhost:50051", "--timeout", "5"]
+
+# vaed runs as PID 1 and installs its own SIGTERM handler (drain, then exit),
+# so no init shim is needed; Triton's compiler subprocesses are waited for.
+ENTRYPOINT ["vaed"]
+# A diffusers Wan folder (or its vae/ subfolder) mounted read-only at /models.
+# --grace 30 matches terminationGracePeriodSeconds minus the preStop pause in k8s/.
+CMD ["serve", "--gpu", "0", "--host", "0.0.0.0", "--port", "50051", \
+     "--metrics-port", "9090", "--model", "/models/Wan2.1-T2V-1.3B-Diffusers", \
+     "--grace", "30"]
