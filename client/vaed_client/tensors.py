@@ -133,3 +133,27 @@ def to_torch(message: vaed_pb2.Tensor) -> Any:
         return torch.empty(shape, dtype=dtype)
     # protobuf bytes are immutable; bytearray makes the one copy torch can own.
     return torch.frombuffer(bytearray(message.data), dtype=dtype).reshape(shape)
+
+
+def storage_view(message: vaed_pb2.Tensor) -> np.ndarray:
+    """Zero-copy, read-only numpy view of the wire bytes in their storage dtype.
+
+    BFLOAT16 stays as its uint16 bit pattern. Used to copy each received chunk
+    once, straight into a preallocated video, instead of decode-then-copy.
+    """
+    shape = validate(message)
+    return np.frombuffer(message.data, dtype=_NUMPY_STORAGE[message.dtype]).reshape(shape)
+
+
+def widen_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16/int16) -> float32, exactly."""
+    return (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def storage_to_torch(storage: np.ndarray, wire_dtype: int) -> Any:
+    """Writable storage array -> torch tensor sharing its memory (bf16 restored)."""
+    import torch
+
+    if wire_dtype == vaed_pb2.BFLOAT16:
+        return torch.from_numpy(storage.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(storage)

@@ -1,0 +1,613 @@
+"""vaed_client against an in-process fake VaeDecoder (no model, no torch math).
+
+The fake answers with a synthetic video whose pixels are a known function of
+(batch, frame, y, x, channel), split into small messages, so assembly,
+streaming, sessions, errors, retries and auth are checked through the real
+wire in milliseconds. Decode exactness against diffusers lives in the
+server's end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+from typing import Any, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+import vaed_client
+from vaed_client import channel as vchannel
+from vaed_client import errors, tensors
+from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
+from vaed_client.video import assemble, output_frames
+
+SPATIAL = 8
+TEMPORAL = 4
+
+
+# -- the fake server ---------------------------------------------------------
+def fake_video(b: int, t: int, h: int, w: int, first: int = 0) -> np.ndarray:
+    """[B, t, H, W, 3] uint8 frames first..first+t-1 of the synthetic video."""
+    bi = np.arange(b).reshape(b, 1, 1, 1, 1)
+    fi = np.arange(first, first + t).reshape(1, t, 1, 1, 1)
+    yi = np.arange(h).reshape(1, 1, h, 1, 1)
+    xi = np.arange(w).reshape(1, 1, 1, w, 1)
+    ci = np.arange(3).reshape(1, 1, 1, 1, 3)
+    return ((bi * 50 + fi * 7 + yi * 3 + xi + ci * 11) % 256).astype(np.uint8)
+
+
+def fake_raw(video: np.ndarray) -> np.ndarray:
+    """RGB8 video -> RAW layout [B, 3, t, H, W] float32 in [-1, 1]."""
+    return (video.astype(np.float32) / 127.5 - 1.0).transpose(0, 4, 1, 2, 3).copy()
+
+
+def raw_message(raw: np.ndarray, wire_dtype: int) -> vaed_pb2.Tensor:
+    t = torch.from_numpy(raw)
+    return tensors.to_message(t.to(tensors.torch_dtype(wire_dtype)))
+
+
+class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
+    def __init__(self) -> None:
+        self.max_frames_per_message = 3  # forces split groups
+        self.final_empty = True  # False: final flag rides on the last frames message
+        self.delay_s = 0.0
+        self.unavailable_left = 0
+        self.attempts = 0
+        self.metadata: list[dict[str, str]] = []
+        self.requests: list[Any] = []
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+
+    def _enter(self, context: grpc.ServicerContext) -> None:
+        with self.lock:
+            self.metadata.append(dict(context.invocation_metadata()))
+            self.attempts += 1
+            if self.unavailable_left > 0:
+                self.unavailable_left -= 1
+                context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+        context.add_callback(lambda: None if context.is_active() else self.cancelled.set())
+
+    def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> vaed_pb2.ModelInfo:
+        self._enter(context)
+        return vaed_pb2.ModelInfo(
+            model="fake",
+            z_dim=16,
+            scale_factor_temporal=TEMPORAL,
+            scale_factor_spatial=SPATIAL,
+            latents_mean=[0.5] * 16,
+            latents_std=[2.0] * 16,
+            compute_dtype=vaed_pb2.FLOAT32,
+            device="cpu",
+            random_weights=True,
+            max_message_bytes=vchannel.MAX_MESSAGE_BYTES,
+        )
+
+    def _check(self, options: vaed_pb2.DecodeOptions, latents: vaed_pb2.Tensor, context: Any) -> None:
+        if options.request_id.startswith("abort:"):
+            context.abort(grpc.StatusCode[options.request_id.split(":")[1]], "fake failure")
+        if len(latents.shape) != 5:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latents must be 5-D, got {list(latents.shape)}")
+
+    def _groups(
+        self, latents: vaed_pb2.Tensor, options: vaed_pb2.DecodeOptions, start: int, chunk_index: int, rid: str
+    ) -> Iterator[vaed_pb2.FrameChunk]:
+        b, _, t, h, w = latents.shape
+        for g in range(start, start + t):
+            first = 0 if g == 0 else 1 + TEMPORAL * (g - 1)
+            count = 1 if g == 0 else TEMPORAL
+            for f in range(first, first + count, self.max_frames_per_message):
+                n = min(self.max_frames_per_message, first + count - f)
+                video = fake_video(b, n, h * SPATIAL, w * SPATIAL, first=f)
+                if options.format == vaed_pb2.RAW:
+                    frames = raw_message(fake_raw(video), options.raw_dtype or vaed_pb2.FLOAT32)
+                else:
+                    frames = tensors.to_message(video)
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                yield vaed_pb2.FrameChunk(request_id=rid, chunk_index=chunk_index, first_frame=f, frames=frames)
+            chunk_index += 1
+
+    def _finish(self, messages: Iterator[vaed_pb2.FrameChunk], rid: str) -> Iterator[vaed_pb2.FrameChunk]:
+        last = None
+        for message in messages:
+            rid = message.request_id
+            if last is not None:
+                yield last
+            last = message
+        if self.final_empty or last is None:
+            if last is not None:
+                yield last
+            yield vaed_pb2.FrameChunk(request_id=rid, final=True)
+        else:
+            last.final = True
+            yield last
+
+    def Decode(self, request: Any, context: grpc.ServicerContext) -> Iterator[vaed_pb2.FrameChunk]:
+        self._enter(context)
+        self.requests.append(request)
+        self._check(request.options, request.latents, context)
+        rid = request.options.request_id or "fake-id"
+        yield from self._finish(self._groups(request.latents, request.options, 0, 0, rid), rid)
+
+    def DecodeStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[vaed_pb2.FrameChunk]:
+        self._enter(context)
+
+        def all_groups() -> Iterator[vaed_pb2.FrameChunk]:
+            options = None
+            done = 0
+            for i, chunk in enumerate(request_iterator):
+                self.requests.append(chunk)
+                if i == 0:
+                    options = chunk.options
+                elif chunk.HasField("options"):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "options on a non-first message")
+                self._check(options, chunk.latents, context)
+                yield from self._groups(chunk.latents, options, done, i, options.request_id or "fake-id")
+                done += chunk.latents.shape[2]
+
+        yield from self._finish(all_groups(), "fake-id")
+
+
+def _start(servicer: FakeDecoder, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=vchannel.channel_options())
+    vaed_pb2_grpc.add_VaeDecoderServicer_to_server(servicer, server)
+    if credentials is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    return server, port
+
+
+@pytest.fixture()
+def fake() -> Iterator[tuple[FakeDecoder, str]]:
+    servicer = FakeDecoder()
+    server, port = _start(servicer)
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def latents_np(b: int = 1, t: int = 3, h: int = 2, w: int = 3, dtype: Any = np.float32) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((b, 16, t, h, w)).astype(dtype)
+
+
+def expected_video(b: int, t: int, h: int, w: int) -> np.ndarray:
+    return fake_video(b, output_frames(t, TEMPORAL), h * SPATIAL, w * SPATIAL)
+
+
+# -- codec -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float32])
+def test_numpy_round_trip(dtype: Any) -> None:
+    a = (np.arange(60).reshape(3, 4, 5) % 200).astype(dtype)
+    m = tensors.to_message(a)
+    assert tensors.validate(m) == (3, 4, 5)
+    back = tensors.to_numpy(m)
+    assert back.dtype == a.dtype and np.array_equal(back, a)
+
+
+def test_bf16_bits_travel_unchanged() -> None:
+    t = torch.randn(2, 3, 5).to(torch.bfloat16)
+    m = tensors.to_message(t)
+    assert m.dtype == vaed_pb2.BFLOAT16 and len(m.data) == t.numel() * 2
+    assert m.data == t.view(torch.int16).numpy().tobytes()  # no float32 detour
+    back = tensors.to_torch(m)
+    assert back.dtype == torch.bfloat16 and torch.equal(back.view(torch.int16), t.view(torch.int16))
+    widened = tensors.to_numpy(m)
+    assert widened.dtype == np.float32 and np.array_equal(widened, t.float().numpy())
+
+
+def test_codec_rejects_bad_input() -> None:
+    with pytest.raises(tensors.TensorFormatError):
+        tensors.to_message(np.zeros(3, dtype=np.float64))
+    bad = vaed_pb2.Tensor(dtype=vaed_pb2.FLOAT32, shape=[2, 2], data=b"\0" * 15)
+    with pytest.raises(tensors.TensorFormatError, match="byte count"):
+        tensors.validate(bad)
+
+
+def test_assemble_joins_chunks_in_any_order() -> None:
+    video = fake_video(2, 9, 4, 4)
+    parts = [(0, 1), (1, 5), (5, 9)]
+    chunks = [
+        vaed_client.DecodedChunk(chunk_index=i, first_frame=a, frames=video[:, a:b], request_id="r")
+        for i, (a, b) in enumerate(parts)
+    ]
+    assert np.array_equal(assemble(reversed(chunks)), video)
+    with pytest.raises(ValueError, match="tile"):
+        assemble(chunks[1:])
+
+
+# -- errors ------------------------------------------------------------------
+class _FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError),
+        (grpc.StatusCode.UNAVAILABLE, errors.UnavailableError),
+        (grpc.StatusCode.UNAUTHENTICATED, errors.UnauthenticatedError),
+        (grpc.StatusCode.CANCELLED, errors.CancelledError),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceededError),
+        (grpc.StatusCode.INTERNAL, errors.InternalError),
+        (grpc.StatusCode.NOT_FOUND, errors.VaedError),
+    ],
+)
+def test_error_mapping(code: grpc.StatusCode, cls: type) -> None:
+    e = errors.from_rpc_error(_FakeRpcError(code, "the details"))
+    assert type(e) is cls and e.code == code and e.details == "the details"
+    assert code.name in str(e)
+
+
+def test_error_mapping_of_bare_rpc_error() -> None:
+    e = errors.from_rpc_error(grpc.RpcError())
+    assert type(e) is errors.VaedError and e.code == grpc.StatusCode.UNKNOWN
+
+
+# -- channel -----------------------------------------------------------------
+def test_channel_options_and_service_config() -> None:
+    opts = dict(vchannel.channel_options())
+    assert opts["grpc.max_send_message_length"] == 256 * 1024 * 1024
+    assert opts["grpc.max_receive_message_length"] == 256 * 1024 * 1024
+    assert opts["grpc.enable_retries"] == 1
+    config = json.loads(opts["grpc.service_config"])
+    assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+    (method_config,) = config["methodConfig"]
+    names = {(n["service"], n["method"]) for n in method_config["name"]}
+    assert names == {("vaed.v1.VaeDecoder", m) for m in ("GetModelInfo", "Decode", "DecodeStream")}
+    policy = method_config["retryPolicy"]
+    assert policy["maxAttempts"] == 5 and policy["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert (policy["initialBackoff"], policy["maxBackoff"]) == ("0.1s", "2s")
+    # Overrides replace, not duplicate.
+    overridden = vchannel.channel_options([("grpc.max_receive_message_length", 5)])
+    assert [v for k, v in overridden if k == "grpc.max_receive_message_length"] == [5]
+
+
+def test_tls_specs(tmp_path: Any) -> None:
+    assert vchannel.channel_credentials(None) is None and vchannel.channel_credentials(False) is None
+    assert isinstance(vchannel.channel_credentials(True), grpc.ChannelCredentials)
+    cert, _ = _self_signed()
+    path = tmp_path / "ca.pem"
+    path.write_bytes(cert)
+    for spec in (cert, str(path), path):
+        assert isinstance(vchannel.channel_credentials(spec), grpc.ChannelCredentials)
+    with pytest.raises(TypeError):
+        vchannel.channel_credentials(3)  # type: ignore[arg-type]
+    assert vchannel.bearer_metadata("abc") == (("authorization", "Bearer abc"),)
+    assert vchannel.bearer_metadata(None) == ()
+
+
+def _self_signed() -> tuple[bytes, bytes]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import ipaddress
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_token_on_insecure_channel(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    with vaed_client.VaeClient(target, token="s3cret") as client:
+        client.model_info()
+        client.decode(latents_np(t=1))
+    assert [m.get("authorization") for m in servicer.metadata] == ["Bearer s3cret"] * 2
+
+
+def test_tls_with_token() -> None:
+    cert, key = _self_signed()
+    servicer = FakeDecoder()
+    server, port = _start(servicer, grpc.ssl_server_credentials([(key, cert)]))
+    try:
+        with vaed_client.VaeClient(f"localhost:{port}", tls=cert, token="tok") as client:
+            assert client.model_info().model == "fake"
+        assert servicer.metadata[-1]["authorization"] == "Bearer tok"
+    finally:
+        server.stop(0)
+
+
+def test_dns_target(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    with vaed_client.VaeClient(f"dns:///{target}") as client:
+        assert client.model_info().z_dim == 16
+
+
+def test_retries_unavailable(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    servicer.unavailable_left = 2
+    with vaed_client.VaeClient(target) as client:
+        assert client.model_info().model == "fake"
+        assert servicer.attempts == 3
+        servicer.unavailable_left = 2
+        # 295 KB of latents: over gRPC's default 256 KiB retry buffer.
+        video = client.decode(latents_np(t=2, h=48, w=48))
+        assert video.shape[1] == 5 and servicer.attempts == 6
+    servicer.unavailable_left = 10
+    with vaed_client.VaeClient(target) as client:
+        with pytest.raises(errors.UnavailableError):
+            client.model_info()
+
+
+# -- decode / stream ----------------------------------------------------------
+@pytest.mark.parametrize("final_empty", [True, False])
+@pytest.mark.parametrize("b, t", [(1, 1), (1, 2), (2, 5)])
+def test_decode_numpy_rgb8(fake: tuple[FakeDecoder, str], final_empty: bool, b: int, t: int) -> None:
+    servicer, target = fake
+    servicer.final_empty = final_empty
+    with vaed_client.VaeClient(target) as client:
+        video = client.decode(latents_np(b=b, t=t, h=3, w=5))
+    assert isinstance(video, np.ndarray) and video.dtype == np.uint8
+    assert np.array_equal(video, expected_video(b, t, 3, 5))
+
+
+def test_decode_torch_bf16_in_torch_out(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    latents = torch.randn(1, 16, 2, 2, 2).to(torch.bfloat16)
+    with vaed_client.VaeClient(target) as client:
+        video = client.decode(latents, raw_latents=True, request_id="abc")
+    assert isinstance(video, torch.Tensor) and video.dtype == torch.uint8
+    assert np.array_equal(video.numpy(), expected_video(1, 2, 2, 2))
+    sent = servicer.requests[-1]
+    assert sent.latents.dtype == vaed_pb2.BFLOAT16
+    assert sent.latents.data == latents.view(torch.int16).numpy().tobytes()
+    assert sent.options.raw_latents and sent.options.request_id == "abc" and sent.options.format == vaed_pb2.RGB8
+
+
+def test_decode_raw(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    want = fake_raw(expected_video(1, 3, 2, 2))
+    with vaed_client.VaeClient(target) as client:
+        out = client.decode(latents_np(t=3, h=2, w=2), format="raw")
+        assert out.dtype == np.float32 and out.shape == (1, 3, 9, 16, 16) and np.array_equal(out, want)
+        out = client.decode(latents_np(t=3, h=2, w=2), format="raw", raw_dtype="bfloat16")
+        assert out.dtype == np.float32  # numpy has no bf16: widened exactly
+        assert np.array_equal(out, torch.from_numpy(want).to(torch.bfloat16).float().numpy())
+        out = client.decode(torch.randn(1, 16, 3, 2, 2), format="RAW", raw_dtype=torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
+        out = client.decode(latents_np(t=3, h=2, w=2), format="raw", raw_dtype="float16")
+        assert out.dtype == np.float16
+        with pytest.raises(errors.InvalidArgumentError):
+            client.decode(latents_np(), format="jpeg")
+        with pytest.raises(errors.InvalidArgumentError):
+            client.decode(latents_np(), format="raw", raw_dtype="complex128")
+
+
+def test_stream_yields_chunks_as_they_arrive(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    with vaed_client.VaeClient(target) as client:
+        chunks = list(client.stream(latents_np(t=3, h=2, w=2), request_id="s1"))
+        torch_chunks = list(client.stream(torch.zeros(1, 16, 3, 2, 2)))
+    # 1 + 4 + 4 frames in messages of at most 3 frames
+    assert [(c.chunk_index, c.first_frame, c.num_frames) for c in chunks] == [
+        (0, 0, 1), (1, 1, 3), (1, 4, 1), (2, 5, 3), (2, 8, 1)
+    ]
+    assert all(c.request_id == "s1" and isinstance(c.frames, np.ndarray) for c in chunks)
+    assert all(isinstance(c.frames, torch.Tensor) for c in torch_chunks)
+    assert np.array_equal(assemble(chunks), expected_video(1, 3, 2, 2))
+    assert sum(c.nbytes for c in chunks) == expected_video(1, 3, 2, 2).nbytes
+
+
+def test_stream_break_cancels_server_side(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    servicer.delay_s = 0.05
+    with vaed_client.VaeClient(target) as client:
+        for chunk in client.stream(latents_np(t=20)):
+            break
+        assert servicer.cancelled.wait(5)
+
+
+def test_server_errors_map_to_classes(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    with vaed_client.VaeClient(target) as client:
+        with pytest.raises(errors.InvalidArgumentError) as info:
+            client.decode(np.zeros((16, 2, 2, 2), np.float32))
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "5-D" in info.value.details
+        with pytest.raises(errors.ResourceExhaustedError):
+            client.decode(latents_np(), request_id="abort:RESOURCE_EXHAUSTED")
+        with pytest.raises(errors.InternalError):
+            list(client.stream(latents_np(), request_id="abort:INTERNAL"))
+        with pytest.raises(ValueError):  # InvalidArgumentError is a ValueError too
+            client.decode(np.zeros((1, 16, 1, 1, 1), np.float64))
+        assert client.decode(latents_np(t=1)).shape == (1, 1, 16, 24, 3)  # still fine
+
+
+def test_timeout_is_per_call(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    servicer.delay_s = 0.1
+    with vaed_client.VaeClient(target, timeout=0.3) as client:
+        assert client.decode(latents_np(t=1)).shape[1] == 1  # 0.1 s: within its own deadline
+        assert client.decode(latents_np(t=1)).shape[1] == 1
+        with pytest.raises(errors.DeadlineExceededError):
+            client.decode(latents_np(t=4))
+
+
+# -- sessions ----------------------------------------------------------------
+def test_session_uneven_chunks_collect(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    latents = latents_np(b=2, t=5, h=2, w=3)
+    with vaed_client.VaeClient(target) as client:
+        with client.session(request_id="sess") as session:
+            for a, b in [(0, 1), (1, 4), (4, 5)]:
+                session.push(latents[:, :, a:b])
+            video = session.collect()
+        assert session.request_id == "sess"
+    assert np.array_equal(video, expected_video(2, 5, 2, 3))
+    sent = servicer.requests[-3:]
+    assert [m.HasField("options") for m in sent] == [True, False, False]
+    assert sent[0].options.request_id == "sess"
+
+
+def test_session_iterate_from_another_thread(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    latents = torch.randn(1, 16, 4, 2, 2)
+    got: list[vaed_client.DecodedChunk] = []
+    with vaed_client.VaeClient(target) as client:
+        session = client.session()
+        reader = threading.Thread(target=lambda: got.extend(session))
+        reader.start()
+        for i in range(4):
+            session.push(latents[:, :, i : i + 1])
+        session.close()
+        reader.join(10)
+    assert not reader.is_alive()
+    assert all(isinstance(c.frames, torch.Tensor) for c in got)
+    assert np.array_equal(assemble(got).numpy(), expected_video(1, 4, 2, 2))
+
+
+def test_session_push_all_before_reading_does_not_deadlock(fake: tuple[FakeDecoder, str]) -> None:
+    # 41 frames of 256x384 RGB8 (12 MB) exceed gRPC's flow-control windows.
+    _, target = fake
+    with vaed_client.VaeClient(target) as client:
+        with client.session() as session:
+            for _ in range(11):
+                session.push(latents_np(t=1, h=32, w=48))
+            session.close()
+            chunks = list(session)
+    assert assemble(chunks).shape == (1, 41, 256, 384, 3)
+
+
+def test_session_errors_and_cancel(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    with vaed_client.VaeClient(target) as client:
+        session = client.session(request_id="abort:RESOURCE_EXHAUSTED")
+        session.push(latents_np(t=1))
+        with pytest.raises(errors.ResourceExhaustedError):
+            session.collect()
+
+        servicer.delay_s = 0.05
+        session = client.session()
+        session.push(latents_np(t=10))
+        next(iter(session))
+        session.cancel()
+        assert list(session) == []  # cancelled by us: iteration just ends
+        assert servicer.cancelled.wait(5)
+        with pytest.raises(RuntimeError):
+            session.push(latents_np(t=1))
+
+
+def test_session_collect_after_cancel_raises(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    servicer.delay_s = 0.05
+    with vaed_client.VaeClient(target) as client:
+        session = client.session()
+        session.push(latents_np(t=5))
+        session.cancel()
+        with pytest.raises(errors.CancelledError):
+            session.collect()
+
+
+# -- asyncio -----------------------------------------------------------------
+def test_async_client(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+
+    async def main() -> None:
+        async with vaed_client.AsyncVaeClient(target, token="t") as client:
+            info = await client.model_info()
+            assert info.scale_factor_temporal == TEMPORAL and info.latents_mean == [0.5] * 16
+            video = await client.decode(latents_np(b=2, t=3, h=2, w=2))
+            assert np.array_equal(video, expected_video(2, 3, 2, 2))
+            raw = await client.decode(torch.zeros(1, 16, 2, 2, 2), format="raw", raw_dtype="bfloat16")
+            assert raw.dtype == torch.bfloat16 and raw.shape == (1, 3, 5, 16, 16)
+
+            chunks = [c async for c in client.stream(latents_np(t=3, h=2, w=2))]
+            assert [c.first_frame for c in chunks] == [0, 1, 4, 5, 8]
+
+            latents = latents_np(t=5, h=2, w=2)
+            async with client.session() as session:
+                for a, b in [(0, 1), (1, 4), (4, 5)]:
+                    await session.push(latents[:, :, a:b])
+                assert np.array_equal(await session.collect(), expected_video(1, 5, 2, 2))
+
+            session = client.session()
+            await session.push(torch.zeros(1, 16, 2, 2, 2))
+            await session.close()
+            got = [c async for c in session]
+            assert all(isinstance(c.frames, torch.Tensor) for c in got)
+            assert assemble(got).shape == (1, 5, 16, 16, 3)
+
+            with pytest.raises(errors.InvalidArgumentError):
+                await client.decode(np.zeros((16, 1, 1, 1), np.float32))
+            with pytest.raises(errors.ResourceExhaustedError):
+                async for _ in client.stream(latents_np(), request_id="abort:RESOURCE_EXHAUSTED"):
+                    pass
+            session = client.session(request_id="abort:INVALID_ARGUMENT")
+            await session.push(latents_np(t=1))
+            with pytest.raises(errors.InvalidArgumentError):
+                await session.collect()
+
+            servicer.delay_s = 0.05
+            session = client.session()
+            await session.push(latents_np(t=10))
+            async for _ in session:
+                break
+            session.cancel()
+            assert [c async for c in session] == []
+        assert all(m.get("authorization") == "Bearer t" for m in servicer.metadata)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_async_timeout(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    servicer.delay_s = 0.1
+
+    async def main() -> None:
+        async with vaed_client.AsyncVaeClient(target, timeout=0.25) as client:
+            with pytest.raises(errors.DeadlineExceededError):
+                await client.decode(latents_np(t=5))
+
+    asyncio.run(main())
+
+
+# -- packaging ---------------------------------------------------------------
+def test_client_imports_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # makes `import torch` fail
+        "import numpy as np, vaed_client\n"
+        "from vaed_client import tensors\n"
+        "a = np.arange(6, dtype=np.float32).reshape(2, 3)\n"
+        "assert np.array_equal(tensors.to_numpy(tensors.to_message(a)), a)\n"
+        "print(vaed_client.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == vaed_client.__version__
