@@ -1,0 +1,192 @@
+"""Decoded frames through the real wire are bit-identical to diffusers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vaed_client import AsyncVaeClient, VaeClient
+from helpers import diffusers_decode, rgb8
+
+# (B, T, h, w): T=1, 2, 5, B=2, odd h and w. Spatial sizes stay at h*w >= 35:
+# below that, aten's CPU conv3d takes another kernel whose 1x1x1
+# post_quant_conv results depend on T, so a chunked session could not match
+# a one-shot decode bit for bit (measured: 2x3 and 3x5 differ, 5x7 and up match).
+SHAPES = [(1, 1, 5, 7), (1, 2, 6, 6), (2, 5, 5, 7)]
+
+
+@pytest.fixture(scope="module")
+def ref21(tiny_server):
+    return tiny_server.reference_vae()
+
+
+@pytest.fixture(scope="module")
+def ref22(tiny22_server):
+    return tiny22_server.reference_vae()
+
+
+def latents_for(vae, b, t, h, w, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, vae.config.z_dim, t, h, w, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("b,t,h,w", SHAPES)
+@pytest.mark.parametrize("raw_latents", [False, True])
+@pytest.mark.parametrize("family", ["wan2.1", "wan2.2"])
+def test_rgb8_and_raw_bit_identical_to_diffusers(request, family, raw_latents, b, t, h, w):
+    server = request.getfixturevalue("tiny_server" if family == "wan2.1" else "tiny22_server")
+    ref = request.getfixturevalue("ref21" if family == "wan2.1" else "ref22")
+    z = latents_for(ref, b, t, h, w, seed=t * 10 + b)
+    expected = diffusers_decode(ref, z, raw_latents=raw_latents)
+    with VaeClient(server.target) as client:
+        raw = client.decode(z, format="raw", raw_latents=raw_latents)
+        frames = client.decode(z, raw_latents=raw_latents)
+    assert raw.dtype == expected.dtype and raw.shape == expected.shape
+    assert torch.equal(raw, expected)
+    assert frames.dtype == torch.uint8
+    assert torch.equal(frames, rgb8(expected))
+
+
+def test_numpy_in_numpy_out(tiny_server, ref21):
+    z = latents_for(ref21, 1, 2, 3, 4, seed=7)
+    expected = rgb8(diffusers_decode(ref21, z, raw_latents=False)).numpy()
+    with VaeClient(tiny_server.target) as client:
+        frames = client.decode(z.numpy())
+    assert isinstance(frames, np.ndarray)
+    assert np.array_equal(frames, expected)
+
+
+def test_stream_session_with_uneven_chunks_equals_one_shot(tiny_server, ref21):
+    z = latents_for(ref21, 2, 5, 5, 7, seed=3)
+    with VaeClient(tiny_server.target) as client:
+        one_shot = client.decode(z, format="raw")
+        for splits in ([1, 3, 1], [2, 2, 1], [1, 1, 1, 1, 1], [5]):
+            with client.session(format="raw") as session:
+                start = 0
+                for n in splits:
+                    session.push(z[:, :, start : start + n])
+                    start += n
+                streamed = session.collect()
+            assert torch.equal(streamed, one_shot), splits
+    assert torch.equal(one_shot, diffusers_decode(ref21, z, raw_latents=False))
+
+
+def test_wan22_stream_session_equals_one_shot(tiny22_server):
+    ref = tiny22_server.reference_vae()
+    z = latents_for(ref, 1, 5, 5, 7, seed=5)
+    with VaeClient(tiny22_server.target) as client:
+        one_shot = client.decode(z)
+        with client.session() as session:
+            for a, b in [(0, 1), (1, 4), (4, 5)]:
+                session.push(z[:, :, a:b])
+            streamed = session.collect()
+    assert torch.equal(streamed, one_shot)
+    assert torch.equal(one_shot, rgb8(diffusers_decode(ref, z, raw_latents=False)))
+
+
+def test_bf16_latents_travel_as_bf16(tiny_server, ref21):
+    z = latents_for(ref21, 1, 2, 3, 3, seed=11, dtype=torch.bfloat16)
+    with VaeClient(tiny_server.target) as client:
+        raw = client.decode(z, format="raw", raw_dtype="bfloat16")
+    assert raw.dtype == torch.bfloat16
+    expected = diffusers_decode(ref21, z, raw_latents=False).to(torch.bfloat16)
+    assert torch.equal(raw, expected)
+
+
+def test_frames_arrive_before_the_decode_finishes(tiny_server, ref21, monkeypatch):
+    """The first chunk reaches the client before the server's last decoder call ends."""
+    engine = tiny_server.server.worker.engine
+    step_ends: list[float] = []
+    original = engine.decode_step
+
+    def timed_step(session):
+        group = original(session)
+        step_ends.append(time.perf_counter())
+        return group
+
+    monkeypatch.setattr(engine, "decode_step", timed_step)
+    z = latents_for(ref21, 1, 12, 8, 8, seed=2)
+    arrivals = []
+    with VaeClient(tiny_server.target) as client:
+        for chunk in client.stream(z):
+            arrivals.append((time.perf_counter(), chunk.chunk_index))
+    assert len(step_ends) == 12 and [c for _, c in arrivals] == list(range(12))
+    assert arrivals[0][0] < step_ends[-1], "first frames only arrived after the whole decode"
+
+
+def test_eight_concurrent_clients_with_different_shapes(tiny_server, ref21):
+    shapes = [(1, 1, 3, 3), (1, 2, 4, 5), (2, 3, 3, 4), (1, 4, 5, 3), (2, 2, 2, 2), (1, 5, 3, 3), (1, 3, 6, 4), (2, 1, 5, 5)]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            with VaeClient(tiny_server.target) as client:
+                results[i] = client.decode(latents_for(ref21, *shapes[i], seed=100 + i), format="raw")
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    for i, shape in enumerate(shapes):
+        expected = diffusers_decode(ref21, latents_for(ref21, *shape, seed=100 + i), raw_latents=False)
+        assert torch.equal(results[i], expected), shape
+    assert tiny_server.active_sessions == 0
+
+
+def test_message_over_4_mib_round_trips(tiny_server, ref21):
+    # Input 4.2 MiB of float32 latents; each output group of 4 RAW fp32
+    # frames at 256x320 is 3.9 MB, 2 of them per message over 4 MiB.
+    z = latents_for(ref21, 2, 2, 32, 40, seed=9)
+    assert z.numel() * 4 < 4 * 2**20  # the input is small; the output is what is large
+    with VaeClient(tiny_server.target) as client:
+        raw = client.decode(z, format="raw")
+    group_bytes = raw[:, :, 1:].numel() * 4
+    assert group_bytes > 4 * 2**20
+    assert torch.equal(raw, diffusers_decode(ref21, z, raw_latents=False))
+
+
+def test_async_client_decode_stream_and_session(tiny_server, ref21):
+    import asyncio
+
+    z = latents_for(ref21, 1, 3, 3, 4, seed=21)
+    expected = rgb8(diffusers_decode(ref21, z, raw_latents=False))
+
+    async def main():
+        async with AsyncVaeClient(tiny_server.target) as client:
+            info = await client.model_info()
+            whole = await client.decode(z)
+            chunks = [c async for c in client.stream(z)]
+            session = client.session()
+            for i in range(3):
+                await session.push(z[:, :, i : i + 1])
+            streamed = await session.collect()
+            return info, whole, chunks, streamed
+
+    info, whole, chunks, streamed = asyncio.run(main())
+    assert info.z_dim == ref21.config.z_dim
+    assert torch.equal(whole, expected) and torch.equal(streamed, expected)
+    assert [c.first_frame for c in chunks] == [0, 1, 5]
+
+
+def test_random_wan21_at_a_small_size():
+    """The real Wan2.1 architecture (random weights) at 16x24 output pixels."""
+    from conftest import serve_in_thread, test_config
+
+    with serve_in_thread(test_config("random:wan2.1", warmup=False)) as server:
+        ref = server.reference_vae()
+        z = latents_for(ref, 1, 2, 2, 3, seed=1)
+        with VaeClient(server.target) as client:
+            frames = client.decode(z)
+            info = client.model_info()
+    assert info.z_dim == 16 and info.random_weights and info.scale_factor_spatial == 8
+    assert frames.shape == (1, 5, 16, 24, 3)
+    assert torch.equal(frames, rgb8(diffusers_decode(ref, z, raw_latents=False)))
