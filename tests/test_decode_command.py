@@ -1,0 +1,193 @@
+"""`vaed decode` / `vaed info`: latents readers, mp4/PNG writers, and the
+commands end to end against the fake server of test_client_unit and against
+the real in-process server."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any, Iterator
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from test_client_unit import FakeDecoder, _start, expected_video, fake_video
+from vaed import decode_command as dc
+
+
+# -- readers -----------------------------------------------------------------
+def test_read_pt_tensor_and_dict(tmp_path: pathlib.Path) -> None:
+    latents = torch.randn(1, 16, 3, 4, 5).to(torch.bfloat16)
+    torch.save(latents, tmp_path / "a.pt")
+    torch.save({"latents": latents, "prompt_embeds": torch.zeros(2)}, tmp_path / "b.pt")
+    for name in ("a.pt", "b.pt"):
+        got = dc.load_latents(tmp_path / name)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, latents)  # bf16 kept
+
+
+def test_read_safetensors(tmp_path: pathlib.Path) -> None:
+    latents = torch.randn(2, 16, 1, 4, 4)
+    save_file({"latents": latents, "other": torch.zeros(3)}, str(tmp_path / "a.safetensors"))
+    save_file({"x": latents}, str(tmp_path / "b.safetensors"))
+    assert torch.equal(dc.load_latents(tmp_path / "a.safetensors"), latents)
+    assert torch.equal(dc.load_latents(tmp_path / "b.safetensors"), latents)
+    save_file({"x": latents, "y": latents.clone()}, str(tmp_path / "c.safetensors"))
+    with pytest.raises(dc.CommandError, match="'latents'"):
+        dc.load_latents(tmp_path / "c.safetensors")
+
+
+def test_read_npy_rank4_and_float64(tmp_path: pathlib.Path) -> None:
+    latents = np.random.default_rng(0).standard_normal((16, 2, 3, 3))  # float64, no batch
+    np.save(tmp_path / "a.npy", latents)
+    got = dc.load_latents(tmp_path / "a.npy")
+    assert got.shape == (1, 16, 2, 3, 3) and got.dtype == np.float32
+    assert np.array_equal(got[0], latents.astype(np.float32))
+
+
+def test_read_errors(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(dc.CommandError, match="no such file"):
+        dc.load_latents(tmp_path / "missing.pt")
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(dc.CommandError, match="unknown latents format"):
+        dc.load_latents(tmp_path / "a.txt")
+    np.save(tmp_path / "flat.npy", np.zeros((4, 4), np.float32))
+    with pytest.raises(dc.CommandError, match=r"\[B, z_dim, T, h, w\]"):
+        dc.load_latents(tmp_path / "flat.npy")
+    (tmp_path / "bad.pt").write_bytes(b"not a pickle")
+    with pytest.raises(dc.CommandError, match="cannot read latents"):
+        dc.load_latents(tmp_path / "bad.pt")
+
+
+# -- writers -----------------------------------------------------------------
+def _mp4_frames(path: pathlib.Path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def test_mp4_writer_in_and_out_of_order(tmp_path: pathlib.Path) -> None:
+    video = fake_video(1, 9, 64, 96)
+    writer = dc.make_writer(tmp_path / "v.mp4", fps=16)
+    for first, end in [(0, 1), (5, 9), (1, 5)]:  # a late chunk waits for its predecessor
+        writer.write(first, video[:, first:end])
+    assert writer.close() == [tmp_path / "v.mp4"]
+    frames = _mp4_frames(tmp_path / "v.mp4")
+    assert len(frames) == 9 and frames[0].shape == (64, 96, 3)
+
+
+def test_mp4_writer_batch_and_odd_size(tmp_path: pathlib.Path) -> None:
+    video = fake_video(2, 5, 33, 47)
+    writer = dc.make_writer(tmp_path / "v.mp4", fps=8)
+    writer.write(0, video)
+    paths = writer.close()
+    assert paths == [tmp_path / "v_b0.mp4", tmp_path / "v_b1.mp4"]
+    for path in paths:
+        frames = _mp4_frames(path)
+        assert len(frames) == 5 and frames[0].shape == (32, 46, 3)  # cropped to even for yuv420p
+
+
+def test_png_writer(tmp_path: pathlib.Path) -> None:
+    video = fake_video(2, 5, 16, 24)
+    writer = dc.make_writer(tmp_path / "frames", fps=16)
+    writer.write(1, video[:, 1:])
+    writer.write(0, video[:, :1])
+    dirs = writer.close()
+    assert dirs == [tmp_path / "frames_b0", tmp_path / "frames_b1"]
+    for b, folder in enumerate(dirs):
+        files = sorted(folder.glob("*.png"))
+        assert [f.name for f in files] == [f"frame_{i:05d}.png" for i in range(5)]
+        assert np.array_equal(np.asarray(Image.open(files[3])), video[b, 3])  # lossless
+
+
+# -- commands ----------------------------------------------------------------
+@pytest.fixture()
+def fake_target() -> Iterator[tuple[FakeDecoder, str]]:
+    servicer = FakeDecoder()
+    server, port = _start(servicer)
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def _parse(add: Any, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add(parser)
+    return parser.parse_args(argv)
+
+
+def test_decode_command_mp4_and_png(
+    fake_target: tuple[FakeDecoder, str], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    servicer, target = fake_target
+    np.save(tmp_path / "lat.npy", np.zeros((1, 16, 3, 4, 6), np.float32))
+    (tmp_path / "token").write_text("tok\n")
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "v.mp4"),
+                                     "--quiet", "--token-file", str(tmp_path / "token"), "--raw-latents"])
+    assert dc.run(args) == 0
+    assert len(_mp4_frames(tmp_path / "v.mp4")) == 9
+    out = capsys.readouterr().out
+    for key in ("frames:", "first frame:", "total:", "received:", "wrote:"):
+        assert key in out
+    assert "9 x 1 at 48x32" in out
+    assert servicer.metadata[-1]["authorization"] == "Bearer tok"
+    assert servicer.requests[-1].options.raw_latents
+
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png")])
+    assert dc.run(args) == 0
+    files = sorted((tmp_path / "png").glob("*.png"))
+    assert len(files) == 9
+    want = expected_video(1, 3, 4, 6)
+    assert np.array_equal(np.asarray(Image.open(files[-1])), want[0, -1])
+
+
+def test_decode_command_errors(
+    fake_target: tuple[FakeDecoder, str], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, target = fake_target
+    np.save(tmp_path / "lat.npy", np.zeros((1, 16, 2, 2, 2), np.float32))
+    out = str(tmp_path / "v.mp4")
+    # Missing file: exit 2, one line, no traceback.
+    assert dc.run(_parse(dc.add_arguments, [str(tmp_path / "none.npy"), "--server", target, "-o", out])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file" in err and "Traceback" not in err
+    # Nobody listening: UNAVAILABLE after the retries.
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", "127.0.0.1:1", "-o", out, "--timeout", "5"])
+    assert dc.run(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vaed decode: error: 127.0.0.1:1: UNAVAILABLE") and err.count("\n") == 1
+    # Unreadable token file: a usage error.
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", out,
+                                     "--token-file", str(tmp_path / "missing-token")])
+    assert dc.run(args) == 2
+    assert "cannot read auth token file" in capsys.readouterr().err
+
+
+def test_info_command(fake_target: tuple[FakeDecoder, str], capsys: pytest.CaptureFixture[str]) -> None:
+    _, target = fake_target
+    assert dc.run_info(_parse(dc.add_info_arguments, ["--server", target])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    values = dict(line.split(":", 1) for line in lines)
+    assert values["server"].strip() == target and values["z_dim"].strip() == "16"
+    assert values["compute_dtype"].strip() == "float32"
+    assert len({len(line) - len(line.split(":", 1)[1].lstrip()) for line in lines}) == 1  # one value column
+    assert dc.run_info(_parse(dc.add_info_arguments, ["--server", "127.0.0.1:1", "--timeout", "3"])) == 1
+
+
+def test_decode_command_against_real_server(tiny_server: Any, tmp_path: pathlib.Path) -> None:
+    """`vaed decode` to PNGs equals the client's own decode of the same latents."""
+    from vaed_client import VaeClient
+
+    z_dim = tiny_server.vae.config.z_dim
+    latents = torch.randn(1, z_dim, 3, 4, 6, generator=torch.Generator().manual_seed(0))
+    torch.save({"latents": latents}, tmp_path / "lat.pt")
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.pt"), "--server", tiny_server.target,
+                                     "-o", str(tmp_path / "png"), "--quiet"])
+    assert dc.run(args) == 0
+    with VaeClient(tiny_server.target) as client:
+        video = client.decode(latents).numpy()
+    files = sorted((tmp_path / "png").glob("*.png"))
+    assert len(files) == video.shape[1] == 9
+    for i, f in enumerate(files):
+        assert np.array_equal(np.asarray(Image.open(f)), video[0, i])
