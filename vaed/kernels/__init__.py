@@ -1,0 +1,27 @@
+"""Bit-exact fused Triton ops for the Wan causal decoder.
+
+One op per module, each with a launcher that returns None for inputs it does
+not handle (the caller then runs the stock aten chain) and a plain-torch
+reference beside it. Triton is imported on first use only.
+"""
+
+from vaed.kernels._runtime import interpreter_active, triton_available
+from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference
+from vaed.kernels.dupup import dupup_add, dupup_add_reference
+from vaed.kernels.rms_silu import RmsSiluArgs, norm_denominator, rms_silu_reference
+from vaed.kernels.upsample import upsample_nearest2x, upsample_nearest2x_reference
+
+__all__ = [
+    "CACHE_T",
+    "RmsSiluArgs",
+    "causal_pad",
+    "causal_pad_reference",
+    "dupup_add",
+    "dupup_add_reference",
+    "interpreter_active",
+    "norm_denominator",
+    "rms_silu_reference",
+    "triton_available",
+    "upsample_nearest2x",
+    "upsample_nearest2x_reference",
+]

@@ -1,0 +1,179 @@
+"""Shared plumbing for the Triton ops: lazy import, device gating, aten layout oracle.
+
+Nothing here touches Triton or the environment at import time, so
+``import vaed.kernels`` works on a CPU machine without Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+# dtypes every op handles; aten computes bf16/fp16 elementwise math in fp32
+# ("opmath") and rounds once per op, which the kernels reproduce.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def load_triton() -> tuple[ModuleType, ModuleType] | None:
+    """(triton, triton.language), or None when Triton cannot be imported."""
+    try:
+        triton = importlib.import_module("triton")
+        tl = importlib.import_module("triton.language")
+    except Exception:  # ImportError, or a broken install raising at import
+        return None
+    return triton, tl
+
+
+def triton_available() -> bool:
+    return load_triton() is not None
+
+
+def interpreter_active() -> bool:
+    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1 at first use)."""
+    loaded = load_triton()
+    if loaded is None:
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:
+        return False
+    probe = loaded[0].jit(_probe)
+    return isinstance(probe, InterpretedFunction)
+
+
+def _probe(x):  # pragma: no cover - only decorated, never launched
+    pass
+
+
+def device_ok(t: torch.Tensor) -> bool:
+    """Kernels run on CUDA tensors, and on CPU tensors only under the interpreter."""
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and _interp_cached()
+
+
+@functools.lru_cache(maxsize=1)
+def _interp_cached() -> bool:
+    return interpreter_active()
+
+
+def jit_lazy(raw: Callable[..., Any], module_globals: dict[str, Any]) -> Callable[[], Any]:
+    """Decorate ``raw`` with ``triton.jit`` on first use.
+
+    The kernel body resolves ``tl`` from its module globals at compile time, so
+    the module's ``tl`` is filled in before decorating.
+    """
+    state: dict[str, Any] = {}
+
+    def get() -> Any:
+        if "k" not in state:
+            loaded = load_triton()
+            if loaded is None:
+                raise RuntimeError("triton is not importable")
+            triton, tl = loaded
+            module_globals["tl"] = tl
+            module_globals["triton"] = triton
+            k = triton.jit(raw)
+            # libdevice expf is CUDA's expf, which aten's kernels call (tl.exp is
+            # ex2.approx). The CPU interpreter has no libdevice: there tl.math
+            # maps to numpy, so CPU runs of exp-using kernels are not bit-exact.
+            if type(k).__name__ == "InterpretedFunction":
+                module_globals["libdevice"] = tl.math
+            else:
+                module_globals["libdevice"] = importlib.import_module("triton.language.extra.libdevice")
+            state["k"] = k
+        return state["k"]
+
+    return get
+
+
+def launch_opts(t: torch.Tensor) -> dict[str, Any]:
+    """Keyword options for a launch: no mul+add contraction (aten rounds each op)."""
+    if t.is_cuda:
+        return {"enable_fp_fusion": False}
+    return {}
+
+
+# --- aten layout oracle ------------------------------------------------------
+# The fused ops must return tensors with exactly the strides the aten chain
+# would give, because downstream cuDNN algorithms and reduction orders depend
+# on the layout. Running the aten chain on meta tensors gives those strides
+# exactly, at ~20 us per new shape; results are memoised per (shape, strides).
+
+
+def _meta(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+@functools.lru_cache(maxsize=4096)
+def pad_cat_strides(
+    x_shape: tuple[int, ...],
+    x_stride: tuple[int, ...],
+    cache_shape: tuple[int, ...] | None,
+    cache_stride: tuple[int, ...] | None,
+    pad: tuple[int, ...],
+) -> tuple[int, ...]:
+    """Strides of ``F.pad(torch.cat([cache, x], 2), pad)`` (cache may be absent)."""
+    x = _meta(x_shape, x_stride, torch.float32)
+    if cache_shape is not None:
+        x = torch.cat([_meta(cache_shape, cache_stride, torch.float32), x], dim=2)  # type: ignore[arg-type]
+    return tuple(torch.nn.functional.pad(x, list(pad)).stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def clone_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(_meta(shape, stride, torch.float32).clone().stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def cat_strides(shapes: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...], dim: int) -> tuple[int, ...]:
+    ts = [_meta(s, st, torch.float32) for s, st in zip(shapes, strides)]
+    return tuple(torch.cat(ts, dim=dim).stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def add_strides(
+    shape: tuple[int, ...], a_stride: tuple[int, ...], b_stride: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Strides aten's ``a + b`` gives (TensorIterator's layout rules)."""
+    return tuple((_meta(shape, a_stride, torch.float32) + _meta(shape, b_stride, torch.float32)).stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def upsample_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of ``F.interpolate(x.float(), scale_factor=2, mode="nearest-exact").type_as(x)``."""
+    x = _meta(shape, stride, torch.float32)
+    y = torch.nn.functional.interpolate(x, scale_factor=(2.0, 2.0), mode="nearest-exact")
+    return tuple(y.to(torch.bfloat16).stride())
+
+
+def empty_with_strides(
+    shape: tuple[int, ...], stride: tuple[int, ...], like: torch.Tensor
+) -> torch.Tensor:
+    return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
+
+
+# memory orders (outermost -> innermost) of the 5-D layouts the kernels write
+ORDER_CONTIGUOUS = (0, 1, 2, 3, 4)  # B C T H W
+ORDER_CL3D = (0, 2, 3, 4, 1)  # B T H W C  (channels_last_3d)
+ORDER_NTCHW = (0, 2, 1, 3, 4)  # B T C H W  (a permuted (b*t, c, h, w) conv2d output)
+
+
+def dense_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int, ...]:
+    stride = [0] * len(shape)
+    acc = 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(stride)
+
+
+def matches_order(shape: tuple[int, ...], stride: tuple[int, ...], order: tuple[int, ...]) -> bool:
+    """True when ``stride`` is the dense layout ``order`` (size-1 dims' strides ignored)."""
+    want = dense_strides(shape, order)
+    return all(shape[d] == 1 or stride[d] == want[d] for d in range(len(shape)))

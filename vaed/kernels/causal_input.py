@@ -1,0 +1,249 @@
+"""Causal conv input in one pass: [zero frames | cached frames | new frames] + spatial zero pad.
+
+Stock diffusers (per cached WanCausalConv3d, per chunk) does
+``x[:, :, -2:].clone()`` (+ ``cat`` with the previous cache's last frame),
+``torch.cat([cache, x], 2)`` and ``F.pad`` -- three to four passes over the
+activation. This op reads the strided inputs once, writes the padded conv input
+in the layout aten's ``pad(cat(...))`` would give (channels_last_3d or
+contiguous) and, in the same pass, the next chunk's compact cache (the last
+``CACHE_T`` unpadded frames). Optionally it applies WanRMS_norm + SiLU to the
+new frames on the way (see :mod:`vaed.kernels.rms_silu`).
+"""
+
+from __future__ import annotations
+
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from vaed.kernels import _runtime as rt
+from vaed.kernels.rms_silu import RmsSiluArgs, low_precision, rms_silu_reference
+
+CACHE_T = 2
+_BLOCK = 1024
+tl = None  # filled in by rt.jit_lazy before the kernel is decorated
+triton = None
+libdevice = None
+
+
+def causal_pad_reference(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: tuple[int, int, int, int, int, int],
+    *,
+    zero_history: bool = False,
+    cache_t: int = CACHE_T,
+    norm: tuple[torch.Tensor, float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stock aten chain: returns (conv input, next cache).
+
+    ``zero_history`` is WanResample's "Rep" case (first chunk of an upsample
+    time_conv): no cache, and the next cache is front-filled with zeros.
+    ``norm`` = (gamma, scale, bias) applies WanRMS_norm + SiLU to ``x`` first.
+    """
+    if norm is not None:
+        x = rms_silu_reference(x, *norm)
+    nxt = x[:, :, -cache_t:, :, :].clone()
+    if nxt.shape[2] < cache_t:
+        if zero_history:
+            nxt = torch.cat([torch.zeros_like(nxt), nxt], dim=2)
+        elif cache is not None:
+            nxt = torch.cat([cache[:, :, -1, :, :].unsqueeze(2), nxt], dim=2)
+    padding = list(pad)
+    if cache is not None and pad[4] > 0:
+        x = torch.cat([cache, x], dim=2)
+        padding[4] -= cache.shape[2]
+    return F.pad(x, padding), nxt
+
+
+@functools.lru_cache(maxsize=4096)
+def _stock_layouts(
+    x_shape: tuple[int, ...],
+    x_stride: tuple[int, ...],
+    c_shape: tuple[int, ...] | None,
+    c_stride: tuple[int, ...] | None,
+    pad: tuple[int, ...],
+    zero_history: bool,
+    cache_t: int,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(padded shape, padded strides, next-cache shape, next-cache strides) of the aten chain."""
+    x = torch.empty_strided(x_shape, x_stride, device="meta")
+    c = None if c_shape is None else torch.empty_strided(c_shape, c_stride, device="meta")  # type: ignore[arg-type]
+    p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t)  # type: ignore[arg-type]
+    return tuple(p.shape), tuple(p.stride()), tuple(n.shape), tuple(n.stride())
+
+
+def _causal_pad_kernel(
+    x_ptr, c_ptr, p_ptr, n_ptr, d_ptr, g_ptr,
+    C, T, H, W, TP, HP, WP, INNER, DIV,
+    Z, HIST, K, PH, PW,
+    sxb, sxc, sxt, sxh, sxw,
+    scb, scc, sct, sch, scw,
+    snb, snc, snt, snh, snw,
+    sdb, sdt, sdh, sdw,
+    scale, bias,
+    CL: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < INNER
+    q = (i // DIV).to(tl.int64)
+    r = (i % DIV).to(tl.int64)
+    if CL:
+        # memory order B T H W C: a row is (b, tp, hp); inner is (wp, c)
+        hp = row % HP
+        tp = (row // HP) % TP
+        b = row // (HP * TP)
+        wp = q
+        c = r
+    else:
+        # memory order B C T H W: a row is (b, c, tp); inner is (hp, wp)
+        tp = row % TP
+        c = (row // TP) % C
+        b = row // (TP * C)
+        hp = q
+        wp = r
+    h = hp - PH
+    w = wp - PW
+    inside = live & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+    f = tp - Z  # frame index in [cache..., x...]
+    from_x = inside & (f >= HIST)
+    from_c = inside & (f >= 0) & (f < HIST)
+    xt = f - HIST
+    xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=from_x, other=0.0)
+    if NORM:
+        d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=from_x, other=1.0)
+        d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
+        v = tl.math.div_rn(xv.to(tl.float32), d)
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        v = v * scale
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        g = tl.load(g_ptr + c, mask=from_x, other=0.0).to(tl.float32)
+        v = v * g
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        v = v + bias
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
+        xv = v.to(xv.dtype)
+    cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=from_c, other=0.0)
+    val = tl.where(from_x, xv, tl.where(from_c, cv, tl.zeros_like(xv)))
+    tl.store(p_ptr + row * INNER + i, val, mask=live)
+    kk = tp - (TP - K)  # next-cache frame this row feeds, if >= 0
+    tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside & (kk >= 0))
+
+
+_kernel = rt.jit_lazy(_causal_pad_kernel, globals())
+
+
+def causal_pad(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: tuple[int, int, int, int, int, int],
+    *,
+    zero_history: bool = False,
+    cache_t: int = CACHE_T,
+    norm: RmsSiluArgs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Fused ``causal_pad_reference``; None when the input is not handled (caller falls back).
+
+    ``pad`` is WanCausalConv3d's ``_padding``: (w, w, h, h, 2*pt, 0).
+    With ``norm``, ``x`` is the raw activation and ``norm.denom`` its channel
+    L2 norm (see ``rms_silu.norm_denominator``).
+    """
+    if zero_history and cache is not None:
+        raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
+    if len(pad) != 6:
+        raise ValueError(f"pad must have 6 entries, got {pad!r}")
+    if not _eligible(x, cache, pad, zero_history, cache_t, norm):
+        return None
+    use_cache = cache is not None and pad[4] > 0
+    c_meta = (tuple(cache.shape), tuple(cache.stride())) if use_cache else (None, None)  # type: ignore[union-attr]
+    p_shape, p_stride, n_shape, n_stride = _stock_layouts(
+        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t
+    )
+    if rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D) and not rt.matches_order(
+        p_shape, p_stride, rt.ORDER_CONTIGUOUS
+    ):
+        cl = True
+    elif rt.matches_order(p_shape, p_stride, rt.ORDER_CONTIGUOUS):
+        cl = False
+    else:
+        return None
+    B, C, T, H, W = x.shape
+    hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
+    _, _, TP, HP, WP = p_shape
+    K = n_shape[2]
+    inner = WP * C if cl else HP * WP
+    if inner + _BLOCK >= 2**31:
+        return None
+    padded = rt.empty_with_strides(p_shape, p_stride, x)
+    nxt = rt.empty_with_strides(n_shape, n_stride, x)
+    if padded.numel() == 0:
+        return None
+    src_c = cache if use_cache else x
+    if norm is not None:
+        d, g, scale, bias = norm.denom, norm.gamma, float(norm.scale), float(norm.bias)
+        sd = (d.stride(0), d.stride(2), d.stride(3), d.stride(4))
+    else:
+        d, g, scale, bias, sd = x, x, 1.0, 0.0, (0, 0, 0, 0)
+    rows = padded.numel() // inner
+    grid = (rows, -(-inner // _BLOCK))
+    _kernel()[grid](  # type: ignore[index]
+        x, src_c, padded, nxt, d, g,
+        C, T, H, W, TP, HP, WP, inner, C if cl else WP,
+        pad[4] - hist, hist, K, pad[2], pad[0],
+        *x.stride(), *src_c.stride(), *nxt.stride(), *sd,
+        scale, bias,
+        CL=cl, NORM=norm is not None, LOWP=low_precision(x.dtype), BLOCK=_BLOCK,
+        num_warps=4, **rt.launch_opts(x),
+    )
+    return padded, nxt
+
+
+def _eligible(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: tuple[int, ...],
+    zero_history: bool,
+    cache_t: int,
+    norm: RmsSiluArgs | None,
+) -> bool:
+    if not rt.triton_available() or x.dim() != 5 or x.dtype not in rt.SUPPORTED_DTYPES:
+        return False
+    if not rt.device_ok(x) or x.numel() == 0 or cache_t < 1:
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    # symmetric spatial padding, causal (front-only) temporal padding
+    if pad[0] != pad[1] or pad[2] != pad[3] or pad[5] != 0 or min(pad) < 0:
+        return False
+    B, C, T, H, W = x.shape
+    if cache is not None:
+        if pad[4] == 0:
+            return False  # stock ignores the cache for the input but still reads it for the next cache
+        if cache.dim() != 5 or cache.device != x.device or cache.dtype != x.dtype:
+            return False
+        cb, cc, ct, ch, cw = cache.shape
+        if (cb, cc, ch, cw) != (B, C, H, W) or ct < 1 or ct > pad[4]:
+            return False
+        if torch.is_grad_enabled() and cache.requires_grad:
+            return False
+    if zero_history and pad[4] + T < cache_t:
+        return False
+    if norm is not None:
+        d, g = norm.denom, norm.gamma
+        if d.dtype != torch.float32 or d.device != x.device or tuple(d.shape) != (B, 1, T, H, W):
+            return False
+        if g.device != x.device or g.numel() != C or g.dtype != x.dtype or not g.is_contiguous():
+            return False
+        if not isinstance(norm.bias, float) or (torch.is_grad_enabled() and g.requires_grad):
+            return False
+    return True

@@ -1,0 +1,144 @@
+"""``main + DupUp3D(source)`` in one gather-and-add (Wan2.2 residual up-block shortcut).
+
+Stock diffusers materializes the shortcut (repeat_interleave, an 8-D permute
+and ``.contiguous()``, 2x..8x the source size) only to add it to the block
+output. This op reads ``source`` through the same index map and adds it to
+``main`` in fp32 (aten's opmath for bf16/fp16), writing the strides aten's
+``main + shortcut`` would give.
+"""
+
+from __future__ import annotations
+
+
+import functools
+
+import torch
+
+from vaed.kernels import _runtime as rt
+
+_BLOCK = 1024
+tl = None  # filled in by rt.jit_lazy
+triton = None
+libdevice = None
+
+# output memory orders the kernel addresses (LAYOUT constexpr)
+_LAYOUTS = (rt.ORDER_CONTIGUOUS, rt.ORDER_CL3D, rt.ORDER_NTCHW)
+
+
+def dupup_reference(
+    x: torch.Tensor, out_channels: int, factor_t: int, factor_s: int, first_chunk: bool
+) -> torch.Tensor:
+    """diffusers' DupUp3D.forward, op for op."""
+    repeats = out_channels * factor_t * factor_s * factor_s // x.shape[1]
+    x = x.repeat_interleave(repeats, dim=1)
+    x = x.view(x.size(0), out_channels, factor_t, factor_s, factor_s, x.size(2), x.size(3), x.size(4))
+    x = x.permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous()
+    x = x.view(x.size(0), out_channels, x.size(2) * factor_t, x.size(4) * factor_s, x.size(6) * factor_s)
+    if first_chunk:
+        x = x[:, :, factor_t - 1 :, :, :]
+    return x
+
+
+def dupup_add_reference(
+    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+) -> torch.Tensor:
+    return main + dupup_reference(source, main.shape[1], factor_t, factor_s, first_chunk)
+
+
+@functools.lru_cache(maxsize=1024)
+def _out_strides(shape: tuple[int, ...], main_stride: tuple[int, ...], full_t: int) -> tuple[int, ...]:
+    b, c, t, h, w = shape
+    # the shortcut is a contiguous (b, c, full_t, h, w) tensor, sliced in time on the first chunk
+    sc_stride = (c * full_t * h * w, full_t * h * w, h * w, w, 1)
+    return rt.add_strides(shape, main_stride, sc_stride)
+
+
+def _dupup_add_kernel(
+    m_ptr, s_ptr, o_ptr,
+    C, T, H, W, INNER, DIV, D1, D2,
+    smb, smc, smt, smh, smw,
+    ssb, ssc, sst, ssh, ssw,
+    T_OFF, REPEATS,
+    LAYOUT: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < INNER
+    q = (i // DIV).to(tl.int64)
+    r = (i % DIV).to(tl.int64)
+    # a row covers the three outer dims in memory order (sizes ?, D1, D2); inner the last two
+    r2 = row % D2
+    r1 = (row // D2) % D1
+    b = row // (D2 * D1)
+    if LAYOUT == 0:  # B C T H W
+        c = r1
+        t = r2
+        h = q
+        w = r
+    elif LAYOUT == 1:  # B T H W C
+        t = r1
+        h = r2
+        w = q
+        c = r
+    else:  # B T C H W
+        t = r1
+        c = r2
+        h = q
+        w = r
+    a = tl.load(m_ptr + b * smb + c * smc + t * smt + h * smh + w * smw, mask=live, other=0.0)
+    tf = t + T_OFF
+    k = ((c * FT + tf % FT) * FS + h % FS) * FS + w % FS  # channel in the repeat_interleave'd tensor
+    src = b * ssb + (k // REPEATS) * ssc + (tf // FT) * sst + (h // FS) * ssh + (w // FS) * ssw
+    s = tl.load(s_ptr + src, mask=live, other=0.0)
+    o = (a.to(tl.float32) + s.to(tl.float32)).to(a.dtype)
+    tl.store(o_ptr + row * INNER + i, o, mask=live)
+
+
+_kernel = rt.jit_lazy(_dupup_add_kernel, globals())
+
+
+def dupup_add(
+    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+) -> torch.Tensor | None:
+    """Fused ``dupup_add_reference``; None when not handled (caller falls back)."""
+    if factor_t < 1 or factor_s < 1:
+        raise ValueError(f"factors must be >= 1, got {factor_t}, {factor_s}")
+    if not rt.triton_available() or main.dim() != 5 or source.dim() != 5:
+        return None
+    if main.dtype not in rt.SUPPORTED_DTYPES or source.dtype != main.dtype:
+        return None
+    if source.device != main.device or not rt.device_ok(main) or main.numel() == 0:
+        return None
+    if torch.is_grad_enabled() and (main.requires_grad or source.requires_grad):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    b, c, t, h, w = main.shape
+    sb, sc, st, sh, sw = source.shape
+    full_t = st * factor_t
+    if (c * factor_t * factor_s * factor_s) % sc != 0:
+        return None
+    t_off = factor_t - 1 if first_chunk else 0
+    if (sb, full_t - t_off, sh * factor_s, sw * factor_s) != (b, t, h, w):
+        return None
+    shape = tuple(main.shape)
+    o_stride = _out_strides(shape, tuple(main.stride()), full_t)
+    layout = next((n for n, o in enumerate(_LAYOUTS) if rt.matches_order(shape, o_stride, o)), None)
+    if layout is None:
+        return None
+    order = _LAYOUTS[layout]
+    inner = shape[order[3]] * shape[order[4]]
+    if inner + _BLOCK >= 2**31:
+        return None
+    out = rt.empty_with_strides(shape, o_stride, main)
+    rows = out.numel() // inner
+    grid = (rows, -(-inner // _BLOCK))
+    _kernel()[grid](  # type: ignore[index]
+        main, source, out,
+        c, t, h, w, inner, shape[order[4]], shape[order[1]], shape[order[2]],
+        *main.stride(), *source.stride(),
+        t_off, c * factor_t * factor_s * factor_s // sc,
+        LAYOUT=layout, FT=factor_t, FS=factor_s, BLOCK=_BLOCK,
+        num_warps=4, **rt.launch_opts(main),
+    )
+    return out
