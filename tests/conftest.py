@@ -73,7 +73,7 @@ def serve_in_thread(config: ServerConfig, ready_timeout: float = 300) -> Iterato
         thread.join(10)
 
 
-def test_config(model: str = "random:wan2.1-tiny", **overrides: Any) -> ServerConfig:
+def make_config(model: str = "random:wan2.1-tiny", **overrides: Any) -> ServerConfig:
     base = dict(model=model, device="cpu", host="127.0.0.1", port=0, max_sessions=16, grace=1.0)
     base.update(overrides)
     return ServerConfig(**base)
@@ -82,12 +82,12 @@ def test_config(model: str = "random:wan2.1-tiny", **overrides: Any) -> ServerCo
 @pytest.fixture(scope="session")
 def tiny_server() -> Iterator[RunningServer]:
     """Tiny random Wan2.1-style VAE on the CPU, float32."""
-    with serve_in_thread(test_config("random:wan2.1-tiny")) as running:
+    with serve_in_thread(make_config("random:wan2.1-tiny")) as running:
         yield running
 
 
 @pytest.fixture(scope="session")
 def tiny22_server() -> Iterator[RunningServer]:
     """Tiny random Wan2.2-style VAE (residual up-blocks, 2x2 patches) on the CPU, float32."""
-    with serve_in_thread(test_config("random:wan2.2-tiny")) as running:
+    with serve_in_thread(make_config("random:wan2.2-tiny")) as running:
         yield running

@@ -1,0 +1,190 @@
+"""Operations end to end, through a real vaed server and the real client:
+metrics scraped during a real decode, bearer-token auth (missing, wrong,
+right; health open without a token), and a TLS round trip."""
+
+from __future__ import annotations
+
+import argparse
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import conftest
+from test_auth import make_self_signed
+from vaed import health_check
+from vaed.auth import AUTH_TOKEN_ENV
+from vaed_client import VaeClient
+from vaed_client.errors import UnauthenticatedError
+
+TOKEN = "e2e-token-5f1c0a7d"
+MODEL = "random:wan2.1-tiny"  # z_dim 4, 8x spatial, 4x temporal; float32 on CPU
+
+
+@pytest.fixture(autouse=True)
+def _no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server falls back to $VAED_AUTH_TOKEN; keep the caller's env out.
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+
+
+def latents(t: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((1, 4, t, 5, 7), dtype=np.float32)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(body) for s in f.samples
+    }
+
+
+def _health(target: str, **kw: object) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    health_check.add_arguments(parser)
+    args = parser.parse_args(["--server", target, "--timeout", "5"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    serving, text = health_check.check(args)
+    return (0 if serving else 1), text
+
+
+# ------------------------------------------------------------ metrics
+
+
+@pytest.fixture(scope="module")
+def metrics_server() -> Iterator[conftest.RunningServer]:
+    with conftest.serve_in_thread(conftest.make_config(MODEL, metrics_port=0)) as running:
+        yield running
+
+
+def test_metrics_move_during_real_decode(metrics_server: conftest.RunningServer) -> None:
+    port = metrics_server.server.metrics_port
+    assert port
+    before = scrape(port)
+    ok_key = ("vaed_requests_total", (("code", "OK"), ("method", "Decode")))
+    t = 3
+    with VaeClient(metrics_server.target, timeout=60) as client:
+        video = client.decode(latents(t))
+        assert video.shape[1] == 1 + 4 * (t - 1)
+
+        # Mid-session: one DecodeStream open, first frames received.
+        session = client.session()
+        session.push(latents(1, seed=1))
+        first = next(iter(session))
+        assert first.frames.shape[1] == 1
+        during = scrape(port)
+        assert during[("vaed_active_sessions", ())] >= 1
+        session.push(latents(1, seed=2))
+        session.close()
+        rest = list(session)
+        assert sum(c.frames.shape[1] for c in rest) == 4
+    after = scrape(port)
+
+    assert after[ok_key] - before.get(ok_key, 0) == 1
+    ds_key = ("vaed_requests_total", (("code", "OK"), ("method", "DecodeStream")))
+    assert after.get(ds_key, 0) - before.get(ds_key, 0) == 1
+    frames = after[("vaed_frames_decoded_total", ())] - before[("vaed_frames_decoded_total", ())]
+    assert frames == (1 + 4 * (t - 1)) + (1 + 4)
+    latent = (after[("vaed_latent_frames_decoded_total", ())]
+              - before[("vaed_latent_frames_decoded_total", ())])
+    assert latent == t + 2
+    dur = ("vaed_request_duration_seconds_count", (("method", "Decode"),))
+    assert after[dur] - before.get(dur, 0) == 1
+    ttff = ("vaed_time_to_first_frame_seconds_count", (("method", "Decode"),))
+    assert after[ttff] - before.get(ttff, 0) == 1
+    assert after[("vaed_active_sessions", ())] == 0
+    assert after[("vaed_queued_chunks", ())] >= 0
+    assert ("vaed_gpu_memory_allocated_bytes", (("device", "cpu"),)) in after
+
+
+def test_metrics_count_errors(metrics_server: conftest.RunningServer) -> None:
+    port = metrics_server.server.metrics_port
+    assert port
+    key = ("vaed_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "Decode")))
+    before = scrape(port).get(key, 0)
+    bad = np.zeros((1, 3, 1, 5, 7), dtype=np.float32)  # z_dim 3, model has 4
+    with VaeClient(metrics_server.target, timeout=30) as client:
+        with pytest.raises(Exception) as info:
+            client.decode(bad)
+    assert "INVALID_ARGUMENT" in str(info.value)
+    assert scrape(port)[key] - before == 1
+
+
+# ------------------------------------------------------------ auth
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[conftest.RunningServer]:
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN + "\n")  # trailing newline as `echo` writes it
+    cfg = conftest.make_config(MODEL, auth_token_file=str(token_file))
+    with conftest.serve_in_thread(cfg) as running:
+        yield running
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"], ids=["missing", "wrong"])
+def test_auth_rejects(auth_server: conftest.RunningServer, token: str | None) -> None:
+    with VaeClient(auth_server.target, timeout=30, token=token) as client:
+        with pytest.raises(UnauthenticatedError):
+            client.model_info()
+        with pytest.raises(UnauthenticatedError):
+            client.decode(latents(1))
+        with pytest.raises(UnauthenticatedError):
+            list(client.stream(latents(1)))
+
+
+def test_auth_rejects_session(auth_server: conftest.RunningServer) -> None:
+    with VaeClient(auth_server.target, timeout=30, token="wrong-token") as client:
+        session = client.session()
+        with pytest.raises(UnauthenticatedError):
+            # The rejection can surface on push (call already failed) or on read.
+            session.push(latents(1))
+            session.close()
+            list(session)
+
+
+def test_auth_accepts_right_token(auth_server: conftest.RunningServer) -> None:
+    with VaeClient(auth_server.target, timeout=60, token=TOKEN) as client:
+        assert client.model_info().z_dim == 4
+        video = client.decode(latents(2))
+        assert video.shape[1] == 5
+        session = client.session()
+        session.push(latents(1))
+        session.push(latents(1, seed=3))
+        assert session.collect().shape[1] == 5
+
+
+def test_health_open_without_token(auth_server: conftest.RunningServer) -> None:
+    assert _health(auth_server.target) == (0, "SERVING")
+    assert _health(auth_server.target, service="vaed.v1.VaeDecoder") == (0, "SERVING")
+
+
+# ------------------------------------------------------------ TLS
+
+
+def test_tls_round_trip(tmp_path: Path) -> None:
+    cert, key = make_self_signed(tmp_path, host="localhost")
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    cfg = conftest.make_config(MODEL, tls_cert=str(cert), tls_key=str(key),
+                               auth_token_file=str(token_file))
+    with conftest.serve_in_thread(cfg) as running:
+        target = f"localhost:{running.server.port}"
+        with VaeClient(target, timeout=60, tls=str(cert), token=TOKEN) as client:
+            assert client.model_info().z_dim == 4
+            assert client.decode(latents(2)).shape[1] == 5
+        with VaeClient(target, timeout=30, tls=str(cert)) as client:
+            with pytest.raises(UnauthenticatedError):
+                client.model_info()
+        # A plaintext client gets nothing from the TLS port.
+        with VaeClient(target, timeout=5, token=TOKEN) as client:
+            with pytest.raises(Exception) as info:
+                client.model_info()
+            assert "UNAVAILABLE" in str(info.value)
+        assert _health(target, tls=True, ca_cert=str(cert)) == (0, "SERVING")
