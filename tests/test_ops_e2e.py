@@ -17,11 +17,18 @@ import conftest
 from test_auth import make_self_signed
 from vaed import health_check
 from vaed.auth import AUTH_TOKEN_ENV
+from vaed.config import ServerConfig
 from vaed_client import VaeClient
 from vaed_client.errors import UnauthenticatedError
 
 TOKEN = "e2e-token-5f1c0a7d"
 MODEL = "random:wan2.1-tiny"  # z_dim 4, 8x spatial, 4x temporal; float32 on CPU
+
+
+def make_config(**overrides: object) -> ServerConfig:
+    """Tiny CPU server on an ephemeral loopback port, 1 s drain."""
+    return ServerConfig(model=MODEL, device="cpu", host="127.0.0.1", port=0, grace=1.0,
+                        **overrides)  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +66,7 @@ def _health(target: str, **kw: object) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def metrics_server() -> Iterator[conftest.RunningServer]:
-    with conftest.serve_in_thread(conftest.make_config(MODEL, metrics_port=0)) as running:
+    with conftest.serve_in_thread(make_config(metrics_port=0)) as running:
         yield running
 
 
@@ -123,7 +130,7 @@ def test_metrics_count_errors(metrics_server: conftest.RunningServer) -> None:
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[conftest.RunningServer]:
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")  # trailing newline as `echo` writes it
-    cfg = conftest.make_config(MODEL, auth_token_file=str(token_file))
+    cfg = make_config(auth_token_file=str(token_file))
     with conftest.serve_in_thread(cfg) as running:
         yield running
 
@@ -172,7 +179,7 @@ def test_tls_round_trip(tmp_path: Path) -> None:
     cert, key = make_self_signed(tmp_path, host="localhost")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    cfg = conftest.make_config(MODEL, tls_cert=str(cert), tls_key=str(key),
+    cfg = make_config(tls_cert=str(cert), tls_key=str(key),
                                auth_token_file=str(token_file))
     with conftest.serve_in_thread(cfg) as running:
         target = f"localhost:{running.server.port}"
