@@ -108,6 +108,8 @@ class DeviceWorker:
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
+        if self._thread.ident is None:  # never started (the server failed to bind)
+            return
         self._thread.join(timeout=30)
         self._copies.put(None)
         self._delivery.join(timeout=30)
@@ -182,7 +184,10 @@ class DeviceWorker:
             if self.config.warmup:
                 self._warm_up()
         except BaseException as exc:  # reported by the server, which exits
-            log.exception("worker failed to start")
+            if isinstance(exc, VaedServerError):
+                log.error("worker failed to start: %s", exc)
+            else:
+                log.exception("worker failed to start")
             self.startup_error = exc
             self._ready.set()
             return

@@ -1,0 +1,70 @@
+"""Model specs: random architectures, local diffusers folders, clear load errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vaed.errors import ModelLoadError
+from vaed.models import build_random_vae, load_model, parse_random_spec
+
+
+def test_random_spec_parsing():
+    assert parse_random_spec("random:wan2.1") == ("wan2.1", 0)
+    assert parse_random_spec("random:wan2.2?seed=7") == ("wan2.2", 7)
+    with pytest.raises(ModelLoadError, match="unknown random architecture"):
+        parse_random_spec("random:wan9")
+    with pytest.raises(ModelLoadError, match="seed"):
+        parse_random_spec("random:wan2.1?seed=x")
+    with pytest.raises(ModelLoadError, match="only"):
+        parse_random_spec("random:wan2.1?bias=1")
+
+
+def test_random_weights_are_seeded_like_diffusers():
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(3)
+    expected = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.5, 2.0, 0.8])
+    got = build_random_vae("wan2.1-tiny", seed=3)
+    for (name, a), (_, b) in zip(expected.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+    other = build_random_vae("wan2.1-tiny", seed=4)
+    assert not torch.equal(other.decoder.conv_in.weight, got.decoder.conv_in.weight)
+
+
+def test_wan22_architecture_config():
+    vae = load_model("random:wan2.2", "cpu", torch.float32).vae
+    cfg = vae.config
+    assert (cfg.z_dim, cfg.patch_size, cfg.scale_factor_spatial, cfg.is_residual) == (48, 2, 16, True)
+    assert len(cfg.latents_mean) == 48 and cfg.latents_std[0] == pytest.approx(0.4765)
+
+
+@pytest.mark.parametrize("point_at", ["root", "vae"])
+def test_local_folder_saved_with_save_pretrained(tmp_path, point_at):
+    original = build_random_vae("wan2.2-tiny", seed=5)
+    original.save_pretrained(tmp_path / "vae")
+    loaded = load_model(str(tmp_path if point_at == "root" else tmp_path / "vae"), "cpu", torch.float32)
+    assert not loaded.random_weights
+    for (name, a), (_, b) in zip(original.state_dict().items(), loaded.vae.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_folder_without_vae_names_what_it_expected(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_serve_without_weights_exits_naming_both_ways_out():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--port", "0", "--host", "127.0.0.1",
+         "--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode != 0
+    assert "random:wan2.1" in proc.stderr and "local diffusers folder" in proc.stderr
