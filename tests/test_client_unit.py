@@ -74,7 +74,17 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
             if self.unavailable_left > 0:
                 self.unavailable_left -= 1
                 context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
-        context.add_callback(lambda: None if context.is_active() else self.cancelled.set())
+
+    def _track(self, context: grpc.ServicerContext, messages: Iterator[Any]) -> Iterator[Any]:
+        """Sets `cancelled` when the call terminates before its last message."""
+        ended: list[bool] = []
+        context.add_callback(lambda: ended or self.cancelled.set())
+        try:
+            yield from messages
+        except Exception:  # context.abort() raises: an error, not a cancel
+            ended.append(True)
+            raise
+        ended.append(True)
 
     def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> vaed_pb2.ModelInfo:
         self._enter(context)
@@ -136,7 +146,7 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
         self.requests.append(request)
         self._check(request.options, request.latents, context)
         rid = request.options.request_id or "fake-id"
-        yield from self._finish(self._groups(request.latents, request.options, 0, 0, rid), rid)
+        yield from self._track(context, self._finish(self._groups(request.latents, request.options, 0, 0, rid), rid))
 
     def DecodeStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[vaed_pb2.FrameChunk]:
         self._enter(context)
@@ -154,7 +164,7 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
                 yield from self._groups(chunk.latents, options, done, i, options.request_id or "fake-id")
                 done += chunk.latents.shape[2]
 
-        yield from self._finish(all_groups(), "fake-id")
+        yield from self._track(context, self._finish(all_groups(), "fake-id"))
 
 
 def _start(servicer: FakeDecoder, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
@@ -428,8 +438,10 @@ def test_stream_yields_chunks_as_they_arrive(fake: tuple[FakeDecoder, str]) -> N
 
 def test_stream_break_cancels_server_side(fake: tuple[FakeDecoder, str]) -> None:
     servicer, target = fake
-    servicer.delay_s = 0.05
     with vaed_client.VaeClient(target) as client:
+        client.decode(latents_np(t=2))
+        assert not servicer.cancelled.is_set()  # a finished call is not a cancel
+        servicer.delay_s = 0.05
         for chunk in client.stream(latents_np(t=20)):
             break
         assert servicer.cancelled.wait(5)
@@ -452,12 +464,12 @@ def test_server_errors_map_to_classes(fake: tuple[FakeDecoder, str]) -> None:
 
 def test_timeout_is_per_call(fake: tuple[FakeDecoder, str]) -> None:
     servicer, target = fake
-    servicer.delay_s = 0.1
-    with vaed_client.VaeClient(target, timeout=0.3) as client:
-        assert client.decode(latents_np(t=1)).shape[1] == 1  # 0.1 s: within its own deadline
-        assert client.decode(latents_np(t=1)).shape[1] == 1
+    servicer.delay_s = 0.2
+    with vaed_client.VaeClient(target, timeout=1.0) as client:
+        assert client.decode(latents_np(t=1)).shape[1] == 1  # 0.2 s: within its own deadline
+        assert client.decode(latents_np(t=1)).shape[1] == 1  # a fresh deadline per call
         with pytest.raises(errors.DeadlineExceededError):
-            client.decode(latents_np(t=4))
+            client.decode(latents_np(t=5))  # 9 messages, 1.8 s
 
 
 # -- sessions ----------------------------------------------------------------

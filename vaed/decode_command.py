@@ -208,7 +208,7 @@ class PngWriter:
                 d.mkdir(parents=True, exist_ok=True)
         for b, folder in enumerate(self._dirs):
             for t in range(frames.shape[1]):
-                image = Image.fromarray(np.ascontiguousarray(frames[b, t]), mode="RGB")
+                image = Image.fromarray(np.ascontiguousarray(frames[b, t]))
                 image.save(folder / f"frame_{first_frame + t:05d}.png", compress_level=PNG_COMPRESS_LEVEL)
 
     def close(self) -> list[pathlib.Path]:

@@ -308,8 +308,16 @@ class DecodeSession:
 
     # -- request side ------------------------------------------------------
     def _request_iterator(self) -> Iterator[vaed_pb2.LatentChunk]:
+        # Runs on a gRPC thread; the timeout lets it finish when the call
+        # ends without a close() (abandoned session, deadline, server error).
         while True:
-            item = self._requests.get()
+            try:
+                item = self._requests.get(timeout=0.5)
+            except queue.Empty:
+                call = getattr(self, "_call", None)  # not yet set on the first pull
+                if call is not None and call.done():
+                    return
+                continue
             if item is _END:
                 return
             yield item
