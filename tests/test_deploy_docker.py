@@ -174,10 +174,10 @@ def test_caches_writable_under_read_only_root() -> None:
 
 
 def test_dockerignore_keeps_context_small() -> None:
-    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
-             if l.strip() and not l.startswith("#")]
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
     assert lines[0] == "**"  # deny by default
-    allowed = {l[1:].rstrip("/") for l in lines if l.startswith("!")}
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
     copied = set()
     for word, rest in instructions():
         if word == "COPY" and "--from" not in rest:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
