@@ -1,0 +1,131 @@
+"""Client-observed decode time, time to first frame and server peak GPU memory
+of a real `vaed serve` process, against AutoencoderKLWan.decode in one process.
+
+    python scripts/bench_service.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
+
+Runs the server as a subprocess on --gpu, measures through VaeClient over
+loopback, reads the server's peak GPU memory from its Prometheus endpoint,
+stops it, then times stock diffusers decode of the same latents in this
+process on the same GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+
+import torch
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
+    cmd = [sys.executable, "-m", "vaed.cli", "serve", "--gpu", str(args.gpu), "--host", "127.0.0.1",
+           "--port", "0", "--metrics-port", "0", "--model", args.model, *args.server_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    port = metrics_port = None
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        print("server |", line.rstrip(), flush=True)
+        if m := re.search(r"\(port (\d+),", line):
+            port = m.group(1)
+        if m := re.search(r"metrics on http://[^:]+:(\d+)/", line):
+            metrics_port = int(m.group(1))
+        if line.rstrip().endswith("SERVING") and port:
+            return proc, f"127.0.0.1:{port}", metrics_port
+    proc.kill()
+    raise SystemExit("server did not start")
+
+
+def scrape(metrics_port: int, name: str) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def measure_service(target: str, latents: torch.Tensor, reps: int) -> list[dict[str, float]]:
+    from vaed_client import VaeClient
+
+    runs = []
+    with VaeClient(target) as client:
+        client.decode(latents[:, :, :2])  # connection + first-use warm-up
+        for _ in range(reps):
+            started = time.perf_counter()
+            first = None
+            frames = 0
+            for chunk in client.stream(latents):
+                if first is None:
+                    first = time.perf_counter() - started
+                frames += chunk.num_frames
+            total = time.perf_counter() - started
+            runs.append({"total_s": total, "first_frame_s": first, "frames": frames})
+            print(f"service: total {total:.3f} s, first frame {first * 1e3:.1f} ms, {frames} frames", flush=True)
+    return runs
+
+
+def measure_in_process(model: str, latents: torch.Tensor, reps: int, device: str) -> dict[str, float]:
+    from vaed.models import load_model
+
+    vae = load_model(model, device, latents.dtype).vae
+    z = latents.to(device)
+    times = []
+    with torch.no_grad():
+        vae.decode(z[:, :, :2])
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            vae.decode(z)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+            print(f"in-process AutoencoderKLWan.decode: {times[-1]:.3f} s", flush=True)
+    return {"seconds": min(times), "peak_bytes": torch.cuda.max_memory_allocated()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:wan2.1")
+    parser.add_argument("--shape", default="1,16,21,60,104", help="latent shape B,z,T,h,w")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("server_args", nargs="*", help="extra `vaed serve` flags after --")
+    args = parser.parse_args()
+    shape = [int(s) for s in args.shape.split(",")]
+    latents = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+    proc, target, metrics_port = start_server(args)
+    try:
+        runs = measure_service(target, latents, args.reps)
+        peak = scrape(metrics_port, "vaed_gpu_memory_peak_bytes")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    stock = measure_in_process(args.model, latents, args.reps, f"cuda:{args.gpu}")
+    best = min(runs, key=lambda r: r["total_s"])
+    result = {
+        "model": args.model, "shape": shape, "gpu": torch.cuda.get_device_name(args.gpu),
+        "service_total_s": best["total_s"], "service_first_frame_ms": min(r["first_frame_s"] for r in runs) * 1e3,
+        "service_peak_gib": peak / 2**30 if peak is not None else None,
+        "in_process_s": stock["seconds"], "in_process_peak_gib": stock["peak_bytes"] / 2**30,
+        "ratio_service_over_in_process": best["total_s"] / stock["seconds"], "runs": runs,
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
