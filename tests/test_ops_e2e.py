@@ -195,3 +195,20 @@ def test_tls_round_trip(tmp_path: Path) -> None:
                 client.model_info()
             assert "UNAVAILABLE" in str(info.value)
         assert _health(target, tls=True, ca_cert=str(cert)) == (0, "SERVING")
+
+
+def test_reflection_needs_token(auth_server: conftest.RunningServer) -> None:
+    import grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def list_services(metadata: tuple[tuple[str, str], ...] | None) -> list[str]:
+        with grpc.insecure_channel(auth_server.target) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            req = reflection_pb2.ServerReflectionRequest(list_services="")
+            reply = next(stub.ServerReflectionInfo(iter([req]), metadata=metadata, timeout=10))
+            return [s.name for s in reply.list_services_response.service]
+
+    with pytest.raises(grpc.RpcError) as info:
+        list_services(None)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "vaed.v1.VaeDecoder" in list_services((("authorization", f"Bearer {TOKEN}"),))
