@@ -305,7 +305,9 @@ def _decode(client: Any, latents: Any, writer: FrameWriter, args: argparse.Names
     height = width = 0
     first_frame_s: float | None = None
     start = time.perf_counter()
-    with tqdm(total=total, unit="frame", desc="decode", disable=True if args.quiet else None, file=sys.stderr) as bar:
+    # No bar when stderr is not a terminal (logs, CI): \r-redrawn lines are noise there.
+    quiet = args.quiet or not sys.stderr.isatty()
+    with tqdm(total=total, unit="frame", desc="decode", disable=quiet, file=sys.stderr) as bar:
         for chunk in client.stream(latents, raw_latents=args.raw_latents):
             if first_frame_s is None:
                 first_frame_s = time.perf_counter() - start
