@@ -86,7 +86,10 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; a delegated command's module is imported only when that
+    command is the one asked for (or `command` is None), so `vaed serve` and
+    `vaed health` never import PyAV or the benchmark code."""
     parser = argparse.ArgumentParser(prog="vaed", description="Remote Wan video VAE decoding over gRPC.")
     parser.add_argument("--version", action="version", version=f"vaed {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,15 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
     for name, (module_name, add_fn, run_fn, help_text) in _DELEGATED.items():
-        module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text)
-        getattr(module, add_fn)(command)
-        command.set_defaults(func=getattr(module, run_fn))
+        sub_parser = sub.add_parser(name, help=help_text)
+        if command in (None, name):
+            module = importlib.import_module(module_name)
+            getattr(module, add_fn)(sub_parser)
+            sub_parser.set_defaults(func=getattr(module, run_fn))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in _DELEGATED or command == "serve" else None).parse_args(argv)
     if args.command != "serve":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)

@@ -84,7 +84,6 @@ class VaedServer:
         self.port = port
         if self.metrics is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port or 0, cfg.host)
-            log.info("metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         loop = asyncio.get_running_loop()
         self.worker.on_ready = lambda: loop.call_soon_threadsafe(self._on_worker_ready)
         self.worker.start()
