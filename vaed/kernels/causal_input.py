@@ -122,7 +122,7 @@ def _causal_pad_kernel(
         v = v * scale
         if LOWP:
             v = v.to(xv.dtype).to(tl.float32)
-        g = tl.load(g_ptr + c, mask=from_x, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + (c + q * 0), mask=from_x, other=0.0).to(tl.float32)  # c may be a row scalar
         v = v * g
         if LOWP:
             v = v.to(xv.dtype).to(tl.float32)
@@ -149,12 +149,14 @@ def causal_pad(
     zero_history: bool = False,
     cache_t: int = CACHE_T,
     norm: RmsSiluArgs | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    emit_cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Fused ``causal_pad_reference``; None when the input is not handled (caller falls back).
 
     ``pad`` is WanCausalConv3d's ``_padding``: (w, w, h, h, 2*pt, 0).
     With ``norm``, ``x`` is the raw activation and ``norm.denom`` its channel
-    L2 norm (see ``rms_silu.norm_denominator``).
+    L2 norm (see ``rms_silu.norm_denominator``). ``emit_cache=False`` skips
+    the next-cache write and returns (conv input, None).
     """
     if zero_history and cache is not None:
         raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
@@ -178,12 +180,12 @@ def causal_pad(
     B, C, T, H, W = x.shape
     hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
     _, _, TP, HP, WP = p_shape
-    K = n_shape[2]
+    K = n_shape[2] if emit_cache else 0
     inner = WP * C if cl else HP * WP
     if inner + _BLOCK >= 2**31:
         return None
     padded = rt.empty_with_strides(p_shape, p_stride, x)
-    nxt = rt.empty_with_strides(n_shape, n_stride, x)
+    nxt = rt.empty_with_strides(n_shape, n_stride, x) if emit_cache else None
     if padded.numel() == 0:
         return None
     src_c = cache if use_cache else x
@@ -195,10 +197,10 @@ def causal_pad(
     rows = padded.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
     _kernel()[grid](  # type: ignore[index]
-        x, src_c, padded, nxt, d, g,
+        x, src_c, padded, padded if nxt is None else nxt, d, g,
         C, T, H, W, TP, HP, WP, inner, C if cl else WP,
         pad[4] - hist, hist, K, pad[2], pad[0],
-        *x.stride(), *src_c.stride(), *nxt.stride(), *sd,
+        *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5), *sd,
         scale, bias,
         CL=cl, NORM=norm is not None, LOWP=low_precision(x.dtype), BLOCK=_BLOCK,
         num_warps=4, **rt.launch_opts(x),

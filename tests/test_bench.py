@@ -1,0 +1,38 @@
+"""vaed bench on the CPU with a tiny model: table, JSON, bit-identical flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from vaed import bench
+
+
+def test_parse_case() -> None:
+    c = bench.parse_case("wan2.2:704x1280x121")
+    assert (c.arch, c.height, c.width, c.frames) == ("wan2.2", 704, 1280, 121)
+    assert bench.parse_case("480x832x81").arch == "wan2.1"
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench.parse_case("480x832")
+
+
+def test_bench_cpu_tiny(tmp_path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "b.json"
+    args = parser.parse_args(["--device", "cpu", "--dtype", "fp32", "--case", "wan2.1-tiny:32x32x9",
+                              "--reps", "1", "--json", str(out)])
+    assert bench.run(args) == 0
+    text = capsys.readouterr().out
+    assert "[bench]" in text and "vaed-lossless" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert rows[2]["bit_identical"] == "yes"
+
+
+def test_bench_rejects_unknown_variant() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--device", "cpu", "--variants", "nope"])) == 2

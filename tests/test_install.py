@@ -1,0 +1,190 @@
+"""prepare_decoder / remove_fast_paths / to_decoder_layout: API, fallbacks, whole decodes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+
+from vaed.install import FastPathError, FastPathReport, prepare_decoder, remove_fast_paths, to_decoder_layout
+from vaed.models import build_random_vae
+
+CUDA = torch.cuda.is_available()
+cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
+
+
+def _decode(vae: Any, z: torch.Tensor, toggle: Any = None) -> tuple[torch.Tensor, list]:
+    """The engine's loop: session cache, one decoder call per latent frame; returns (out, cache)."""
+    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
+    cache: list = [None] * n
+    x = vae.post_quant_conv(z)
+    outs = []
+    for i in range(x.shape[2]):
+        if toggle is not None:
+            toggle(i)
+        outs.append(vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)))
+    return torch.cat(outs, 2), cache
+
+
+def _vae(arch: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    return build_random_vae(arch).to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def test_report_and_layout_on_cpu() -> None:
+    vae = _vae("wan2.1-tiny")
+    keys = list(vae.state_dict().keys())
+    names = [n for n, _ in vae.named_parameters()]
+    rep = prepare_decoder(vae)
+    assert isinstance(rep, FastPathReport)
+    assert rep.kernels == "off" and rep.layout == "contiguous"
+    assert rep.skipped and "cpu" in rep.skipped[0]
+    rep = prepare_decoder(vae, kernels="off", layout="channels_last")
+    assert rep.layout == "channels_last"
+    w = vae.decoder.conv_in.weight
+    assert w.is_contiguous(memory_format=torch.channels_last_3d)
+    assert list(vae.state_dict().keys()) == keys and [n for n, _ in vae.named_parameters()] == names
+    assert prepare_decoder(vae, kernels="off", layout="channels_last") == rep  # idempotent
+    remove_fast_paths(vae)
+    assert not any("forward" in m.__dict__ for m in vae.modules())
+    with pytest.raises(ValueError):
+        prepare_decoder(vae, kernels="fast")
+    with pytest.raises(ValueError):
+        prepare_decoder(vae, layout="nhwc")
+
+
+def test_explicit_triton_on_cpu_raises() -> None:
+    vae = _vae("wan2.1-tiny")
+    with pytest.raises(FastPathError):
+        prepare_decoder(vae, kernels="triton")
+
+
+def test_to_decoder_layout() -> None:
+    x = torch.randn(1, 4, 2, 3, 5)
+    assert to_decoder_layout(x, "channels_last").is_contiguous(memory_format=torch.channels_last_3d)
+    assert to_decoder_layout(x.contiguous(memory_format=torch.channels_last_3d), "contiguous").is_contiguous()
+    assert to_decoder_layout(x, "auto").is_contiguous()  # CPU: contiguous
+    with pytest.raises(ValueError):
+        to_decoder_layout(x[0], "contiguous")
+
+
+@pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cpu_fallback_bit_identical_to_stock(arch: str, layout: str) -> None:
+    vae = _vae(arch)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
+    with torch.no_grad():
+        prepare_decoder(vae, kernels="off", layout=layout)
+        want = vae.decode(to_decoder_layout(z, layout), return_dict=False)[0]
+        prepare_decoder(vae, kernels="auto", layout=layout)
+        out, _ = _decode(vae, to_decoder_layout(z, layout))
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    if vae.config.patch_size is not None:
+        out = unpatchify(out, vae.config.patch_size)
+    assert torch.equal(out.clamp(-1, 1), want)
+
+
+INTERP = textwrap.dedent(
+    """
+    import torch
+    from vaed.install import prepare_decoder, to_decoder_layout
+    from vaed.models import build_random_vae
+    for arch in ("wan2.1-tiny", "wan2.2-tiny"):
+        vae = build_random_vae(arch).eval().requires_grad_(False)
+        z = to_decoder_layout(torch.randn(1, vae.config.z_dim, 2, 2, 3), "channels_last")
+        with torch.no_grad():
+            prepare_decoder(vae, kernels="off", layout="channels_last")
+            want = vae.decode(z, return_dict=False)[0]
+            rep = prepare_decoder(vae, kernels="triton", layout="channels_last")
+            assert rep.kernels == "triton", rep
+            got = vae.decode(z, return_dict=False)[0]
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)  # interpreter exp is numpy's
+    print("interp-ok")
+    """
+)
+
+
+@pytest.mark.skipif(not __import__("vaed.kernels").kernels.triton_available(), reason="triton missing")
+def test_installed_paths_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", INTERP], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "interp-ok" in r.stdout
+
+
+# --- GPU: bit-identical to stock diffusers with the same layout ---------------------------
+
+
+@pytest.mark.parametrize("arch,size", [("wan2.1-tiny", (3, 6, 8)), ("wan2.2-tiny", (3, 4, 6)), ("wan2.1", (3, 12, 16))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_decode_bit_identical(arch: str, size: tuple, dtype: torch.dtype, layout: str) -> None:
+    vae = _vae(arch, "cuda", dtype)
+    torch.manual_seed(1)
+    z = to_decoder_layout(torch.randn(1, vae.config.z_dim, *size, device="cuda", dtype=dtype), layout)
+    with torch.inference_mode():
+        prepare_decoder(vae, kernels="off", layout=layout)
+        want = vae.decode(z, return_dict=False)[0]
+        want_raw, want_cache = _decode(vae, z)
+        rep = prepare_decoder(vae, kernels="triton", layout=layout)
+        assert rep.kernels == "triton"
+        got = vae.decode(z, return_dict=False)[0]
+        got_raw, got_cache = _decode(vae, z)
+    assert torch.equal(got, want)
+    assert got_raw.stride() == want_raw.stride() and torch.equal(got_raw, want_raw)
+    for a, b in zip(got_cache, want_cache):
+        if isinstance(a, torch.Tensor):
+            assert a.stride() == b.stride() and torch.equal(a, b)
+        else:
+            assert a == b
+
+
+@pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_fast_and_fallback_chunks_interleave(arch: str) -> None:
+    """Chunk loop from None/"Rep" with fast and stock chunks alternating equals stock chunk by chunk."""
+    vae = _vae(arch, "cuda", torch.bfloat16)
+    z = to_decoder_layout(torch.randn(1, vae.config.z_dim, 5, 4, 6, device="cuda", dtype=torch.bfloat16), "channels_last")
+    with torch.inference_mode():
+        prepare_decoder(vae, kernels="off", layout="channels_last")
+        x = vae.post_quant_conv(z)
+        n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
+        c_ref: list = [None] * n
+        c_mix: list = [None] * n
+        for i in range(x.shape[2]):
+            fast = i % 2 == 1 if arch.startswith("wan2.1") else i % 2 == 0
+            remove_fast_paths(vae)
+            want = vae.decoder(x[:, :, i : i + 1], feat_cache=c_ref, feat_idx=[0], first_chunk=(i == 0))
+            if fast:
+                prepare_decoder(vae, kernels="triton", layout="channels_last")
+            got = vae.decoder(x[:, :, i : i + 1], feat_cache=c_mix, feat_idx=[0], first_chunk=(i == 0))
+            assert got.stride() == want.stride() and torch.equal(got, want), i
+            for a, b in zip(c_mix, c_ref):
+                if isinstance(a, torch.Tensor):
+                    assert a.stride() == b.stride() and torch.equal(a, b), i
+                else:
+                    assert a == b
+            remove_fast_paths(vae)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_grad_mode_falls_back() -> None:
+    vae = _vae("wan2.1-tiny", "cuda", torch.float32)
+    z = torch.randn(1, 4, 2, 4, 4, device="cuda")
+    prepare_decoder(vae, kernels="triton", layout="channels_last")
+    with torch.enable_grad():
+        a = vae.decode(to_decoder_layout(z, "channels_last"), return_dict=False)[0]
+    remove_fast_paths(vae)
+    with torch.enable_grad():
+        b = vae.decode(to_decoder_layout(z, "channels_last"), return_dict=False)[0]
+    assert torch.equal(a, b)

@@ -1,0 +1,141 @@
+"""Each fused kernel bit-exact (torch.equal) against its aten reference on the GPU, strides included."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vaed import kernels as K
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CL = torch.channels_last_3d
+
+
+def _lay(t: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "cl3d":
+        return t.contiguous(memory_format=CL)
+    if layout == "ntchw":  # a permuted (b*t, c, h, w) conv2d output, as after WanResample
+        return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+    return t.contiguous()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert a.stride() == b.stride(), (a.stride(), b.stride())
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["cl3d", "contiguous", "ntchw"])
+@pytest.mark.parametrize("cache_frames", [0, 1, 2])
+@pytest.mark.parametrize("pad", [(1, 1, 1, 1, 2, 0), (0, 0, 0, 0, 2, 0)])
+@pytest.mark.parametrize("frames", [1, 2, 4])
+@pytest.mark.parametrize("norm", [False, True])
+def test_causal_pad_exact(dtype, layout, cache_frames, pad, frames, norm) -> None:
+    g = torch.Generator(device="cuda").manual_seed(cache_frames * 10 + frames)
+    x = _lay(torch.randn(2, 24, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
+    cache = None
+    if cache_frames:
+        # a strided view: the last frames of a bigger tensor
+        big = _lay(torch.randn(2, 24, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)
+        cache = big[:, :, 3 - cache_frames :]
+    kw = {}
+    ref_norm = None
+    if norm:
+        gamma = (torch.rand(24, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
+        ref_norm = (gamma, 24**0.5, 0.0)
+        kw["norm"] = K.RmsSiluArgs(gamma, 24**0.5, 0.0, K.norm_denominator(x))
+    got = K.causal_pad(x, cache, pad, **kw)
+    want = K.causal_pad_reference(x, cache, pad, norm=ref_norm)
+    assert got is not None
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["cl3d", "contiguous"])
+@pytest.mark.parametrize("frames", [1, 2])
+def test_causal_pad_rep_marker(dtype, layout, frames) -> None:
+    x = _lay(torch.randn(1, 16, frames, 5, 7, device="cuda", dtype=dtype), layout)
+    pad = (0, 0, 0, 0, 2, 0)
+    got = K.causal_pad(x, None, pad, zero_history=True)
+    want = K.causal_pad_reference(x, None, pad, zero_history=True)
+    assert got is not None
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+def test_causal_pad_declines_and_rejects() -> None:
+    x = torch.randn(1, 4, 2, 5, 5, device="cuda", dtype=torch.bfloat16)
+    assert K.causal_pad(x, None, (1, 0, 1, 1, 2, 0)) is None  # asymmetric
+    assert K.causal_pad(x, None, (1, 1, 1, 1, 2, 1)) is None  # back padding in time
+    assert K.causal_pad(x.double(), None, (1, 1, 1, 1, 2, 0)) is None  # dtype
+    assert K.causal_pad(x, x.float(), (1, 1, 1, 1, 2, 0)) is None  # cache dtype mismatch
+    assert K.causal_pad(x.cpu(), None, (1, 1, 1, 1, 2, 0)) is None  # CPU
+    xg = x.float().requires_grad_(True)
+    with torch.enable_grad():
+        assert K.causal_pad(xg, None, (1, 1, 1, 1, 2, 0)) is None  # autograd
+    with pytest.raises(ValueError):
+        K.causal_pad(x, x, (1, 1, 1, 1, 2, 0), zero_history=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_chain_exhaustive(dtype) -> None:
+    """The fused norm+SiLU rounding over every bf16/fp16 bit pattern (fp32: 2^20 samples)."""
+    if dtype == torch.float32:
+        v = torch.randn(1 << 20, device="cuda") * 8
+    else:
+        v = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32).to(torch.int16).view(dtype)
+        v = v[torch.isfinite(v)]
+    n = v.numel() - v.numel() % 64
+    x = v[:n].reshape(1, 4, 1, -1, 16).contiguous(memory_format=CL)
+    gamma = torch.tensor([1.0, 0.5, -2.0, 1.25], device="cuda").to(dtype).reshape(4, 1, 1, 1)
+    args = K.RmsSiluArgs(gamma, 2.0, 0.0, K.norm_denominator(x))
+    got = K.causal_pad(x, None, (0, 0, 0, 0, 2, 0), norm=args)
+    want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=(gamma, 2.0, 0.0))
+    assert got is not None
+    _same(got[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["cl3d", "contiguous", "ntchw"])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_upsample_exact(dtype, layout, interleave) -> None:
+    x = _lay(torch.randn(2, 32, 3, 7, 9, device="cuda", dtype=dtype), layout)
+    got = K.upsample_nearest2x(x, interleave)
+    assert got is not None
+    _same(got, K.upsample_nearest2x_reference(x, interleave))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["cl3d", "contiguous", "ntchw"])
+@pytest.mark.parametrize("ft,first", [(1, False), (2, False), (2, True)])
+def test_dupup_add_exact(dtype, layout, ft, first) -> None:
+    src = _lay(torch.randn(1, 16, 3, 5, 6, device="cuda", dtype=dtype), "cl3d")
+    t = 3 * ft - (ft - 1 if first else 0)
+    main = _lay(torch.randn(1, 8, t, 10, 12, device="cuda", dtype=dtype), layout)
+    got = K.dupup_add(main, src, ft, 2, first)
+    assert got is not None
+    _same(got, K.dupup_add_reference(main, src, ft, 2, first))
+
+
+def test_int64_indexing_past_2_31() -> None:
+    """Padded output of 2.3e9 elements (> 2^31): offsets must not wrap."""
+    x = torch.zeros(1, 8, 1, 4096, 16384, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=CL)
+    x[:, :, :, ::509, ::1021] = 1.0
+    x[:, :, :, -1, -1] = 3.0
+    got = K.causal_pad(x, None, (1, 1, 1, 1, 2, 0), emit_cache=False)
+    assert got is not None
+    p = got[0]
+    assert p.numel() > 2**31
+    want = F.pad(x, (1, 1, 1, 1, 2, 0))
+    assert p.stride() == want.stride()
+    assert torch.equal(p, want)

@@ -1,0 +1,233 @@
+"""``vaed bench``: stock diffusers vs vaed's lossless decode, one process, same weights and latents.
+
+Variants per case:
+
+* ``stock``        -- ``AutoencoderKLWan.decode`` with contiguous weights and latents
+* ``stock-cl3d``   -- the same with channels_last_3d Conv3d weights and latents
+* ``vaed-lossless``-- the server's decode: per-latent-frame decoder calls on a
+  session-owned cache, fused kernels installed, channels_last_3d, clamp
+
+Seconds are the min over ``--reps`` after one short warm-up decode (Triton
+compiles, cuDNN plans); peak is ``torch.cuda.max_memory_allocated`` during the
+timed decodes. "bit-identical" compares with ``torch.equal`` against the stock
+variant of the same layout (channels_last_3d for vaed-lossless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CASES = ("wan2.1:480x832x81", "wan2.1:720x1280x81", "wan2.2:704x1280x121")
+VARIANTS = ("stock", "stock-cl3d", "vaed-lossless")
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_CASE_RE = re.compile(r"^(?:(?P<arch>[\w.\-]+):)?(?P<h>\d+)x(?P<w>\d+)x(?P<f>\d+)$")
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str  # "wan2.1" / "wan2.2" (random weights) unless --model is given
+    height: int
+    width: int
+    frames: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch} {self.height}x{self.width}x{self.frames}"
+
+
+@dataclass
+class Row:
+    case: str
+    variant: str
+    seconds: float
+    speedup: float
+    peak_gib: float
+    bit_identical: str  # "ref", "yes", "no"
+    reference: str
+
+
+def parse_case(text: str) -> Case:
+    m = _CASE_RE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"case must look like [wan2.1:]480x832x81, got {text!r}")
+    return Case(m["arch"] or "wan2.1", int(m["h"]), int(m["w"]), int(m["f"]))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--case", dest="cases", action="append", type=parse_case, metavar="[ARCH:]HxWxF",
+                        help=f"case to run (repeatable); default: {', '.join(DEFAULT_CASES)}")
+    parser.add_argument("--model", default=None,
+                        help="model spec for every case (local folder, hub id, random:wan2.1[?seed=N]); "
+                             "default: random:<case arch>")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--reps", type=int, default=2, help="timed decodes per variant (min is reported)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "off"),
+                        help="fused kernels for vaed-lossless")
+    parser.add_argument("--seed", type=int, default=0, help="latents seed")
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write rows as JSON")
+
+
+def _load(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from vaed.models import load_model
+
+    return load_model(spec, device, dtype).vae
+
+
+def _latent_shape(vae: Any, case: Case) -> tuple[int, int, int, int, int]:
+    cfg = vae.config
+    st = int(cfg.scale_factor_temporal or 4)
+    ss = int(cfg.scale_factor_spatial or 8)
+    if (case.frames - 1) % st or case.height % ss or case.width % ss:
+        raise ValueError(f"{case.name}: frames must be 1 + {st}k and sides multiples of {ss}")
+    return (1, int(cfg.z_dim), (case.frames - 1) // st + 1, case.height // ss, case.width // ss)
+
+
+def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    return vae.decode(z, return_dict=False)[0]
+
+
+def vaed_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
+    """The server's loop: a session-owned cache, one decoder call per latent frame, clamp."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    cache: list[Any] = [None] * sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
+    x = vae.post_quant_conv(z)
+    outs = []
+    for i in range(x.shape[2]):
+        outs.append(vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)))
+    out = torch.cat(outs, 2)
+    del outs
+    if vae.config.patch_size is not None:
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return torch.clamp(out, min=-1.0, max=1.0)
+
+
+def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
+    best = float("inf")
+    out = None
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(max(1, reps)):
+        out = None  # drop the previous output before the next decode (peak memory)
+        t0 = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    assert out is not None
+    return best, peak, out
+
+
+def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) -> list[Row]:
+    from vaed.install import prepare_decoder, remove_fast_paths, to_decoder_layout
+
+    device = torch.device(args.device)
+    dtype = _DTYPES[args.dtype]
+    vae = _load(args.model or f"random:{case.arch}", device, dtype)
+    shape = _latent_shape(vae, case)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    z = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    z_warm = z[:, :, :2]
+    rows: list[Row] = []
+    refs: dict[str, torch.Tensor] = {}
+    base: float | None = None
+    for variant in variants:
+        if variant == "stock":
+            prepare_decoder(vae, kernels="off", layout="contiguous")
+            zi, fn, ref_key = z.contiguous(), stock_decode, "stock"
+        elif variant == "stock-cl3d":
+            prepare_decoder(vae, kernels="off", layout="channels_last")
+            zi, fn, ref_key = to_decoder_layout(z, "channels_last"), stock_decode, "stock-cl3d"
+        else:
+            report = prepare_decoder(vae, kernels=args.kernels, layout="channels_last")
+            log.info("vaed-lossless: kernels=%s installed=%s skipped=%s",
+                     report.kernels, list(report.installed), list(report.skipped))
+            zi, fn, ref_key = to_decoder_layout(z, "channels_last"), vaed_decode, "stock-cl3d"
+        with torch.inference_mode():
+            fn(vae, zi[:, :, :2] if zi is not z else z_warm)  # warm-up: compiles, plans
+            secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)
+        out_cpu = out.cpu()
+        del out
+        if variant == ref_key:
+            refs[variant] = out_cpu
+            ident = "ref"
+        elif ref_key in refs:
+            ident = "yes" if torch.equal(refs[ref_key], out_cpu) else "no"
+        else:
+            ident = "n/a"
+        if variant == "stock":
+            base = secs
+        speed = (base / secs) if base else float("nan")
+        row = Row(case.name, variant, secs, speed, peak, ident, ref_key)
+        rows.append(row)
+        print(f"[bench] {case.name:<24} {variant:<14} {secs:7.3f} s  x{speed:5.2f}  "
+              f"peak {peak:6.2f} GiB  bit-identical={ident}", flush=True)
+        del out_cpu
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    remove_fast_paths(vae)
+    del vae, z
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = f"{'case':<24} {'variant':<14} {'seconds':>8} {'speedup':>8} {'peak GiB':>9}  bit-identical"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ident = r.bit_identical if r.bit_identical == "ref" else f"{r.bit_identical} (vs {r.reference})"
+        lines.append(f"{r.case:<24} {r.variant:<14} {r.seconds:8.3f} {r.speedup:7.2f}x {r.peak_gib:9.2f}  {ident}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        log.error("unknown variants %s; choose from %s", bad, VARIANTS)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        log.error("--device %s requested but CUDA is not available", args.device)
+        return 2
+    cases = args.cases or [parse_case(c) for c in DEFAULT_CASES]
+    rows: list[Row] = []
+    for case in cases:
+        rows.extend(run_case(case, args, variants))
+    print(format_table(rows), flush=True)
+    if args.json_path:
+        meta = {"torch": torch.__version__, "dtype": args.dtype, "reps": args.reps,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)}
+        with open(args.json_path, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vaed bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
