@@ -67,11 +67,19 @@ def _stock_layouts(
     pad: tuple[int, ...],
     zero_history: bool,
     cache_t: int,
+    with_norm: bool,
+    dtype: torch.dtype,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(padded shape, padded strides, next-cache shape, next-cache strides) of the aten chain."""
-    x = torch.empty_strided(x_shape, x_stride, device="meta")
-    c = None if c_shape is None else torch.empty_strided(c_shape, c_stride, device="meta")  # type: ignore[arg-type]
-    p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t)  # type: ignore[arg-type]
+    """(padded shape, padded strides, next-cache shape, next-cache strides) of the aten chain.
+
+    The norm chain is part of it: its TensorIterator ops can re-order the
+    strides of size-1 dims (e.g. a one-frame permuted activation).
+    """
+    # dtype matters: the norm chain copies bf16/fp16 to fp32 first, fp32 runs in place
+    x = torch.empty_strided(x_shape, x_stride, device="meta", dtype=dtype)
+    c = None if c_shape is None else torch.empty_strided(c_shape, c_stride, device="meta", dtype=dtype)  # type: ignore[arg-type]
+    norm = (torch.empty(x_shape[1], 1, 1, 1, device="meta", dtype=dtype), 1.0, 0.0) if with_norm else None
+    p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t, norm=norm)  # type: ignore[arg-type]
     return tuple(p.shape), tuple(p.stride()), tuple(n.shape), tuple(n.stride())
 
 
@@ -167,7 +175,7 @@ def causal_pad(
     use_cache = cache is not None and pad[4] > 0
     c_meta = (tuple(cache.shape), tuple(cache.stride())) if use_cache else (None, None)  # type: ignore[union-attr]
     p_shape, p_stride, n_shape, n_stride = _stock_layouts(
-        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t
+        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, norm is not None, x.dtype
     )
     if rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D) and not rt.matches_order(
         p_shape, p_stride, rt.ORDER_CONTIGUOUS
