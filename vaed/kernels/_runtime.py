@@ -111,45 +111,11 @@ def _meta(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -
 
 
 @functools.lru_cache(maxsize=4096)
-def pad_cat_strides(
-    x_shape: tuple[int, ...],
-    x_stride: tuple[int, ...],
-    cache_shape: tuple[int, ...] | None,
-    cache_stride: tuple[int, ...] | None,
-    pad: tuple[int, ...],
-) -> tuple[int, ...]:
-    """Strides of ``F.pad(torch.cat([cache, x], 2), pad)`` (cache may be absent)."""
-    x = _meta(x_shape, x_stride, torch.float32)
-    if cache_shape is not None:
-        x = torch.cat([_meta(cache_shape, cache_stride, torch.float32), x], dim=2)  # type: ignore[arg-type]
-    return tuple(torch.nn.functional.pad(x, list(pad)).stride())
-
-
-@functools.lru_cache(maxsize=4096)
-def clone_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_meta(shape, stride, torch.float32).clone().stride())
-
-
-@functools.lru_cache(maxsize=4096)
-def cat_strides(shapes: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...], dim: int) -> tuple[int, ...]:
-    ts = [_meta(s, st, torch.float32) for s, st in zip(shapes, strides)]
-    return tuple(torch.cat(ts, dim=dim).stride())
-
-
-@functools.lru_cache(maxsize=4096)
 def add_strides(
     shape: tuple[int, ...], a_stride: tuple[int, ...], b_stride: tuple[int, ...]
 ) -> tuple[int, ...]:
     """Strides aten's ``a + b`` gives (TensorIterator's layout rules)."""
     return tuple((_meta(shape, a_stride, torch.float32) + _meta(shape, b_stride, torch.float32)).stride())
-
-
-@functools.lru_cache(maxsize=4096)
-def upsample_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of ``F.interpolate(x.float(), scale_factor=2, mode="nearest-exact").type_as(x)``."""
-    x = _meta(shape, stride, torch.float32)
-    y = torch.nn.functional.interpolate(x, scale_factor=(2.0, 2.0), mode="nearest-exact")
-    return tuple(y.to(torch.bfloat16).stride())
 
 
 def empty_with_strides(
