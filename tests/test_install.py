@@ -42,7 +42,8 @@ def test_report_and_layout_on_cpu() -> None:
     rep = prepare_decoder(vae)
     assert isinstance(rep, FastPathReport)
     assert rep.kernels == "off" and rep.layout == "contiguous"
-    assert rep.skipped and "cpu" in rep.skipped[0]
+    # On CPU the kernels are skipped: for the device, or earlier when triton is absent.
+    assert rep.skipped and ("cpu" in rep.skipped[0] or "triton is not importable" in rep.skipped[0])
     rep = prepare_decoder(vae, kernels="off", layout="channels_last")
     assert rep.layout == "channels_last"
     w = vae.decoder.conv_in.weight
