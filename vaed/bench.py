@@ -101,20 +101,21 @@ def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
     return vae.decode(z, return_dict=False)[0]
 
 
-def vaed_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
-    """The server's loop: a session-owned cache, one decoder call per latent frame, clamp."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+def vaed_decoder(vae: Any, spec: str, device: torch.device, dtype: torch.dtype, kernels: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The server's own decode path (DecodeEngine: session-owned cache, one
+    decoder call per latent frame, fast paths installed, clamp), as a decode function."""
+    from vaed.config import ServerConfig
+    from vaed.engine import DTYPES, DecodeEngine, OutputSpec
+    from vaed.models import LoadedModel
 
-    cache: list[Any] = [None] * sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
-    x = vae.post_quant_conv(z)
-    outs = []
-    for i in range(x.shape[2]):
-        outs.append(vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)))
-    out = torch.cat(outs, 2)
-    del outs
-    if vae.config.patch_size is not None:
-        out = unpatchify(out, patch_size=vae.config.patch_size)
-    return torch.clamp(out, min=-1.0, max=1.0)
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
+    config = ServerConfig(model=spec, device=str(device), dtype=dtype_name, kernels=kernels, layout="channels_last",
+                          max_pixels=0, max_latent_frames=0)
+    engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")), config)
+    log.info("vaed-lossless: kernels=%s installed=%s skipped=%s",
+             engine.fast_paths.kernels, list(engine.fast_paths.installed), list(engine.fast_paths.skipped))
+    raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True)
+    return lambda _vae, z: engine.decode_video(z, raw)
 
 
 def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
@@ -141,7 +142,8 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
 
     device = torch.device(args.device)
     dtype = _DTYPES[args.dtype]
-    vae = _load(args.model or f"random:{case.arch}", device, dtype)
+    spec = args.model or f"random:{case.arch}"
+    vae = _load(spec, device, dtype)
     shape = _latent_shape(vae, case)
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     z = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
@@ -156,10 +158,8 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             prepare_decoder(vae, kernels="off", layout="channels_last")
             zi, fn, ref_key = to_decoder_layout(z, "channels_last"), stock_decode, "stock-cl3d"
         else:
-            report = prepare_decoder(vae, kernels=args.kernels, layout="channels_last")
-            log.info("vaed-lossless: kernels=%s installed=%s skipped=%s",
-                     report.kernels, list(report.installed), list(report.skipped))
-            zi, fn, ref_key = to_decoder_layout(z, "channels_last"), vaed_decode, "stock-cl3d"
+            fn = vaed_decoder(vae, spec, device, dtype, args.kernels)
+            zi, ref_key = to_decoder_layout(z, "channels_last"), "stock-cl3d"
         with torch.inference_mode():
             fn(vae, zi[:, :, :2])  # warm-up on 2 latent frames: Triton compiles, cuDNN plans
             secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)
