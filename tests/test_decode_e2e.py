@@ -190,3 +190,14 @@ def test_random_wan21_at_a_small_size():
     assert info.z_dim == 16 and info.random_weights and info.scale_factor_spatial == 8
     assert frames.shape == (1, 5, 16, 24, 3)
     assert torch.equal(frames, rgb8(diffusers_decode(ref, z, raw_latents=False)))
+
+
+def test_empty_session_ends_with_one_final_message(tiny_server):
+    import grpc
+
+    from vaed_client._proto import vaed_pb2_grpc
+
+    with grpc.insecure_channel(tiny_server.target) as channel:
+        replies = list(vaed_pb2_grpc.VaeDecoderStub(channel).DecodeStream(iter([]), timeout=30))
+    assert len(replies) == 1 and replies[0].final and not replies[0].HasField("frames")
+    assert tiny_server.active_sessions == 0

@@ -60,6 +60,10 @@ def latents_from_message(message: vaed_pb2.Tensor) -> torch.Tensor:
         raise InvalidInput(f"latents: {exc}") from exc
 
 
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
 def frame_messages(group: HostGroup, request_id: str, rgb8: bool, cap_bytes: int) -> Iterator[vaed_pb2.FrameChunk]:
     """One group -> FrameChunks of at most cap_bytes payload, split on frame boundaries."""
     frames = group.frames
@@ -227,16 +231,22 @@ class VaeDecoderService(vaed_pb2_grpc.VaeDecoderServicer):
         )
 
     async def Decode(self, request: vaed_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        stats = CallStats("Decode", request.options.request_id or uuid.uuid4().hex[:16], time.perf_counter())
-        item = None
+        stats = CallStats("Decode", request.options.request_id or new_request_id(), time.perf_counter())
+        async for message in self._guarded(context, stats, self._decode(request, stats)):
+            yield message
+
+    async def DecodeStream(self, request_iterator: AsyncIterator[vaed_pb2.LatentChunk], context: grpc.aio.ServicerContext) -> AsyncIterator[vaed_pb2.FrameChunk]:
+        stats = CallStats("DecodeStream", "-", time.perf_counter())
+        async for message in self._guarded(context, stats, self._decode_stream(request_iterator, stats)):
+            yield message
+
+    async def _guarded(
+        self, context: grpc.aio.ServicerContext, stats: CallStats, messages: AsyncIterator[vaed_pb2.FrameChunk]
+    ) -> AsyncIterator[vaed_pb2.FrameChunk]:
+        """Run one streaming call: its errors become status codes, it is logged and counted once,
+        and its session is closed however it ends (done, failed, cancelled, deadline)."""
         try:
-            self._check_serving()
-            spec = output_spec(request.options)
-            latents = latents_from_message(request.latents)
-            self._check_chunk(stats, latents)
-            item = self._open(spec)
-            self.worker.submit(item, latents, last=True)
-            async for message in self._results(item, stats):
+            async for message in messages:
                 yield message
         except VaedServerError as exc:
             await self._abort(context, stats, exc)
@@ -248,47 +258,48 @@ class VaeDecoderService(vaed_pb2_grpc.VaeDecoderServicer):
         else:
             self._finish(stats, grpc.StatusCode.OK)
         finally:
-            if item is not None:
-                self._close(item)
+            await messages.aclose()  # runs the call's own cleanup now, not at garbage collection
 
-    async def DecodeStream(self, request_iterator: AsyncIterator[vaed_pb2.LatentChunk], context: grpc.aio.ServicerContext) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        stats = CallStats("DecodeStream", "-", time.perf_counter())
-        item = None
+    async def _decode(self, request: vaed_pb2.DecodeRequest, stats: CallStats) -> AsyncIterator[vaed_pb2.FrameChunk]:
+        self._check_serving()
+        spec = output_spec(request.options)
+        latents = latents_from_message(request.latents)
+        self._check_chunk(stats, latents)
+        item = self._open(spec)
+        try:
+            self.worker.submit(item, latents, last=True)
+            async for message in self._results(item, stats):
+                yield message
+        finally:
+            self._close(item)
+
+    async def _decode_stream(
+        self, request_iterator: AsyncIterator[vaed_pb2.LatentChunk], stats: CallStats
+    ) -> AsyncIterator[vaed_pb2.FrameChunk]:
+        self._check_serving()
+        requests = request_iterator.__aiter__()
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            # Opened and half-closed with no chunk: an empty, successful session.
+            stats.request_id = new_request_id()
+            yield vaed_pb2.FrameChunk(request_id=stats.request_id, final=True)
+            return
+        stats.request_id = first.options.request_id or new_request_id()
+        spec = output_spec(first.options)
+        latents = latents_from_message(first.latents)
+        self._check_chunk(stats, latents)
+        item = self._open(spec)
         reader = None
         try:
-            self._check_serving()
-            requests = request_iterator.__aiter__()
-            try:
-                first = await requests.__anext__()
-            except StopAsyncIteration:
-                # Opened and half-closed with no chunk: an empty, successful session.
-                stats.request_id = uuid.uuid4().hex[:16]
-                yield vaed_pb2.FrameChunk(request_id=stats.request_id, final=True)
-                self._finish(stats, grpc.StatusCode.OK)
-                return
-            stats.request_id = first.options.request_id or uuid.uuid4().hex[:16]
-            spec = output_spec(first.options)
-            latents = latents_from_message(first.latents)
-            self._check_chunk(stats, latents)
-            item = self._open(spec)
             self.worker.submit(item, latents)
             reader = asyncio.create_task(self._read_rest(requests, item, stats))
             async for message in self._results(item, stats):
                 yield message
-        except VaedServerError as exc:
-            await self._abort(context, stats, exc)
-        except (asyncio.CancelledError, GeneratorExit):
-            self._finish(stats, grpc.StatusCode.CANCELLED)
-            raise
-        except Exception as exc:
-            await self._abort(context, stats, exc)
-        else:
-            self._finish(stats, grpc.StatusCode.OK)
         finally:
             if reader is not None:
                 reader.cancel()
-            if item is not None:
-                self._close(item)
+            self._close(item)
 
     async def _read_rest(self, requests: AsyncIterator[vaed_pb2.LatentChunk], item: WorkItem, stats: CallStats) -> None:
         """Feed the session's later chunks; a bad chunk ends the call through the result queue."""
