@@ -68,3 +68,10 @@ def test_serve_without_weights_exits_naming_both_ways_out():
     )
     assert proc.returncode != 0
     assert "random:wan2.1" in proc.stderr and "local diffusers folder" in proc.stderr
+
+
+def test_decoder_only_drops_the_encoder_and_keeps_the_decoder():
+    full = load_model("random:wan2.1-tiny", "cpu", torch.float32).vae
+    served = load_model("random:wan2.1-tiny", "cpu", torch.float32, decoder_only=True).vae
+    assert served.encoder is None and served.quant_conv is None
+    assert torch.equal(served.decoder.conv_out.weight, full.decoder.conv_out.weight)

@@ -90,7 +90,7 @@ class DecodeEngine:
     @classmethod
     def load(cls, config: ServerConfig) -> "DecodeEngine":
         dtype = DTYPES[config.compute_dtype_name]
-        return cls(load_model(config.model, config.device, dtype), config)
+        return cls(load_model(config.model, config.device, dtype, decoder_only=True), config)
 
     # -- validation (cheap, no device work) ---------------------------------
 
