@@ -135,3 +135,19 @@ def test_vaed_serve_process_answers_and_drains_on_sigterm():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_explicit_triton_kernels_that_cannot_run_fail_startup():
+    """On the CPU the fused kernels cannot run: `--kernels triton` must refuse to serve."""
+    from vaed.server import StartupError
+
+    async def start():
+        server = VaedServer(make_config(kernels="triton"))
+        await server.start()
+        try:
+            await server.wait_ready(60)
+        finally:
+            await server.stop(0)
+
+    with pytest.raises(StartupError, match="(?i)triton|cuda|cpu"):
+        asyncio.run(start())
