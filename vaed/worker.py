@@ -204,9 +204,10 @@ class DeviceWorker:
         assert self.engine is not None
         engine = self.engine
         started = time.perf_counter()
-        # On CUDA warm up at 480x832 (two latent frames, ~0.1 s on an H200):
-        # the first call at a new size pays cuDNN's and Triton's first-use
-        # costs, which made the first 81-frame request 1.89 s instead of 1.29 s.
+        # On CUDA warm up at 480x832 (two latent frames, ~0.1 s on an H200) so
+        # cuDNN and Triton first-use costs at a common size are paid before
+        # SERVING. The first 81-frame request after start was still slower
+        # (1.6-2.2 s against 1.29 s steady, H200): not all first-use cost is here.
         h, w = (480 // engine.scale_spatial, 832 // engine.scale_spatial) if self.config.is_cuda else (8, 8)
         latents = torch.zeros(1, engine.z_dim, 2, h, w)
         engine.decode_video(latents, OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True))
