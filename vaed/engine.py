@@ -193,11 +193,3 @@ class DecodeEngine:
             groups.append(self.decode_step(session).frames)
         self.close_session(session)
         return torch.cat(groups, dim=1 if output.rgb8 else 2)
-
-    def memory_stats(self) -> dict[str, int]:
-        if self.device.type != "cuda":
-            return {}
-        return {
-            "allocated": torch.cuda.memory_allocated(self.device),
-            "peak": torch.cuda.max_memory_allocated(self.device),
-        }
