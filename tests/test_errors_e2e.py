@@ -224,3 +224,56 @@ def test_internal_error_has_no_stack_trace_and_server_survives(limited_server, m
     code, _ = decode_status(vaed_pb2_grpc.VaeDecoderStub(channel), vaed_pb2.DecodeRequest(latents=tensor_msg(good_latents())))
     assert code == grpc.StatusCode.OK
     channel.close()
+
+
+def test_async_session_rejected_while_writing_gets_the_real_status(limited_server):
+    """grpc.aio clients still writing when a session fails used to see INTERNAL
+    (28-37 of 40 on loopback); the server drains in-flight chunks first."""
+    import asyncio
+
+    from vaed_client import AsyncVaeClient
+    from vaed_client.errors import InvalidArgumentError
+
+    async def rejected_session(client) -> type:
+        session = client.session()
+        try:
+            await session.push(torch.randn(1, Z + 1, 1, 5, 7))  # wrong z_dim
+            for _ in range(3):
+                await session.push(good_latents(t=1))
+            await session.collect()
+        except Exception as exc:
+            return type(exc)
+        return type(None)
+
+    async def main() -> list[type]:
+        async with AsyncVaeClient(limited_server.target) as client:
+            return [await rejected_session(client) for _ in range(20)]
+
+    assert asyncio.run(main()) == [InvalidArgumentError] * 20
+    _wait_for(lambda: limited_server.active_sessions == 0)
+
+
+def test_async_session_with_wrong_token_is_unauthenticated(tmp_path):
+    import asyncio
+
+    from vaed_client import AsyncVaeClient
+    from vaed_client.errors import UnauthenticatedError
+
+    token_file = tmp_path / "token"
+    token_file.write_text("right-token\n")
+    with serve_in_thread(make_config(auth_token_file=str(token_file))) as server:
+
+        async def attempt() -> type:
+            async with AsyncVaeClient(server.target, token="wrong-token") as client:
+                session = client.session()
+                try:
+                    await session.push(good_latents(t=1))
+                    await session.collect()
+                except Exception as exc:
+                    return type(exc)
+            return type(None)
+
+        async def main() -> list[type]:
+            return [await attempt() for _ in range(20)]
+
+        assert asyncio.run(main()) == [UnauthenticatedError] * 20

@@ -17,6 +17,8 @@ from typing import Any
 
 import grpc
 
+from .rpc_streams import drain_requests
+
 logger = logging.getLogger(__name__)
 
 # Name of the environment variable holding the token. It is read only when
@@ -57,10 +59,14 @@ def _deny_handler(
     """A handler of the same shape as ``handler`` that aborts UNAUTHENTICATED.
 
     Keeping the shape and serializers lets gRPC read the request the usual
-    way before the abort; a stream-request call is never read at all.
+    way before the abort; a stream-request call is drained briefly first.
     """
 
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await drain_requests(requests)  # else grpc.aio clients still writing see INTERNAL
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     if handler is None:
@@ -69,9 +75,9 @@ def _deny_handler(
         return grpc.unary_unary_rpc_method_handler(abort)
     de, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, de, ser)
+        return grpc.stream_stream_rpc_method_handler(abort_stream, de, ser)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, de, ser)
+        return grpc.stream_unary_rpc_method_handler(abort_stream, de, ser)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(abort, de, ser)
     return grpc.unary_unary_rpc_method_handler(abort, de, ser)

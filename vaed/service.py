@@ -5,6 +5,7 @@ through the DeviceWorker, and every domain error becomes a status code in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
 from .config import ServerConfig
 from .engine import DTYPES, OutputSpec
 from .errors import CapacityExhausted, InvalidInput, NotReady, VaedServerError
+from .rpc_streams import drain_requests
 from .worker import DeviceWorker, EndOfOutput, HostGroup, WorkItem
 
 log = logging.getLogger(__name__)
@@ -237,23 +239,30 @@ class VaeDecoderService(vaed_pb2_grpc.VaeDecoderServicer):
 
     async def DecodeStream(self, request_iterator: AsyncIterator[vaed_pb2.LatentChunk], context: grpc.aio.ServicerContext) -> AsyncIterator[vaed_pb2.FrameChunk]:
         stats = CallStats("DecodeStream", "-", time.perf_counter())
-        async for message in self._guarded(context, stats, self._decode_stream(request_iterator, stats)):
+        requests = request_iterator.__aiter__()
+        async for message in self._guarded(context, stats, self._decode_stream(requests, stats), requests):
             yield message
 
     async def _guarded(
-        self, context: grpc.aio.ServicerContext, stats: CallStats, messages: AsyncIterator[vaed_pb2.FrameChunk]
+        self,
+        context: grpc.aio.ServicerContext,
+        stats: CallStats,
+        messages: AsyncIterator[vaed_pb2.FrameChunk],
+        requests: AsyncIterator[vaed_pb2.LatentChunk] | None = None,
     ) -> AsyncIterator[vaed_pb2.FrameChunk]:
         """Run one streaming call: its errors become status codes, it is logged and counted once,
-        and its session is closed however it ends (done, failed, cancelled, deadline)."""
+        and its session is closed however it ends (done, failed, cancelled, deadline). A failing
+        client-streaming call drains the client's in-flight chunks before its status."""
         try:
             async for message in messages:
                 yield message
-        except VaedServerError as exc:
-            await self._abort(context, stats, exc)
         except (asyncio.CancelledError, GeneratorExit):
             self._finish(stats, grpc.StatusCode.CANCELLED)
             raise
         except Exception as exc:
+            await messages.aclose()  # frees the session and stops its reader before draining
+            if requests is not None:
+                await drain_requests(requests)
             await self._abort(context, stats, exc)
         else:
             self._finish(stats, grpc.StatusCode.OK)
@@ -274,10 +283,9 @@ class VaeDecoderService(vaed_pb2_grpc.VaeDecoderServicer):
             self._close(item)
 
     async def _decode_stream(
-        self, request_iterator: AsyncIterator[vaed_pb2.LatentChunk], stats: CallStats
+        self, requests: AsyncIterator[vaed_pb2.LatentChunk], stats: CallStats
     ) -> AsyncIterator[vaed_pb2.FrameChunk]:
         self._check_serving()
-        requests = request_iterator.__aiter__()
         try:
             first = await requests.__anext__()
         except StopAsyncIteration:
@@ -299,6 +307,8 @@ class VaeDecoderService(vaed_pb2_grpc.VaeDecoderServicer):
         finally:
             if reader is not None:
                 reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader  # the request stream is free for draining once it returns
             self._close(item)
 
     async def _read_rest(self, requests: AsyncIterator[vaed_pb2.LatentChunk], item: WorkItem, stats: CallStats) -> None:
