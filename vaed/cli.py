@@ -38,9 +38,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent decode calls; more get RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="largest B of one call (default %(default)s)")
     parser.add_argument("--max-latent-frames", type=int, default=defaults.max_latent_frames,
-                        help="largest T (latent frames) of one call or session (default %(default)s)")
+                        help="largest T (latent frames) of one call or session; 0 = no limit (default %(default)s)")
     parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels,
-                        help="largest output H*W of one frame (default %(default)s = 1280x1280)")
+                        help="largest output H*W of one frame; 0 = no limit (default %(default)s = 1280x1280)")
     parser.add_argument("--queue-chunks", type=int, default=defaults.queue_chunks,
                         help="decoded chunks buffered per call before the decode waits for the client (default %(default)s)")
     parser.add_argument("--grace", type=float, default=defaults.grace,
