@@ -25,3 +25,49 @@ def denormalize(vae: Any, latents: torch.Tensor) -> torch.Tensor:
 def diffusers_decode(vae: Any, latents: torch.Tensor, *, raw_latents: bool) -> torch.Tensor:
     z = latents.to(vae.device, vae.dtype) if raw_latents else denormalize(vae, latents)
     return vae.decode(z, return_dict=False)[0].cpu()
+
+
+def self_signed_pem(host: str = "localhost") -> tuple[bytes, bytes]:
+    """A self-signed EC cert valid for `host` and 127.0.0.1, as (cert PEM, key PEM)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(host), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def write_self_signed(directory: Any, host: str = "localhost") -> tuple[Any, Any]:
+    """`self_signed_pem` written to directory/tls.crt and tls.key (0600); returns the two paths."""
+    import os
+
+    cert_pem, key_pem = self_signed_pem(host)
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(cert_pem)
+    key_path.write_bytes(key_pem)
+    os.chmod(key_path, 0o600)
+    return cert_path, key_path

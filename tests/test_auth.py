@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from helpers import write_self_signed
 from vaed import health_check
 from vaed.auth import AUTH_TOKEN_ENV, BearerTokenInterceptor, read_token, server_credentials
 
@@ -253,44 +247,9 @@ def test_read_token_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
 # ---------------------------------------------------------------- TLS
 
 
-def make_self_signed(directory: Path, host: str = "localhost") -> tuple[Path, Path]:
-    """A self-signed EC cert valid for ``host`` and 127.0.0.1; returns (cert, key) paths."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName(host), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    os.chmod(key_path, 0o600)
-    return cert_path, key_path
-
-
 @pytest.fixture()
 def tls_files(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    yield make_self_signed(tmp_path)
+    yield write_self_signed(tmp_path)
 
 
 def test_tls_round_trip_with_token(tls_files: tuple[Path, Path]) -> None:

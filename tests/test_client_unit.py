@@ -10,7 +10,6 @@ server's end-to-end tests.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import json
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import self_signed_pem
 import vaed_client
 from vaed_client import channel as vchannel
 from vaed_client import errors, tensors
@@ -293,7 +293,7 @@ def test_channel_options_and_service_config() -> None:
 def test_tls_specs(tmp_path: Any) -> None:
     assert vchannel.channel_credentials(None) is None and vchannel.channel_credentials(False) is None
     assert isinstance(vchannel.channel_credentials(True), grpc.ChannelCredentials)
-    cert, _ = _self_signed()
+    cert, _ = self_signed_pem()
     path = tmp_path / "ca.pem"
     path.write_bytes(cert)
     for spec in (cert, str(path), path):
@@ -302,37 +302,6 @@ def test_tls_specs(tmp_path: Any) -> None:
         vchannel.channel_credentials(3)  # type: ignore[arg-type]
     assert vchannel.bearer_metadata("abc") == (("authorization", "Bearer abc"),)
     assert vchannel.bearer_metadata(None) == ()
-
-
-def _self_signed() -> tuple[bytes, bytes]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    import ipaddress
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
 def test_token_on_insecure_channel(fake: tuple[FakeDecoder, str]) -> None:
@@ -344,7 +313,7 @@ def test_token_on_insecure_channel(fake: tuple[FakeDecoder, str]) -> None:
 
 
 def test_tls_with_token() -> None:
-    cert, key = _self_signed()
+    cert, key = self_signed_pem()
     servicer = FakeDecoder()
     server, port = _start(servicer, grpc.ssl_server_credentials([(key, cert)]))
     try:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from vaed.kernels import causal_pad_reference, dupup_add_reference, upsample_nearest2x_reference
-from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input import _stock_layouts
 from vaed.kernels.dupup import _out_strides
 from vaed.kernels.upsample import _out_layout

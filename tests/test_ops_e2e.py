@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import conftest
-from test_auth import make_self_signed
+from helpers import write_self_signed
 from vaed import health_check
 from vaed.auth import AUTH_TOKEN_ENV
 from vaed.config import ServerConfig
@@ -176,7 +176,7 @@ def test_health_open_without_token(auth_server: conftest.RunningServer) -> None:
 
 
 def test_tls_round_trip(tmp_path: Path) -> None:
-    cert, key = make_self_signed(tmp_path, host="localhost")
+    cert, key = write_self_signed(tmp_path, host="localhost")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     cfg = make_config(tls_cert=str(cert), tls_key=str(key),
