@@ -48,10 +48,6 @@ class RunningServer:
         assert engine is not None
         return load_model(self.config.model, self.config.device, engine.dtype).vae
 
-    def call(self, coro: Any, timeout: float = 60) -> Any:
-        """Run a coroutine on the server's loop (e.g. server.stop())."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
     @property
     def active_sessions(self) -> int:
         return self.server.worker.active_sessions
