@@ -14,8 +14,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
-from concurrent import futures
 from typing import Any, Iterator
 
 import grpc
@@ -23,175 +21,21 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import self_signed_pem
+from harness import (
+    TEMPORAL, FakeDecoder, expected_video, fake_raw, fake_video, latents_np, self_signed_pem, start_fake_server,
+)
 import vaed_client
 from vaed_client import channel as vchannel
 from vaed_client import errors, tensors
-from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
-from vaed_client.video import assemble, output_frames
-
-SPATIAL = 8
-TEMPORAL = 4
-
-
-# -- the fake server ---------------------------------------------------------
-def fake_video(b: int, t: int, h: int, w: int, first: int = 0) -> np.ndarray:
-    """[B, t, H, W, 3] uint8 frames first..first+t-1 of the synthetic video."""
-    bi = np.arange(b).reshape(b, 1, 1, 1, 1)
-    fi = np.arange(first, first + t).reshape(1, t, 1, 1, 1)
-    yi = np.arange(h).reshape(1, 1, h, 1, 1)
-    xi = np.arange(w).reshape(1, 1, 1, w, 1)
-    ci = np.arange(3).reshape(1, 1, 1, 1, 3)
-    return ((bi * 50 + fi * 7 + yi * 3 + xi + ci * 11) % 256).astype(np.uint8)
-
-
-def fake_raw(video: np.ndarray) -> np.ndarray:
-    """RGB8 video -> RAW layout [B, 3, t, H, W] float32 in [-1, 1]."""
-    return (video.astype(np.float32) / 127.5 - 1.0).transpose(0, 4, 1, 2, 3).copy()
-
-
-def raw_message(raw: np.ndarray, wire_dtype: int) -> vaed_pb2.Tensor:
-    t = torch.from_numpy(raw)
-    return tensors.to_message(t.to(tensors.torch_dtype(wire_dtype)))
-
-
-class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
-    def __init__(self) -> None:
-        self.max_frames_per_message = 3  # forces split groups
-        self.final_empty = True  # False: final flag rides on the last frames message
-        self.delay_s = 0.0
-        self.unavailable_left = 0
-        self.attempts = 0
-        self.metadata: list[dict[str, str]] = []
-        self.requests: list[Any] = []
-        self.cancelled = threading.Event()
-        self.lock = threading.Lock()
-
-    def _enter(self, context: grpc.ServicerContext) -> None:
-        with self.lock:
-            self.metadata.append(dict(context.invocation_metadata()))
-            self.attempts += 1
-            if self.unavailable_left > 0:
-                self.unavailable_left -= 1
-                context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
-
-    def _track(self, context: grpc.ServicerContext, messages: Iterator[Any]) -> Iterator[Any]:
-        """Sets `cancelled` when the call terminates before its last message."""
-        ended: list[bool] = []
-        context.add_callback(lambda: ended or self.cancelled.set())
-        try:
-            yield from messages
-        except Exception:  # context.abort() raises: an error, not a cancel
-            ended.append(True)
-            raise
-        ended.append(True)
-
-    def GetModelInfo(self, request: Any, context: grpc.ServicerContext) -> vaed_pb2.ModelInfo:
-        self._enter(context)
-        return vaed_pb2.ModelInfo(
-            model="fake",
-            z_dim=16,
-            scale_factor_temporal=TEMPORAL,
-            scale_factor_spatial=SPATIAL,
-            latents_mean=[0.5] * 16,
-            latents_std=[2.0] * 16,
-            compute_dtype=vaed_pb2.FLOAT32,
-            device="cpu",
-            random_weights=True,
-            max_message_bytes=vchannel.MAX_MESSAGE_BYTES,
-        )
-
-    def _check(self, options: vaed_pb2.DecodeOptions, latents: vaed_pb2.Tensor, context: Any) -> None:
-        if options.request_id.startswith("abort:"):
-            context.abort(grpc.StatusCode[options.request_id.split(":")[1]], "fake failure")
-        if len(latents.shape) != 5:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"latents must be 5-D, got {list(latents.shape)}")
-
-    def _groups(
-        self, latents: vaed_pb2.Tensor, options: vaed_pb2.DecodeOptions, start: int, chunk_index: int, rid: str
-    ) -> Iterator[vaed_pb2.FrameChunk]:
-        b, _, t, h, w = latents.shape
-        for g in range(start, start + t):
-            first = 0 if g == 0 else 1 + TEMPORAL * (g - 1)
-            count = 1 if g == 0 else TEMPORAL
-            for f in range(first, first + count, self.max_frames_per_message):
-                n = min(self.max_frames_per_message, first + count - f)
-                video = fake_video(b, n, h * SPATIAL, w * SPATIAL, first=f)
-                if options.format == vaed_pb2.RAW:
-                    frames = raw_message(fake_raw(video), options.raw_dtype or vaed_pb2.FLOAT32)
-                else:
-                    frames = tensors.to_message(video)
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-                yield vaed_pb2.FrameChunk(request_id=rid, chunk_index=chunk_index, first_frame=f, frames=frames)
-            chunk_index += 1
-
-    def _finish(self, messages: Iterator[vaed_pb2.FrameChunk], rid: str) -> Iterator[vaed_pb2.FrameChunk]:
-        last = None
-        for message in messages:
-            rid = message.request_id
-            if last is not None:
-                yield last
-            last = message
-        if self.final_empty or last is None:
-            if last is not None:
-                yield last
-            yield vaed_pb2.FrameChunk(request_id=rid, final=True)
-        else:
-            last.final = True
-            yield last
-
-    def Decode(self, request: Any, context: grpc.ServicerContext) -> Iterator[vaed_pb2.FrameChunk]:
-        self._enter(context)
-        self.requests.append(request)
-        self._check(request.options, request.latents, context)
-        rid = request.options.request_id or "fake-id"
-        yield from self._track(context, self._finish(self._groups(request.latents, request.options, 0, 0, rid), rid))
-
-    def DecodeStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Iterator[vaed_pb2.FrameChunk]:
-        self._enter(context)
-
-        def all_groups() -> Iterator[vaed_pb2.FrameChunk]:
-            options = None
-            done = 0
-            for i, chunk in enumerate(request_iterator):
-                self.requests.append(chunk)
-                if i == 0:
-                    options = chunk.options
-                elif chunk.HasField("options"):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "options on a non-first message")
-                self._check(options, chunk.latents, context)
-                yield from self._groups(chunk.latents, options, done, i, options.request_id or "fake-id")
-                done += chunk.latents.shape[2]
-
-        yield from self._track(context, self._finish(all_groups(), "fake-id"))
-
-
-def _start(servicer: FakeDecoder, credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=vchannel.channel_options())
-    vaed_pb2_grpc.add_VaeDecoderServicer_to_server(servicer, server)
-    if credentials is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
-    return server, port
-
+from vaed_client._proto import vaed_pb2
+from vaed_client.video import assemble
 
 @pytest.fixture()
 def fake() -> Iterator[tuple[FakeDecoder, str]]:
     servicer = FakeDecoder()
-    server, port = _start(servicer)
+    server, port = start_fake_server(servicer)
     yield servicer, f"127.0.0.1:{port}"
     server.stop(0)
-
-
-def latents_np(b: int = 1, t: int = 3, h: int = 2, w: int = 3, dtype: Any = np.float32) -> np.ndarray:
-    return np.random.default_rng(0).standard_normal((b, 16, t, h, w)).astype(dtype)
-
-
-def expected_video(b: int, t: int, h: int, w: int) -> np.ndarray:
-    return fake_video(b, output_frames(t, TEMPORAL), h * SPATIAL, w * SPATIAL)
 
 
 # -- codec -------------------------------------------------------------------
@@ -315,7 +159,7 @@ def test_token_on_insecure_channel(fake: tuple[FakeDecoder, str]) -> None:
 def test_tls_with_token() -> None:
     cert, key = self_signed_pem()
     servicer = FakeDecoder()
-    server, port = _start(servicer, grpc.ssl_server_credentials([(key, cert)]))
+    server, port = start_fake_server(servicer, grpc.ssl_server_credentials([(key, cert)]))
     try:
         with vaed_client.VaeClient(f"localhost:{port}", tls=cert, token="tok") as client:
             assert client.model_info().model == "fake"

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from test_client_unit import FakeDecoder, _start, expected_video, fake_video
+from harness import FakeDecoder, expected_video, fake_video, start_fake_server
 from vaed import decode_command as dc
 
 
@@ -106,7 +106,7 @@ def test_png_writer(tmp_path: pathlib.Path) -> None:
 @pytest.fixture()
 def fake_target() -> Iterator[tuple[FakeDecoder, str]]:
     servicer = FakeDecoder()
-    server, port = _start(servicer)
+    server, port = start_fake_server(servicer)
     yield servicer, f"127.0.0.1:{port}"
     server.stop(0)
 

@@ -21,7 +21,7 @@ from vaed.server import VaedServer
 from vaed_client import VaeClient
 from vaed_client.errors import UnavailableError
 
-from conftest import make_config
+from harness import make_config
 
 
 def health_status(target: str, service: str = "") -> int:

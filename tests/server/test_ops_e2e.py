@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import conftest
-from helpers import write_self_signed
+import harness
+from harness import write_self_signed
 from vaed import health_check
 from vaed.auth import AUTH_TOKEN_ENV
 from vaed.config import ServerConfig
@@ -65,12 +65,12 @@ def _health(target: str, **kw: object) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def metrics_server() -> Iterator[conftest.RunningServer]:
-    with conftest.serve_in_thread(make_config(metrics_port=0)) as running:
+def metrics_server() -> Iterator[harness.RunningServer]:
+    with harness.serve_in_thread(make_config(metrics_port=0)) as running:
         yield running
 
 
-def test_metrics_move_during_real_decode(metrics_server: conftest.RunningServer) -> None:
+def test_metrics_move_during_real_decode(metrics_server: harness.RunningServer) -> None:
     port = metrics_server.server.metrics_port
     assert port
     before = scrape(port)
@@ -110,7 +110,7 @@ def test_metrics_move_during_real_decode(metrics_server: conftest.RunningServer)
     assert ("vaed_gpu_memory_allocated_bytes", (("device", "cpu"),)) in after
 
 
-def test_metrics_count_errors(metrics_server: conftest.RunningServer) -> None:
+def test_metrics_count_errors(metrics_server: harness.RunningServer) -> None:
     port = metrics_server.server.metrics_port
     assert port
     key = ("vaed_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "Decode")))
@@ -127,16 +127,16 @@ def test_metrics_count_errors(metrics_server: conftest.RunningServer) -> None:
 
 
 @pytest.fixture(scope="module")
-def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[conftest.RunningServer]:
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.RunningServer]:
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")  # trailing newline as `echo` writes it
     cfg = make_config(auth_token_file=str(token_file))
-    with conftest.serve_in_thread(cfg) as running:
+    with harness.serve_in_thread(cfg) as running:
         yield running
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"], ids=["missing", "wrong"])
-def test_auth_rejects(auth_server: conftest.RunningServer, token: str | None) -> None:
+def test_auth_rejects(auth_server: harness.RunningServer, token: str | None) -> None:
     with VaeClient(auth_server.target, timeout=30, token=token) as client:
         with pytest.raises(UnauthenticatedError):
             client.model_info()
@@ -146,7 +146,7 @@ def test_auth_rejects(auth_server: conftest.RunningServer, token: str | None) ->
             list(client.stream(latents(1)))
 
 
-def test_auth_rejects_session(auth_server: conftest.RunningServer) -> None:
+def test_auth_rejects_session(auth_server: harness.RunningServer) -> None:
     with VaeClient(auth_server.target, timeout=30, token="wrong-token") as client:
         session = client.session()
         with pytest.raises(UnauthenticatedError):
@@ -156,7 +156,7 @@ def test_auth_rejects_session(auth_server: conftest.RunningServer) -> None:
             list(session)
 
 
-def test_auth_accepts_right_token(auth_server: conftest.RunningServer) -> None:
+def test_auth_accepts_right_token(auth_server: harness.RunningServer) -> None:
     with VaeClient(auth_server.target, timeout=60, token=TOKEN) as client:
         assert client.model_info().z_dim == 4
         video = client.decode(latents(2))
@@ -167,7 +167,7 @@ def test_auth_accepts_right_token(auth_server: conftest.RunningServer) -> None:
         assert session.collect().shape[1] == 5
 
 
-def test_health_open_without_token(auth_server: conftest.RunningServer) -> None:
+def test_health_open_without_token(auth_server: harness.RunningServer) -> None:
     assert _health(auth_server.target) == (0, "SERVING")
     assert _health(auth_server.target, service="vaed.v1.VaeDecoder") == (0, "SERVING")
 
@@ -181,7 +181,7 @@ def test_tls_round_trip(tmp_path: Path) -> None:
     token_file.write_text(TOKEN)
     cfg = make_config(tls_cert=str(cert), tls_key=str(key),
                                auth_token_file=str(token_file))
-    with conftest.serve_in_thread(cfg) as running:
+    with harness.serve_in_thread(cfg) as running:
         target = f"localhost:{running.server.port}"
         with VaeClient(target, timeout=60, tls=str(cert), token=TOKEN) as client:
             assert client.model_info().z_dim == 4
@@ -197,7 +197,7 @@ def test_tls_round_trip(tmp_path: Path) -> None:
         assert _health(target, tls=True, ca_cert=str(cert)) == (0, "SERVING")
 
 
-def test_reflection_needs_token(auth_server: conftest.RunningServer) -> None:
+def test_reflection_needs_token(auth_server: harness.RunningServer) -> None:
     import grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -9,8 +9,8 @@ import torch
 from vaed.install import prepare_decoder
 from vaed_client import VaeClient
 
-from conftest import make_config, serve_in_thread
-from helpers import diffusers_decode, rgb8
+from harness import make_config, serve_in_thread
+from harness import diffusers_decode, rgb8
 
 pytestmark = pytest.mark.cuda
 

@@ -22,7 +22,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 K8S_VERSION = "1.30.0"

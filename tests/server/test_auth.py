@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from helpers import write_self_signed
+from harness import write_self_signed
 from vaed import health_check
 from vaed.auth import AUTH_TOKEN_ENV, BearerTokenInterceptor, read_token, server_credentials
 

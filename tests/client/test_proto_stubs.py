@@ -6,7 +6,7 @@ import importlib.util
 import pathlib
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_committed_stubs_match_proto():

@@ -12,7 +12,7 @@ from vaed_client import VaeClient, tensors
 from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
 from vaed_client.errors import DeadlineExceededError, ResourceExhaustedError
 
-from conftest import serve_in_thread, make_config
+from harness import serve_in_thread, make_config
 
 Z = 4  # z_dim of random:wan2.1-tiny
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vaed_client import AsyncVaeClient, VaeClient
-from helpers import diffusers_decode, rgb8
+from harness import diffusers_decode, rgb8
 
 # (B, T, h, w): T=1, 2, 5, B=2, odd h and w. Spatial sizes stay at h*w >= 35:
 # below that, aten's CPU conv3d takes another kernel whose 1x1x1
