@@ -20,6 +20,12 @@ class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_FORMAT_UNSPECIFIED: _ClassVar[OutputFormat]
     RGB8: _ClassVar[OutputFormat]
     RAW: _ClassVar[OutputFormat]
+
+class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECISION_UNSPECIFIED: _ClassVar[Precision]
+    LOSSLESS: _ClassVar[Precision]
+    FAST: _ClassVar[Precision]
 DATA_TYPE_UNSPECIFIED: DataType
 UINT8: DataType
 FLOAT16: DataType
@@ -28,6 +34,9 @@ FLOAT32: DataType
 OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
 RGB8: OutputFormat
 RAW: OutputFormat
+PRECISION_UNSPECIFIED: Precision
+LOSSLESS: Precision
+FAST: Precision
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -40,16 +49,20 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("format", "raw_dtype", "raw_latents", "request_id")
+    __slots__ = ("format", "raw_dtype", "raw_latents", "request_id", "precision", "allow_non_finite")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     RAW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RAW_LATENTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     format: OutputFormat
     raw_dtype: DataType
     raw_latents: bool
     request_id: str
-    def __init__(self, format: _Optional[_Union[OutputFormat, str]] = ..., raw_dtype: _Optional[_Union[DataType, str]] = ..., raw_latents: bool = ..., request_id: _Optional[str] = ...) -> None: ...
+    precision: Precision
+    allow_non_finite: bool
+    def __init__(self, format: _Optional[_Union[OutputFormat, str]] = ..., raw_dtype: _Optional[_Union[DataType, str]] = ..., raw_latents: bool = ..., request_id: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., allow_non_finite: bool = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("latents", "options")
@@ -86,7 +99,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout")
+    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     Z_DIM_FIELD_NUMBER: _ClassVar[int]
     SCALE_FACTOR_TEMPORAL_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +114,10 @@ class ModelInfo(_message.Message):
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATHS_NOTE_FIELD_NUMBER: _ClassVar[int]
+    PRECISIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     z_dim: int
     scale_factor_temporal: int
@@ -115,4 +132,8 @@ class ModelInfo(_message.Message):
     max_pixels: int
     kernels: str
     layout: str
-    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    fast_paths_note: str
+    precisions: _containers.RepeatedScalarFieldContainer[Precision]
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    parallel: str
+    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ...) -> None: ...
