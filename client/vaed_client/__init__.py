@@ -7,7 +7,7 @@ tensors (torch in -> torch out, numpy in -> numpy out).
 from __future__ import annotations
 
 from .aio import AsyncDecodeSession, AsyncVaeClient
-from .channel import MAX_MESSAGE_BYTES
+from .wire import MAX_MESSAGE_BYTES
 from .client import DecodeSession, ModelInfo, VaeClient
 from .errors import (
     CancelledError,

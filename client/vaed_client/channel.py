@@ -1,15 +1,26 @@
-"""Channel construction shared by the sync and asyncio clients.
+"""Channel construction shared by the sync and asyncio clients and the CLI.
 
 - Message limits: gRPC's default receive limit is 4 MiB, and one 480x832 RGB8
-  group of 4 frames is already 4.8 MiB, so both directions get 256 MiB.
+  group of 4 frames is already 4.8 MiB, so both directions get
+  `wire.MAX_MESSAGE_BYTES` (256 MiB).
 - Service config: round_robin across every address a `dns:///` target
   resolves to (one per replica behind a headless Service), and retries on
   UNAVAILABLE (server warming up or draining) with exponential backoff.
   A streaming call is only retried before its first response arrives, so a
   retry never duplicates frames.
+- Keepalive: the channel pings every 60 s (20 s to answer) and only while a
+  call is open (`keepalive_permit_without_calls=0`), with no cap on pings
+  between data frames (`http2.max_pings_without_data=0`, so a long decode
+  that sends nothing for minutes keeps its connection). The vaed server
+  permits client pings every >= 30 s, so 60 s never trips its
+  too_many_pings GOAWAY; a dead peer behind a NAT or load balancer is found
+  within ~80 s instead of at the next write.
 - Auth: `token=` sends `authorization: Bearer <token>` on every call — as call
   credentials over TLS, or as plain per-call metadata on an insecure channel
   (gRPC refuses call credentials there; loopback tests still need tokens).
+- TLS: `tls=` (see `channel_credentials`) and `tls_server_name=`, the name
+  expected in the server certificate when it differs from the target's host
+  (e.g. reaching a pod by IP with a cert for `vaed.<ns>.svc`).
 """
 
 from __future__ import annotations
@@ -21,9 +32,7 @@ from typing import Any, Union
 import grpc
 import grpc.aio
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-SERVICE_NAME = "vaed.v1.VaeDecoder"
-METHODS = ("GetModelInfo", "Decode", "DecodeStream")
+from .wire import MAX_MESSAGE_BYTES, METHODS, SERVICE_NAME  # noqa: F401  (MAX_MESSAGE_BYTES re-exported)
 
 RETRY_POLICY: dict[str, Any] = {
     "maxAttempts": 5,
@@ -49,19 +58,32 @@ SERVICE_CONFIG_JSON = json.dumps(SERVICE_CONFIG)
 # any real request (480x832x81 bf16 latents are 4.2 MB); 64 MiB covers them.
 RETRY_BUFFER_BYTES = 64 * 1024 * 1024
 
+# Client keepalive (see module doc): 2x the server's 30 s minimum ping interval.
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
 TlsSpec = Union[bool, bytes, str, "os.PathLike[str]", grpc.ChannelCredentials, None]
 Metadata = tuple[tuple[str, str], ...]
 
 
-def channel_options(extra: list[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
-    """gRPC channel arguments: message limits, service config, retries."""
+def channel_options(
+    extra: list[tuple[str, Any]] | None = None, *, tls_server_name: str | None = None
+) -> list[tuple[str, Any]]:
+    """gRPC channel arguments: message limits, service config, retries,
+    keepalive, and the TLS name override; `extra` entries replace defaults."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.service_config", SERVICE_CONFIG_JSON),
         ("grpc.enable_retries", 1),
         ("grpc.per_rpc_retry_buffer_size", RETRY_BUFFER_BYTES),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
     if extra:
         overridden = {key for key, _ in extra}
         options = [(k, v) for k, v in options if k not in overridden] + list(extra)
@@ -97,16 +119,25 @@ def _secure_credentials(credentials: grpc.ChannelCredentials, token: str | None)
     return grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(token))
 
 
+def _prepare(
+    tls: TlsSpec, token: str | None, options: list[tuple[str, Any]] | None, tls_server_name: str | None
+) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    credentials = channel_credentials(tls)
+    if tls_server_name and credentials is None:
+        raise ValueError("tls_server_name needs a TLS channel: pass tls=True or a CA certificate")
+    return credentials, channel_options(options, tls_server_name=tls_server_name)
+
+
 def create_channel(
     target: str,
     *,
     tls: TlsSpec = None,
     token: str | None = None,
     options: list[tuple[str, Any]] | None = None,
+    tls_server_name: str | None = None,
 ) -> tuple[grpc.Channel, Metadata]:
     """A sync channel and the metadata every call on it must send."""
-    credentials = channel_credentials(tls)
-    opts = channel_options(options)
+    credentials, opts = _prepare(tls, token, options, tls_server_name)
     if credentials is None:
         return grpc.insecure_channel(target, options=opts), bearer_metadata(token)
     return grpc.secure_channel(target, _secure_credentials(credentials, token), options=opts), ()
@@ -118,10 +149,10 @@ def create_aio_channel(
     tls: TlsSpec = None,
     token: str | None = None,
     options: list[tuple[str, Any]] | None = None,
+    tls_server_name: str | None = None,
 ) -> tuple[grpc.aio.Channel, Metadata]:
-    """A grpc.aio channel and the metadata every call on it must send."""
-    credentials = channel_credentials(tls)
-    opts = channel_options(options)
+    """A grpc.aio channel (bound to the running loop) and the metadata every call must send."""
+    credentials, opts = _prepare(tls, token, options, tls_server_name)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=opts), bearer_metadata(token)
     return grpc.aio.secure_channel(target, _secure_credentials(credentials, token), options=opts), ()

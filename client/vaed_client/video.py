@@ -17,17 +17,13 @@ import numpy as np
 from . import tensors
 from ._proto import vaed_pb2
 from .errors import InternalError
+from .wire import output_frames  # noqa: F401  (re-exported; the rule lives in wire)
 
 log = logging.getLogger(__name__)
 
 RGB8 = "rgb8"
 RAW = "raw"
 TIME_AXIS = {RGB8: 1, RAW: 2}
-
-
-def output_frames(latent_frames: int, temporal_factor: int) -> int:
-    """Wan is causal: latent frame 0 -> 1 frame, every later one -> `temporal_factor`."""
-    return 0 if latent_frames <= 0 else 1 + temporal_factor * (latent_frames - 1)
 
 
 @dataclass(frozen=True)

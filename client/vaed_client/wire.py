@@ -1,0 +1,98 @@
+"""Public wire knowledge of vaed, shared by the client, its CLI and the server.
+
+One copy of everything both ends must agree on: the generated stubs (`pb`,
+`pb_grpc`), the service name and methods, message limits, the bearer-token
+variable, the frames-per-latent rule, how a frame group is split into
+messages, the dtype table and tensor (de)serialisation. The server imports
+this module instead of the client's private ones, so changing a rule here
+changes it on both ends at once.
+
+Needs numpy, grpcio and protobuf only; torch is imported lazily by the torch
+helpers.
+"""
+
+from __future__ import annotations
+
+from ._proto import vaed_pb2 as pb
+from ._proto import vaed_pb2_grpc as pb_grpc
+from .dtypes import (
+    DTYPE_NAMES,
+    WIRE_DTYPE_BY_NAME,
+    TensorFormatError,
+    dtype_name,
+    is_torch,
+    itemsize,
+    torch_dtype,
+    wire_dtype,
+)
+from .tensors import to_message, to_numpy, to_torch, validate
+
+SERVICE_NAME = "vaed.v1.VaeDecoder"
+METHODS: tuple[str, ...] = ("GetModelInfo", "Decode", "DecodeStream")
+
+# gRPC's default receive limit is 4 MiB, and one 480x832 RGB8 group of 4
+# frames is already 4.8 MiB: both ends set 256 MiB explicitly.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Default cap on one FrameChunk's frame payload: a 720x1280 RGB8 group of 4
+# frames (11 MiB) stays one message, far below MAX_MESSAGE_BYTES, and a RAW
+# float32 group is split into several messages instead of one 44 MiB blob.
+FRAME_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# Environment variable holding the bearer token (read when a command or the
+# server starts, never at import).
+AUTH_TOKEN_ENV = "VAED_AUTH_TOKEN"
+# Longest request_id the server accepts or echoes (it ends up in logs).
+MAX_REQUEST_ID_CHARS = 128
+
+# Wan's causal VAE: latent frame 0 -> 1 frame, every later one -> 4.
+DEFAULT_TEMPORAL_FACTOR = 4
+
+
+def output_frames(latent_frames: int, temporal: int = DEFAULT_TEMPORAL_FACTOR) -> int:
+    """Frames decoded from `latent_frames` latent frames: 1 + temporal*(T-1), 0 for 0."""
+    if latent_frames < 0:
+        raise ValueError(f"latent_frames must be >= 0, got {latent_frames}")
+    if temporal < 1:
+        raise ValueError(f"temporal factor must be >= 1, got {temporal}")
+    return 0 if latent_frames == 0 else 1 + temporal * (latent_frames - 1)
+
+
+def frame_slices(count: int, frame_bytes: int, cap_bytes: int) -> list[tuple[int, int]]:
+    """(start, length) pieces of a group of `count` frames of `frame_bytes`
+    each, so that every piece's payload is <= cap_bytes; a frame larger than
+    the cap still travels, alone (a frame cannot be split)."""
+    if count < 0 or frame_bytes < 0:
+        raise ValueError(f"count and frame_bytes must be >= 0, got {count}, {frame_bytes}")
+    if cap_bytes < 1:
+        raise ValueError(f"cap_bytes must be >= 1, got {cap_bytes}")
+    if count == 0:
+        return []
+    step = count if frame_bytes == 0 else max(1, min(count, cap_bytes // frame_bytes))
+    return [(start, min(step, count - start)) for start in range(0, count, step)]
+
+
+__all__ = [
+    "pb",
+    "pb_grpc",
+    "SERVICE_NAME",
+    "METHODS",
+    "MAX_MESSAGE_BYTES",
+    "FRAME_MESSAGE_BYTES",
+    "AUTH_TOKEN_ENV",
+    "MAX_REQUEST_ID_CHARS",
+    "DEFAULT_TEMPORAL_FACTOR",
+    "output_frames",
+    "frame_slices",
+    "DTYPE_NAMES",
+    "WIRE_DTYPE_BY_NAME",
+    "TensorFormatError",
+    "dtype_name",
+    "itemsize",
+    "torch_dtype",
+    "wire_dtype",
+    "is_torch",
+    "to_message",
+    "to_numpy",
+    "to_torch",
+    "validate",
+]

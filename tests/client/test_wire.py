@@ -1,0 +1,102 @@
+"""vaed_client.wire: the public wire knowledge both ends import (limits,
+frames-per-latent rule, chunk splitting, dtype table, tensor validation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from vaed_client import wire
+
+
+def test_constants() -> None:
+    assert wire.SERVICE_NAME == wire.pb.DESCRIPTOR.services_by_name["VaeDecoder"].full_name == "vaed.v1.VaeDecoder"
+    assert set(wire.METHODS) == set(wire.pb.DESCRIPTOR.services_by_name["VaeDecoder"].methods_by_name)
+    assert wire.MAX_MESSAGE_BYTES == 256 * 1024 * 1024
+    assert wire.FRAME_MESSAGE_BYTES == 16 * 1024 * 1024 < wire.MAX_MESSAGE_BYTES
+    assert wire.AUTH_TOKEN_ENV == "VAED_AUTH_TOKEN" and wire.MAX_REQUEST_ID_CHARS == 128
+    assert hasattr(wire.pb_grpc, "VaeDecoderStub")
+
+
+@pytest.mark.parametrize("t, temporal, frames", [(0, 4, 0), (1, 4, 1), (2, 4, 5), (21, 4, 81), (31, 4, 121), (3, 2, 5)])
+def test_output_frames(t: int, temporal: int, frames: int) -> None:
+    assert wire.output_frames(t, temporal) == frames
+
+
+def test_output_frames_rejects_nonsense() -> None:
+    with pytest.raises(ValueError, match="latent_frames"):
+        wire.output_frames(-1)
+    with pytest.raises(ValueError, match="temporal"):
+        wire.output_frames(3, 0)
+
+
+@pytest.mark.parametrize("count", [0, 1, 4, 5, 9])
+@pytest.mark.parametrize("frame_bytes, cap", [(10, 35), (10, 10), (10, 9), (100, 1), (0, 5), (7, 10**9)])
+def test_frame_slices_tile_and_respect_the_cap(count: int, frame_bytes: int, cap: int) -> None:
+    pieces = wire.frame_slices(count, frame_bytes, cap)
+    covered = [i for start, length in pieces for i in range(start, start + length)]
+    assert covered == list(range(count))  # every frame once, in order
+    assert all(length >= 1 for _, length in pieces)
+    for _, length in pieces:  # under the cap, or a single frame that cannot be split
+        assert length * frame_bytes <= cap or length == 1
+    if frame_bytes and count:
+        assert len(pieces) == -(-count // max(1, cap // frame_bytes))  # as few pieces as possible
+
+
+def test_frame_slices_examples_and_errors() -> None:
+    assert wire.frame_slices(9, 10, 35) == [(0, 3), (3, 3), (6, 3)]
+    assert wire.frame_slices(4, 5_000_000, 16 * 2**20) == [(0, 3), (3, 1)]
+    with pytest.raises(ValueError):
+        wire.frame_slices(4, 10, 0)
+    with pytest.raises(ValueError):
+        wire.frame_slices(-1, 10, 10)
+
+
+def test_dtype_table_round_trips() -> None:
+    assert wire.DTYPE_NAMES == {wire.pb.UINT8: "uint8", wire.pb.FLOAT16: "float16",
+                                wire.pb.BFLOAT16: "bfloat16", wire.pb.FLOAT32: "float32"}
+    for value, name in wire.DTYPE_NAMES.items():
+        assert wire.WIRE_DTYPE_BY_NAME[name] == value == wire.wire_dtype(name) == wire.wire_dtype(value)
+        assert wire.wire_dtype(wire.torch_dtype(value)) == value
+        assert wire.itemsize(value) == torch.empty(0, dtype=wire.torch_dtype(value)).element_size()
+    assert wire.wire_dtype(np.float32) == wire.wire_dtype(np.dtype("float16")) + 2 == wire.pb.FLOAT32
+    assert wire.wire_dtype("bf16") == wire.wire_dtype("torch.bfloat16") == wire.pb.BFLOAT16
+
+
+@pytest.mark.parametrize("bad", ["complex128", np.float64, torch.float64, 0, 9, True, None])
+def test_wire_dtype_refuses_with_the_supported_list(bad: Any) -> None:
+    with pytest.raises(wire.TensorFormatError, match="uint8, float16, bfloat16, float32"):
+        wire.wire_dtype(bad)
+    assert issubclass(wire.TensorFormatError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, nbytes",
+    [
+        # numpy's int64 product wraps to 0 here: an empty payload would pass.
+        (wire.pb.FLOAT32, [1, 16, 1, 2**32, 2**32], 0),
+        # ... and to 4096 here (8 * (8 + 2**60) * 16 mod 2**64).
+        (wire.pb.UINT8, [1, 16, 1, 8, 8 + 2**60], 4096),
+        (wire.pb.FLOAT32, [2, 2], 15),
+        (wire.pb.FLOAT32, [1, -16, 1, 1, 1], 0),
+        (wire.pb.DATA_TYPE_UNSPECIFIED, [2], 2),
+    ],
+)
+def test_validate_refuses_and_names_the_shape(dtype: int, shape: list[int], nbytes: int) -> None:
+    message = wire.pb.Tensor(dtype=dtype, shape=shape, data=b"\0" * nbytes)
+    with pytest.raises(wire.TensorFormatError) as info:
+        wire.validate(message)
+    assert str(shape) in str(info.value)
+
+
+def test_round_trips() -> None:
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    m = wire.to_message(a)
+    assert wire.validate(m) == (2, 3, 4)
+    assert np.array_equal(wire.to_numpy(m), a)
+    assert torch.equal(wire.to_torch(m), torch.from_numpy(a))
+    empty = wire.to_message(np.zeros((0, 3), np.uint8))
+    assert wire.to_numpy(empty).shape == (0, 3) and wire.to_torch(empty).shape == (0, 3)
