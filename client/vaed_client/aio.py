@@ -1,4 +1,4 @@
-"""asyncio vaed client on grpc.aio, mirroring `VaeClient`.
+"""asyncio vaed client on grpc.aio (the awaiting front-end over `core`).
 
     async with AsyncVaeClient("localhost:50051") as client:
         video = await client.decode(latents)
@@ -8,6 +8,12 @@
             async for latent_chunk in generator():
                 await session.push(latent_chunk)
             video = await session.collect()
+
+grpc.aio binds a channel to the event loop it was created in, so the channel
+is created lazily, on the first call, in the loop that runs it: building the
+client outside a loop (at import time, in `__init__` of a sync object) works.
+Using one client from two different loops raises a RuntimeError that says to
+make one client per loop.
 """
 
 from __future__ import annotations
@@ -19,18 +25,17 @@ from typing import Any, AsyncIterator
 import grpc
 import grpc.aio
 
-from ._proto import vaed_pb2, vaed_pb2_grpc
-from .channel import TlsSpec, create_aio_channel
-from .client import ModelInfo, build_options, encode_latents, format_name
-from .errors import CancelledError, VaedError, from_rpc_error
-from .video import RGB8, DecodedChunk, VideoAssembler, has_frames, to_chunk
+from . import wire
+from .channel import Metadata, TlsSpec, create_aio_channel, prepare_channel
+from .core import END, Assembly, CallSpec, ModelInfo, SessionState, call_spec, chunk_result, decode_request, prepare_latents
+from .errors import CancelledError, from_rpc_error
+from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
 
 
 class AsyncVaeClient:
-    """asyncio client; create it inside a running event loop (grpc.aio binds
-    channels to the loop). `timeout` is the deadline of each call."""
+    """asyncio client; same options as `VaeClient`. `timeout` is the deadline of each call."""
 
     def __init__(
         self,
@@ -39,16 +44,38 @@ class AsyncVaeClient:
         timeout: float | None = None,
         tls: TlsSpec = None,
         token: str | None = None,
+        tls_server_name: str | None = None,
         options: list[tuple[str, Any]] | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel, self._metadata = create_aio_channel(target, tls=tls, token=token, options=options)
-        self._stub = vaed_pb2_grpc.VaeDecoderStub(self._channel)
+        self._channel_args: dict[str, Any] = dict(tls=tls, token=token, options=options, tls_server_name=tls_server_name)
+        prepare_channel(tls, token, options, tls_server_name)  # bad TLS specs fail here, like VaeClient
+        self._channel: grpc.aio.Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._metadata: Metadata = ()
+        self._stub_obj: Any = None
         self._info: ModelInfo | None = None
 
+    @property
+    def _stub(self) -> Any:
+        """The stub of this loop's channel, created on first use."""
+        loop = asyncio.get_running_loop()
+        if self._channel is None:
+            self._channel, self._metadata = create_aio_channel(self.target, **self._channel_args)
+            self._stub_obj = wire.pb_grpc.VaeDecoderStub(self._channel)
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncVaeClient is bound to the event loop of its first call (grpc.aio channels "
+                "belong to one loop); create one AsyncVaeClient per event loop"
+            )
+        return self._stub_obj
+
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
 
     async def __aenter__(self) -> "AsyncVaeClient":
         return self
@@ -57,10 +84,9 @@ class AsyncVaeClient:
         await self.close()
 
     async def model_info(self) -> ModelInfo:
+        stub = self._stub
         try:
-            reply = await self._stub.GetModelInfo(
-                vaed_pb2.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata
-            )
+            reply = await stub.GetModelInfo(wire.pb.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         self._info = ModelInfo.from_proto(reply)
@@ -70,57 +96,52 @@ class AsyncVaeClient:
         # Once per client (two racing first calls both fetch; harmless).
         return self._info if self._info is not None else await self.model_info()
 
-    def _decode_call(self, latents: Any, options: vaed_pb2.DecodeOptions) -> tuple[Any, bool, int | None]:
-        message, as_torch, t = encode_latents(latents)
-        call = self._stub.Decode(
-            vaed_pb2.DecodeRequest(latents=message, options=options),
-            timeout=self.timeout,
-            metadata=self._metadata,
-        )
-        return call, as_torch, t
-
     async def decode(
         self,
         latents: Any,
         *,
-        format: str = RGB8,
+        output_type: str | None = None,
+        format: Any = None,
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
     ) -> Any:
         """The whole video; see `VaeClient.decode`."""
-        fmt = format_name(format)
-        options = build_options(fmt, raw_latents, raw_dtype, request_id)
+        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                         raw_dtype=raw_dtype, request_id=request_id)
+        prepared = prepare_latents(latents)
         info = await self._cached_info()
-        call, as_torch, t = self._decode_call(latents, options)
-        assembler = VideoAssembler(fmt, info.output_frames(t) if t else None)
+        assembly = Assembly(spec, prepared.as_torch, info.output_frames(prepared.latent_frames))
+        call = self._stub.Decode(decode_request(spec, prepared), timeout=self.timeout, metadata=self._metadata)
         try:
             async for reply in call:
-                assembler.add(reply)
+                assembly.add(reply)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except BaseException:
             call.cancel()
             raise
-        return assembler.result(as_torch)
+        return assembly.result()
 
     async def stream(
         self,
         latents: Any,
         *,
-        format: str = RGB8,
+        output_type: str | None = None,
+        format: Any = None,
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
     ) -> AsyncIterator[DecodedChunk]:
         """Async-iterate DecodedChunks as they decode; leaving early cancels."""
-        fmt = format_name(format)
-        options = build_options(fmt, raw_latents, raw_dtype, request_id)
-        call, as_torch, _ = self._decode_call(latents, options)
+        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                         raw_dtype=raw_dtype, request_id=request_id)
+        prepared = prepare_latents(latents)
+        call = self._stub.Decode(decode_request(spec, prepared), timeout=self.timeout, metadata=self._metadata)
         try:
             async for reply in call:
                 if has_frames(reply):
-                    yield to_chunk(reply, fmt, as_torch)
+                    yield chunk_result(reply, spec, prepared.as_torch)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
@@ -129,16 +150,15 @@ class AsyncVaeClient:
     def session(
         self,
         *,
-        format: str = RGB8,
+        output_type: str | None = None,
+        format: Any = None,
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
     ) -> "AsyncDecodeSession":
-        fmt = format_name(format)
-        return AsyncDecodeSession(self, fmt, build_options(fmt, raw_latents, raw_dtype, request_id))
-
-
-_END = object()
+        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                         raw_dtype=raw_dtype, request_id=request_id)
+        return AsyncDecodeSession(self, spec)
 
 
 class AsyncDecodeSession:
@@ -149,134 +169,108 @@ class AsyncDecodeSession:
     iterating cannot deadlock; the call starts on first use.
     """
 
-    def __init__(self, client: AsyncVaeClient, fmt: str, options: vaed_pb2.DecodeOptions) -> None:
-        self.format = fmt
-        self.request_id = options.request_id
+    def __init__(self, client: AsyncVaeClient, spec: CallSpec) -> None:
+        self._state = SessionState(spec)
         self._client = client
-        self._options: vaed_pb2.DecodeOptions | None = options
-        self._as_torch: bool | None = None
-        self._latent_frames = 0
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
-        self._replies: asyncio.Queue[Any] = asyncio.Queue()
-        self._closed = False
-        self._cancelled = False
-        self._iterated = False
-        self._error: VaedError | None = None
-        self._failure: VaedError | None = None
+        self._replies: asyncio.Queue[Any] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def format(self) -> str:
+        return self._state.format
 
     def _start(self) -> Any:
         if self._call is None:
-            self._call = self._client._stub.DecodeStream(
-                timeout=self._client.timeout, metadata=self._client._metadata
-            )
+            stub = self._client._stub  # binds the client to this loop
+            self._replies = asyncio.Queue()
+            self._call = stub.DecodeStream(timeout=self._client.timeout, metadata=self._client._metadata)
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         return self._call
 
     async def _read_replies(self) -> None:
-        call = self._call
+        call, replies = self._call, self._replies
+        assert replies is not None
         try:
             while True:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
                     break
-                await self._replies.put(reply)
-            await self._replies.put(_END)
+                await replies.put(reply)
+            await replies.put(END)
         except grpc.RpcError as e:
-            self._failure = from_rpc_error(e)
-            await self._replies.put(self._failure)
+            await replies.put(self._state.reader_failed(from_rpc_error(e)))
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from read() once the call is cancelled.
-            self._failure = CancelledError("session cancelled")
-            self._replies.put_nowait(self._failure)
-            if not self._cancelled:
+            replies.put_nowait(self._state.reader_failed(CancelledError("session cancelled")))
+            if not self._state.cancelled:
                 raise
 
     async def push(self, latents: Any) -> None:
         """Send one latent chunk `[B, z_dim, t, h, w]` (any t >= 1)."""
-        if self._closed:
-            raise RuntimeError("push() after close() or cancel()")
+        self._state.check_push()
         call = self._start()
-        message, as_torch, t = encode_latents(latents)
-        if self._as_torch is None:
-            self._as_torch = as_torch
-        chunk = vaed_pb2.LatentChunk(latents=message)
-        if self._options is not None:  # options travel on the first message only
-            chunk.options.CopyFrom(self._options)
-            self._options = None
-        self._latent_frames += t or 0
+        chunk = self._state.chunk_message(latents)
         try:
             await call.write(chunk)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except asyncio.InvalidStateError:  # the call already ended
-            if self._failure is not None:
-                raise self._failure from None
+            if self._state.failure is not None:
+                raise self._state.failure from None
             raise RuntimeError("session already ended") from None
 
     async def close(self) -> None:
         """Half-close: no more latents; frames still arrive until the end."""
-        if self._closed:
+        if self._state.closed:
             return
-        self._closed = True
+        self._state.closed = True
         call = self._start()
         try:
             await call.done_writing()
         except grpc.RpcError as e:
-            if self._failure is None:
-                self._failure = from_rpc_error(e)
+            if self._state.failure is None:
+                self._state.reader_failed(from_rpc_error(e))
         except asyncio.InvalidStateError:
             pass  # already finished; the reader reports how
 
     def cancel(self) -> None:
         """Abort the session; the server frees it between chunks."""
-        self._cancelled = True
-        self._closed = True
+        self._state.cancelled = True
+        self._state.closed = True
         if self._call is not None:
             self._call.cancel()
 
-    async def _next_reply(self) -> vaed_pb2.FrameChunk | None:
-        if self._error is not None:
-            if self._cancelled:
-                return None
-            raise self._error
-        self._start()
-        item = await self._replies.get()
-        if item is _END:
-            self._replies.put_nowait(_END)
+    async def _next_reply(self) -> Any:
+        if self._state.error is not None:
+            self._state.after_error()
             return None
-        if isinstance(item, VaedError):
-            self._error = item
-            self._replies.put_nowait(_END)
-            if self._cancelled:
-                return None
-            raise item
-        if item.request_id:
-            self.request_id = item.request_id
-        return item
+        self._start()
+        assert self._replies is not None
+        reply, put_back = self._state.take(await self._replies.get())
+        if put_back:
+            self._replies.put_nowait(END)
+        return reply
 
     async def __aiter__(self) -> AsyncIterator[DecodedChunk]:
         while (reply := await self._next_reply()) is not None:
-            if has_frames(reply):
-                self._iterated = True
-                yield to_chunk(reply, self.format, bool(self._as_torch))
+            chunk = self._state.chunk(reply)
+            if chunk is not None:
+                yield chunk
 
     async def collect(self) -> Any:
         """Close and return the whole video (see `DecodeSession.collect`)."""
-        if self._iterated:
-            raise RuntimeError(
-                "collect() after iterating the session: assemble the chunks with vaed_client.video.assemble()"
-            )
+        self._state.start_collect()
         await self.close()
-        expected = None
-        if self._latent_frames:
-            expected = (await self._client._cached_info()).output_frames(self._latent_frames)
-        assembler = VideoAssembler(self.format, expected)
+        info = await self._client._cached_info() if self._state.latent_frames else None
+        assembly = self._state.assembly(info)
         while (reply := await self._next_reply()) is not None:
-            assembler.add(reply)
-        if self._cancelled:
-            raise self._error or CancelledError("session cancelled by the client")
-        return assembler.result(bool(self._as_torch))
+            assembly.add(reply)
+        return self._state.finish_collect(assembly)
 
     async def __aenter__(self) -> "AsyncDecodeSession":
         self._start()

@@ -119,7 +119,7 @@ def _secure_credentials(credentials: grpc.ChannelCredentials, token: str | None)
     return grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(token))
 
 
-def _prepare(
+def prepare_channel(
     tls: TlsSpec, token: str | None, options: list[tuple[str, Any]] | None, tls_server_name: str | None
 ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
     credentials = channel_credentials(tls)
@@ -137,7 +137,7 @@ def create_channel(
     tls_server_name: str | None = None,
 ) -> tuple[grpc.Channel, Metadata]:
     """A sync channel and the metadata every call on it must send."""
-    credentials, opts = _prepare(tls, token, options, tls_server_name)
+    credentials, opts = prepare_channel(tls, token, options, tls_server_name)
     if credentials is None:
         return grpc.insecure_channel(target, options=opts), bearer_metadata(token)
     return grpc.secure_channel(target, _secure_credentials(credentials, token), options=opts), ()
@@ -152,7 +152,7 @@ def create_aio_channel(
     tls_server_name: str | None = None,
 ) -> tuple[grpc.aio.Channel, Metadata]:
     """A grpc.aio channel (bound to the running loop) and the metadata every call must send."""
-    credentials, opts = _prepare(tls, token, options, tls_server_name)
+    credentials, opts = prepare_channel(tls, token, options, tls_server_name)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=opts), bearer_metadata(token)
     return grpc.aio.secure_channel(target, _secure_credentials(credentials, token), options=opts), ()

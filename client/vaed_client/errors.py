@@ -3,7 +3,9 @@
 Every failed call surfaces as a `VaedError` subclass carrying the status code
 (`.code`, a `grpc.StatusCode`) and the server's message (`.details`), so
 callers can catch by meaning (`except ResourceExhaustedError: retry later`)
-without inspecting grpc internals. The mapping lives here only.
+without inspecting grpc internals. The mapping lives here only. Input the
+client refuses itself raises `LocalInputError` (code None): it must not read
+as if a server had answered INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -12,14 +14,25 @@ import grpc
 
 
 class VaedError(Exception):
-    """A vaed call failed. Fallback class for codes without a subclass."""
+    """A vaed call failed. Fallback class for codes without a subclass.
 
-    default_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    `.code` is the gRPC status the server (or the channel) answered with;
+    None only for `LocalInputError`, which never reached a server.
+    """
+
+    default_code: grpc.StatusCode | None = grpc.StatusCode.UNKNOWN
 
     def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
-        self.code: grpc.StatusCode = code if code is not None else self.default_code
+        self.code: grpc.StatusCode | None = code if code is not None else self.default_code
         self.details: str = details
-        super().__init__(f"{self.code.name}: {details}")
+        super().__init__(f"{self.code.name}: {details}" if self.code is not None else details)
+
+
+class LocalInputError(VaedError, ValueError):
+    """This client refused the input before sending anything (unsupported
+    dtype or rank, unknown output type, bad option): no server status, code None."""
+
+    default_code = None
 
 
 class InvalidArgumentError(VaedError, ValueError):
@@ -64,7 +77,7 @@ class InternalError(VaedError):
     default_code = grpc.StatusCode.INTERNAL
 
 
-_BY_CODE: dict[grpc.StatusCode, type[VaedError]] = {
+_BY_CODE: dict[grpc.StatusCode | None, type[VaedError]] = {
     cls.default_code: cls
     for cls in (
         InvalidArgumentError,
@@ -102,6 +115,7 @@ def from_rpc_error(error: grpc.RpcError) -> VaedError:
 
 __all__ = [
     "VaedError",
+    "LocalInputError",
     "InvalidArgumentError",
     "ResourceExhaustedError",
     "UnavailableError",

@@ -228,10 +228,12 @@ def test_decode_raw(fake: tuple[FakeDecoder, str]) -> None:
         assert out.dtype == torch.bfloat16 and torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
         out = client.decode(latents_np(t=3, h=2, w=2), format="raw", raw_dtype="float16")
         assert out.dtype == np.float16
-        with pytest.raises(errors.InvalidArgumentError):
-            client.decode(latents_np(), format="jpeg")
-        with pytest.raises(errors.InvalidArgumentError):
-            client.decode(latents_np(), format="raw", raw_dtype="complex128")
+        # Refused by the client itself: a LocalInputError (a ValueError), no server status.
+        for kwargs in (dict(format="jpeg"), dict(format="raw", raw_dtype="complex128")):
+            with pytest.raises(errors.LocalInputError) as info:
+                client.decode(latents_np(), **kwargs)
+            assert info.value.code is None and not isinstance(info.value, errors.InvalidArgumentError)
+            assert isinstance(info.value, ValueError) and "INVALID_ARGUMENT" not in str(info.value)
 
 
 def test_stream_yields_chunks_as_they_arrive(fake: tuple[FakeDecoder, str]) -> None:
@@ -264,14 +266,14 @@ def test_server_errors_map_to_classes(fake: tuple[FakeDecoder, str]) -> None:
     _, target = fake
     with vaed_client.VaeClient(target) as client:
         with pytest.raises(errors.InvalidArgumentError) as info:
-            client.decode(np.zeros((16, 2, 2, 2), np.float32))
-        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "5-D" in info.value.details
+            client.decode(latents_np(), request_id="abort:INVALID_ARGUMENT")
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.details == "fake failure"
         with pytest.raises(errors.ResourceExhaustedError):
             client.decode(latents_np(), request_id="abort:RESOURCE_EXHAUSTED")
         with pytest.raises(errors.InternalError):
             list(client.stream(latents_np(), request_id="abort:INTERNAL"))
-        with pytest.raises(ValueError):  # InvalidArgumentError is a ValueError too
-            client.decode(np.zeros((1, 16, 1, 1, 1), np.float64))
+        with pytest.raises(ValueError):  # LocalInputError is a ValueError too
+            client.decode(np.zeros((16, 1, 1), np.float32))
         assert client.decode(latents_np(t=1)).shape == (1, 1, 16, 24, 3)  # still fine
 
 
@@ -389,8 +391,8 @@ def test_async_client(fake: tuple[FakeDecoder, str]) -> None:
             assert all(isinstance(c.frames, torch.Tensor) for c in got)
             assert assemble(got).shape == (1, 5, 16, 16, 3)
 
-            with pytest.raises(errors.InvalidArgumentError):
-                await client.decode(np.zeros((16, 1, 1, 1), np.float32))
+            with pytest.raises(errors.LocalInputError, match=r"\[16, 1, 1\]"):
+                await client.decode(np.zeros((16, 1, 1), np.float32))
             with pytest.raises(errors.ResourceExhaustedError):
                 async for _ in client.stream(latents_np(), request_id="abort:RESOURCE_EXHAUSTED"):
                     pass

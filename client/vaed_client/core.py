@@ -1,0 +1,333 @@
+"""The request/session core shared by `VaeClient` (sync) and `AsyncVaeClient`.
+
+Everything that does not wait lives here, once: option parsing, latents
+preparation, request building, reply assembly, output conversion and a
+session's bookkeeping. The two front-ends only differ in how they wait
+(blocking iteration and threads vs. `await`), as in tritonclient's
+`http` / `http.aio` pair over shared request builders.
+
+Input rule (the same in the library and `vaed-client decode`): latents are
+`[B, z_dim, T, h, w]`, or `[z_dim, T, h, w]`, taken as B=1 (results keep the
+batch axis); float64 is cast to float32 (the wire carries uint8, float16,
+bfloat16 and float32 only). Anything else raises `LocalInputError` before a
+byte is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import outputs, wire
+from .errors import CancelledError, InternalError, LocalInputError, VaedError
+from .tensors import TensorFormatError, is_torch
+from .video import RAW, RGB8, DecodedChunk, VideoAssembler, has_frames, to_chunk
+
+pb = wire.pb
+_WIRE_FORMATS = {RGB8: pb.RGB8, RAW: pb.RAW}
+LATENTS_SHAPE_HELP = "latents must be [B, z_dim, T, h, w] or [z_dim, T, h, w]"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server decodes with (mirrors the ModelInfo message)."""
+
+    model: str
+    z_dim: int
+    scale_factor_temporal: int
+    scale_factor_spatial: int
+    latents_mean: list[float] = field(default_factory=list)
+    latents_std: list[float] = field(default_factory=list)
+    compute_dtype: str = ""
+    device: str = ""
+    random_weights: bool = False
+    max_message_bytes: int = 0
+    max_latent_frames: int = 0
+    max_pixels: int = 0
+    kernels: str = ""
+    layout: str = ""
+
+    @classmethod
+    def from_proto(cls, message: Any) -> "ModelInfo":
+        return cls(
+            model=message.model,
+            z_dim=message.z_dim,
+            scale_factor_temporal=message.scale_factor_temporal,
+            scale_factor_spatial=message.scale_factor_spatial,
+            latents_mean=list(message.latents_mean),
+            latents_std=list(message.latents_std),
+            compute_dtype=wire.DTYPE_NAMES.get(message.compute_dtype, "") if message.compute_dtype else "",
+            device=message.device,
+            random_weights=message.random_weights,
+            max_message_bytes=message.max_message_bytes,
+            max_latent_frames=message.max_latent_frames,
+            max_pixels=message.max_pixels,
+            kernels=message.kernels,
+            layout=message.layout,
+        )
+
+    def output_frames(self, latent_frames: int) -> int:
+        """Frames decoded from `latent_frames` latent frames (1 + 4*(T-1) for Wan)."""
+        return wire.output_frames(latent_frames, self.scale_factor_temporal or wire.DEFAULT_TEMPORAL_FACTOR)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- options -------------------------------------------------------------------
+def format_name(fmt: Any) -> str:
+    """'rgb8' / 'raw' (any case) or an OutputFormat value -> 'rgb8' / 'raw'."""
+    if isinstance(fmt, int) and not isinstance(fmt, bool):
+        return RAW if fmt == pb.RAW else RGB8
+    name = str(fmt).lower()
+    if name not in _WIRE_FORMATS:
+        raise LocalInputError(f"unknown format {fmt!r}; use 'rgb8' or 'raw'")
+    return name
+
+
+def raw_dtype_value(dtype: Any) -> int:
+    """'bfloat16' / torch.bfloat16 / np.float32 / a DataType value -> DataType value."""
+    try:
+        return wire.wire_dtype(dtype)
+    except TensorFormatError as e:
+        raise LocalInputError(f"raw_dtype: {e}") from None
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One call's parsed options: what goes on the wire and what to return."""
+
+    wire_format: str  # RGB8 or RAW
+    output_type: str  # one of outputs.OUTPUT_TYPES
+    options: Any  # pb.DecodeOptions
+
+    def result(self, frames: Any) -> Any:
+        return outputs.convert(frames, self.wire_format, self.output_type)
+
+
+def call_spec(
+    *,
+    output_type: str | None = None,
+    format: Any = None,
+    raw_latents: bool = False,
+    raw_dtype: Any = None,
+    request_id: str | None = None,
+) -> CallSpec:
+    """Parse decode options. `output_type` picks the result; `format` (the
+    wire format, kept for compatibility) picks the light RGB8 transport for
+    np/pt/pil, whose default is exact RAW in the server's compute dtype."""
+    fmt = format_name(format) if format is not None else None
+    if output_type is None:
+        output_type = outputs.RAW_OUT if fmt == RAW else outputs.UINT8
+    output_type = str(output_type).lower()
+    if output_type not in outputs.OUTPUT_TYPES:
+        raise LocalInputError(f"unknown output_type {output_type!r}; use one of {', '.join(outputs.OUTPUT_TYPES)}")
+    natural = RAW if output_type in (outputs.RAW_OUT, *outputs.PIPELINE_TYPES) else RGB8
+    if fmt is not None and output_type in (outputs.UINT8, outputs.RAW_OUT) and fmt != natural:
+        raise LocalInputError(f"output_type {output_type!r} cannot travel as format {fmt!r}")
+    wire_format = fmt or natural
+    if raw_dtype is not None and wire_format != RAW:
+        raise LocalInputError("raw_dtype applies to RAW output only (output_type 'raw', 'np', 'pt' or 'pil')")
+    if request_id is not None and len(request_id) > wire.MAX_REQUEST_ID_CHARS:
+        raise LocalInputError(f"request_id is {len(request_id)} characters; at most {wire.MAX_REQUEST_ID_CHARS}")
+    options = pb.DecodeOptions(
+        format=_WIRE_FORMATS[wire_format],
+        # The server rejects a raw_dtype it can't produce (e.g. uint8): its message, not a second opinion.
+        raw_dtype=raw_dtype_value(raw_dtype) if raw_dtype is not None else pb.DATA_TYPE_UNSPECIFIED,
+        raw_latents=bool(raw_latents),
+        request_id=request_id or "",
+    )
+    return CallSpec(wire_format=wire_format, output_type=output_type, options=options)
+
+
+# -- latents -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Latents:
+    """Latents ready for the wire, and what the reply should look like."""
+
+    message: Any  # pb.Tensor
+    as_torch: bool
+    batch: int
+    latent_frames: int
+
+
+def normalize_latents(latents: Any) -> Any:
+    """The input rule of the module doc: float64 -> float32, 4-D -> B=1;
+    LocalInputError for other ranks and non-array input."""
+    if is_torch(latents):
+        import torch
+
+        if latents.dtype == torch.float64:
+            latents = latents.float()
+    else:
+        if not isinstance(latents, np.ndarray) and not hasattr(latents, "__array__"):
+            raise LocalInputError(f"latents must be a numpy array or torch tensor, not {type(latents).__name__}")
+        latents = np.asarray(latents)
+        if latents.dtype == np.float64:
+            latents = latents.astype(np.float32)
+    if latents.ndim == 4:
+        latents = latents[None]
+    if latents.ndim != 5:
+        raise LocalInputError(f"{LATENTS_SHAPE_HELP}, got shape {list(latents.shape)}")
+    return latents
+
+
+def prepare_latents(latents: Any) -> Latents:
+    latents = normalize_latents(latents)
+    try:
+        message = wire.to_message(latents)
+    except TensorFormatError as e:
+        raise LocalInputError(str(e)) from None
+    return Latents(message, is_torch(latents), int(latents.shape[0]), int(latents.shape[2]))
+
+
+def decode_request(spec: CallSpec, latents: Latents) -> Any:
+    return pb.DecodeRequest(latents=latents.message, options=spec.options)
+
+
+def receive_as_torch(spec: CallSpec, as_torch: bool) -> bool:
+    """Whether to read frames into torch: torch latents (torch out), 'pt', and
+    exact np/pil from RAW, which need torch's arithmetic in a half dtype."""
+    if as_torch or spec.output_type == outputs.PT:
+        return True
+    return spec.output_type in outputs.PIPELINE_TYPES and spec.wire_format == RAW and _torch_available()
+
+
+def chunk_result(reply: Any, spec: CallSpec, as_torch: bool) -> DecodedChunk:
+    """A FrameChunk with frames -> DecodedChunk whose frames are in `spec`'s output type."""
+    chunk = to_chunk(reply, spec.wire_format, receive_as_torch(spec, as_torch))
+    if spec.output_type not in outputs.PIPELINE_TYPES:
+        return chunk
+    from dataclasses import replace
+
+    return replace(chunk, frames=spec.result(chunk.frames), format=spec.output_type)
+
+
+class Assembly:
+    """One whole-video reply: place messages, then convert once at the end."""
+
+    def __init__(self, spec: CallSpec, as_torch: bool, expected_frames: int | None) -> None:
+        self.spec = spec
+        self.as_torch = receive_as_torch(spec, as_torch)
+        self.assembler = VideoAssembler(spec.wire_format, expected_frames)
+
+    def add(self, reply: Any) -> None:
+        self.assembler.add(reply)
+
+    def result(self) -> Any:
+        return self.spec.result(self.assembler.result(self.as_torch))
+
+
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- sessions ------------------------------------------------------------------
+END = object()  # end-of-replies marker in a session's reply queue
+
+
+class SessionState:
+    """A DecodeStream session's bookkeeping, shared by both front-ends:
+    options on the first message only, the result container, latent frames
+    sent, request id, and what a reply-queue item means for the consumer."""
+
+    def __init__(self, spec: CallSpec) -> None:
+        self.spec = spec
+        self.request_id = spec.options.request_id
+        self._options: Any = spec.options
+        self.as_torch: bool | None = None
+        self.latent_frames = 0
+        self.closed = False
+        self.cancelled = False
+        self.iterated = False
+        self.error: VaedError | None = None  # seen by the consumer
+        self.failure: VaedError | None = None  # set by the reply reader
+
+    @property
+    def format(self) -> str:
+        return self.spec.wire_format
+
+    def check_push(self) -> None:
+        if self.closed:
+            raise RuntimeError("push() after close() or cancel()")
+
+    def chunk_message(self, latents: Any) -> Any:
+        """Latents -> LatentChunk (options ride on the first one only)."""
+        prepared = prepare_latents(latents)
+        if self.as_torch is None:
+            self.as_torch = prepared.as_torch
+        message = pb.LatentChunk(latents=prepared.message)
+        if self._options is not None:
+            message.options.CopyFrom(self._options)
+            self._options = None
+        self.latent_frames += prepared.latent_frames
+        return message
+
+    def reader_failed(self, error: VaedError) -> VaedError:
+        self.failure = error
+        return error
+
+    def take(self, item: Any) -> tuple[Any, bool]:
+        """A reply-queue item -> (reply or None at the end, whether to put END
+        back so later readers see the end too). Raises the call's error unless
+        the client cancelled."""
+        if item is END:
+            return None, True
+        if isinstance(item, VaedError):
+            self.error = item
+            if self.cancelled:
+                return None, True
+            raise item
+        if item.request_id:
+            self.request_id = item.request_id
+        return item, False
+
+    def after_error(self) -> None:
+        """Called before waiting: once the call failed, reads end or raise at once."""
+        if self.error is not None and not self.cancelled:
+            raise self.error
+
+    def chunk(self, reply: Any) -> DecodedChunk | None:
+        if not has_frames(reply):
+            return None
+        self.iterated = True
+        return chunk_result(reply, self.spec, bool(self.as_torch))
+
+    def start_collect(self) -> None:
+        if self.iterated:
+            raise RuntimeError(
+                "collect() after iterating the session: assemble the chunks with vaed_client.video.assemble()"
+            )
+
+    def assembly(self, info: ModelInfo | None) -> Assembly:
+        expected = info.output_frames(self.latent_frames) if info is not None and self.latent_frames else None
+        return Assembly(self.spec, bool(self.as_torch), expected)
+
+    def finish_collect(self, assembly: Assembly) -> Any:
+        if self.cancelled:
+            raise self.error or CancelledError("session cancelled by the client")
+        return assembly.result()
+
+
+__all__ = [
+    "ModelInfo",
+    "CallSpec",
+    "call_spec",
+    "format_name",
+    "Latents",
+    "normalize_latents",
+    "prepare_latents",
+    "decode_request",
+    "chunk_result",
+    "receive_as_torch",
+    "Assembly",
+    "SessionState",
+    "END",
+    "InternalError",
+]
