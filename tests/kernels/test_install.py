@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from vaed.install import FastPathError, FastPathReport, prepare_decoder, remove_fast_paths, to_decoder_layout
+from vaed.patches import FastPathError, FastPathReport, prepare_decoder, remove_fast_paths, to_decoder_layout
 from vaed.models import build_random_vae
 
 CUDA = torch.cuda.is_available()
@@ -93,7 +93,7 @@ def test_cpu_fallback_bit_identical_to_stock(arch: str, layout: str) -> None:
 INTERP = textwrap.dedent(
     """
     import torch
-    from vaed.install import prepare_decoder, to_decoder_layout
+    from vaed.patches import prepare_decoder, to_decoder_layout
     from vaed.models import build_random_vae
     for arch in ("wan2.1-tiny", "wan2.2-tiny"):
         vae = build_random_vae(arch).eval().requires_grad_(False)

@@ -36,21 +36,28 @@ def causal_pad_reference(
     zero_history: bool = False,
     cache_t: int = CACHE_T,
     norm: tuple[torch.Tensor, float, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    emit_cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The stock aten chain: returns (conv input, next cache).
 
     ``zero_history`` is WanResample's "Rep" case (first chunk of an upsample
     time_conv): no cache, and the next cache is front-filled with zeros.
     ``norm`` = (gamma, scale, bias) applies WanRMS_norm + SiLU to ``x`` first.
+    ``pad`` is F.pad's order (w_left, w_right, h_top, h_bottom, t_front,
+    t_back); left != right is allowed (a spatial shard's interior edge).
+    ``emit_cache=False`` skips the next-cache snapshot (returns None for it),
+    as ``WanCausalConv3d.forward`` called on its own does.
     """
     if norm is not None:
         x = rms_silu_reference(x, *norm)
-    nxt = x[:, :, -cache_t:, :, :].clone()
-    if nxt.shape[2] < cache_t:
-        if zero_history:
-            nxt = torch.cat([torch.zeros_like(nxt), nxt], dim=2)
-        elif cache is not None:
-            nxt = torch.cat([cache[:, :, -1, :, :].unsqueeze(2), nxt], dim=2)
+    nxt = None
+    if emit_cache:
+        nxt = x[:, :, -cache_t:, :, :].clone()
+        if nxt.shape[2] < cache_t:
+            if zero_history:
+                nxt = torch.cat([torch.zeros_like(nxt), nxt], dim=2)
+            elif cache is not None:
+                nxt = torch.cat([cache[:, :, -1, :, :].unsqueeze(2), nxt], dim=2)
     padding = list(pad)
     if cache is not None and pad[4] > 0:
         x = torch.cat([cache, x], dim=2)
@@ -80,6 +87,7 @@ def _stock_layouts(
     c = None if c_shape is None else torch.empty_strided(c_shape, c_stride, device="meta", dtype=dtype)  # type: ignore[arg-type]
     norm = (torch.empty(x_shape[1], 1, 1, 1, device="meta", dtype=dtype), 1.0, 0.0) if with_norm else None
     p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t, norm=norm)  # type: ignore[arg-type]
+    assert n is not None
     return tuple(p.shape), tuple(p.stride()), tuple(n.shape), tuple(n.stride())
 
 
@@ -161,7 +169,10 @@ def causal_pad(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Fused ``causal_pad_reference``; None when the input is not handled (caller falls back).
 
-    ``pad`` is WanCausalConv3d's ``_padding``: (w, w, h, h, 2*pt, 0).
+    ``pad`` is WanCausalConv3d's ``_padding``, (w, w, h, h, 2*pt, 0), or an
+    asymmetric variant of it (w_left != w_right, h_top != h_bottom: the
+    kernel writes the zero border at offsets, so one-sided padding costs
+    nothing extra).
     With ``norm``, ``x`` is the raw activation and ``norm.denom`` its channel
     L2 norm (see ``rms_silu.norm_denominator``). ``emit_cache=False`` skips
     the next-cache write and returns (conv input, None).
@@ -232,8 +243,8 @@ def _eligible(
         return False
     if torch.compiler.is_compiling():
         return False
-    # symmetric spatial padding, causal (front-only) temporal padding
-    if pad[0] != pad[1] or pad[2] != pad[3] or pad[5] != 0 or min(pad) < 0:
+    # any non-negative spatial padding (left/right may differ), causal (front-only) temporal padding
+    if pad[5] != 0 or min(pad) < 0:
         return False
     B, C, T, H, W = x.shape
     if cache is not None:

@@ -1,0 +1,60 @@
+"""vaed's fast paths on a diffusers Wan decoder, as a table of forwards over op sets.
+
+Layers (Liger-Kernel style: op / module / patch):
+
+* ``vaed.kernels`` -- Triton ops, each beside its plain-torch reference;
+* :mod:`.ops` -- :class:`OpSet` bundles: ``REFERENCE_OPS`` (plain torch, what
+  stock diffusers runs), ``LOSSLESS_OPS`` (the bit-exact kernels);
+* :mod:`.forwards` -- diffusers' decoder forwards written over an op set;
+* :mod:`.table` -- which diffusers class gets which forward, using which ops;
+* :mod:`.context` -- the op set of the current call (``using``), so tiers
+  share one copy of the weights;
+* :mod:`.checks`, :mod:`.versions`, :mod:`.installer` -- start-up checks per
+  op, the diffusers version guard, and ``prepare_decoder``.
+
+Typical use (the engine)::
+
+    report = prepare_decoder(vae, kernels="auto", layout="auto")
+    with using(report.ops_for("lossless")):
+        out = vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first)
+"""
+
+from vaed.patches.context import current_ops, using
+from vaed.patches.installer import (
+    KERNEL_CHOICES,
+    FastPathError,
+    FastPathReport,
+    installed_report,
+    prepare_decoder,
+    remove_fast_paths,
+)
+from vaed.patches.layout import LAYOUT_CHOICES, to_decoder_layout
+from vaed.patches.ops import LOSSLESS_OPS, OP_NAMES, REFERENCE_OPS, FusedOp, NormSilu, OpSet
+from vaed.patches.table import PATCH_TABLE
+from vaed.patches.versions import VERIFIED_DIFFUSERS, diffusers_unverified_reason
+
+# tier name -> op set; the first is the default tier
+OP_SETS: dict[str, OpSet] = {"lossless": LOSSLESS_OPS}
+
+__all__ = [
+    "KERNEL_CHOICES",
+    "LAYOUT_CHOICES",
+    "LOSSLESS_OPS",
+    "OP_NAMES",
+    "OP_SETS",
+    "PATCH_TABLE",
+    "REFERENCE_OPS",
+    "VERIFIED_DIFFUSERS",
+    "FastPathError",
+    "FastPathReport",
+    "FusedOp",
+    "NormSilu",
+    "OpSet",
+    "current_ops",
+    "diffusers_unverified_reason",
+    "installed_report",
+    "prepare_decoder",
+    "remove_fast_paths",
+    "to_decoder_layout",
+    "using",
+]

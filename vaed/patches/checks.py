@@ -1,0 +1,131 @@
+"""Start-up checks: every op of an op set against its plain-torch reference, on the device.
+
+Each op that differs from ``REFERENCE_OPS`` runs a few tiny cases (both
+layouts, cache / no cache, asymmetric padding, the "Rep" marker, the
+interleave, first and later DupUp3D chunks) in the decoder's dtype. A
+:class:`~vaed.patches.ops.FusedOp` is checked through its kernel alone, so a
+kernel that silently declined would fail rather than pass on its fallback.
+Exact op sets compare with ``torch.equal`` and equal strides; lossy ones (and
+any op set on a CPU under the Triton interpreter, whose exp is numpy's and
+whose bf16 cast truncates) with a dtype-scaled tolerance. A failing op is
+reported by name; the installer switches that op alone to its reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from vaed.patches.ops import OP_NAMES, REFERENCE_OPS, FusedOp, NormSilu, OpSet
+
+log = logging.getLogger(__name__)
+
+CL = torch.channels_last_3d
+Case = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _t(shape: tuple[int, ...], g: torch.Generator, device: torch.device, dtype: torch.dtype, cl: bool) -> torch.Tensor:
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    if x.dim() == 5:
+        return x.contiguous(memory_format=CL) if cl else x.contiguous()
+    return x
+
+
+def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
+    g = torch.Generator().manual_seed(0)
+    cases: list[Case] = []
+    if name in ("causal_pad", "norm_causal_pad"):
+        norm = None
+        if name == "norm_causal_pad":
+            gamma = (torch.rand(6, 1, 1, 1, generator=g) + 0.5).to(device=device, dtype=dtype)
+            norm = NormSilu(gamma, 6**0.5, 0.0)
+        for cl in (True, False):
+            x = _t((1, 6, 2, 3, 5), g, device, dtype, cl)
+            one = _t((1, 6, 1, 3, 5), g, device, dtype, cl)
+            cache = _t((1, 6, 2, 3, 5), g, device, dtype, cl)
+            cases.append(((x, cache, (1, 1, 1, 1, 2, 0)), {"norm": norm}))
+            cases.append(((one, cache[:, :, 1:], (0, 1, 1, 0, 2, 0)), {"norm": norm}))  # one-sided (shard edge)
+            cases.append(((x, None, (1, 1, 1, 1, 2, 0)), {"norm": norm, "emit_cache": False}))
+            if norm is None:
+                cases.append(((one, None, (0, 0, 0, 0, 2, 0)), {"zero_history": True}))
+    elif name in ("upsample", "upsample_interleave"):
+        for cl in (True, False):
+            cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, cl), name == "upsample_interleave"), {}))
+    elif name == "dupup_add":
+        for first in (False, True):
+            src = _t((1, 4, 2, 3, 4), g, device, dtype, True)
+            for cl in (True, False):
+                main = _t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, cl)
+                cases.append(((main, src, 2, 2, first), {}))
+    elif name == "conv3d":
+        conv = nn.Conv3d(6, 4, 3).to(device=device, dtype=dtype)
+        conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
+        cases.append(((conv, _t((1, 6, 4, 5, 7), g, device, dtype, True)), {}))
+    elif name == "conv2d":
+        conv2 = nn.Conv2d(4, 4, 3, padding=1).to(device=device, dtype=dtype)
+        cases.append(((conv2, _t((2, 4, 5, 7), g, device, dtype, False)), {}))
+    elif name == "residual_add":
+        cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, True), _t((1, 4, 2, 3, 5), g, device, dtype, True)), {}))
+    else:  # pragma: no cover - OP_NAMES and this function move together
+        raise ValueError(f"no start-up check for op {name!r}")
+    return cases
+
+
+def _compare(got: Any, want: Any, exact: bool) -> str | None:
+    if isinstance(want, tuple):
+        if not isinstance(got, tuple) or len(got) != len(want):
+            return "returned a different structure than the reference"
+        for a, b in zip(got, want):
+            why = _compare(a, b, exact)
+            if why:
+                return why
+        return None
+    if want is None or got is None:
+        return None if got is want else "returned None where the reference returns a tensor (or back)"
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"shape/dtype {tuple(got.shape)}/{got.dtype} != {tuple(want.shape)}/{want.dtype}"
+    if got.stride() != want.stride():
+        return f"strides {got.stride()} != {want.stride()}"
+    if exact:
+        return None if torch.equal(got, want) else "values differ from the reference (torch.equal)"
+    try:
+        torch.testing.assert_close(got, want)
+    except AssertionError as e:
+        return "values outside tolerance: " + str(e).splitlines()[0]
+    return None
+
+
+def check_op(ops: OpSet, name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when ``ops.<name>`` matches the reference on every case, else the reason."""
+    op: Callable[..., Any] = getattr(ops, name)
+    ref: Callable[..., Any] = getattr(REFERENCE_OPS, name)
+    run = op.kernel if isinstance(op, FusedOp) else op
+    exact = ops.exact and device.type == "cuda"
+    try:
+        with torch.no_grad():
+            for i, (args, kwargs) in enumerate(_cases(name, device, dtype)):
+                got = run(*args, **kwargs)
+                if got is None:
+                    return f"kernel declined start-up case {i}"
+                why = _compare(got, ref(*args, **kwargs), exact)
+                if why:
+                    return f"case {i}: {why}"
+    except Exception as e:  # compile errors, driver issues, launch failures
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_op_set(ops: OpSet, device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = OP_NAMES) -> dict[str, str]:
+    """{op name: reason} for every op in ``names`` that differs from its reference and fails."""
+    failed: dict[str, str] = {}
+    for name in names:
+        if getattr(ops, name) is getattr(REFERENCE_OPS, name):
+            continue
+        why = check_op(ops, name, device, dtype)
+        if why is not None:
+            log.warning("op set %s: %s failed its start-up check: %s", ops.name, name, why)
+            failed[name] = why
+    return failed

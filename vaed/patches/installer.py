@@ -1,0 +1,229 @@
+"""prepare_decoder / remove_fast_paths: put the patch table on one decoder instance.
+
+Order of decisions, each logged and kept in the :class:`FastPathReport`:
+
+1. weight layout (always applied; it is not a patch, values are unchanged);
+2. diffusers version guard -- outside the verified range nothing is patched
+   and ``report.stock_reason`` says why;
+3. op sets per tier ("lossless" first = the default the forwards use outside
+   a ``using`` block): tiers that need Triton are dropped when it cannot run
+   (CPU without the interpreter, no triton, ``kernels="off"``); per-op
+   switch-offs (``disabled_ops``) and start-up check failures swap single ops
+   for their references;
+4. the table's forwards are bound on the instance, with the default op set.
+
+Installing is idempotent (a second call starts from a clean instance) and
+leaves the state_dict and parameter names as they were. ``kernels="triton"``
+turns every "could not" above into :class:`FastPathError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+import torch.nn as nn
+
+from vaed.kernels import _runtime as rt
+from vaed.patches.checks import check_op_set
+from vaed.patches.context import OPS_ATTR
+from vaed.patches.layout import convert_conv3d_weights, resolve_layout
+from vaed.patches.ops import OP_NAMES, OpSet
+from vaed.patches.table import row_for
+from vaed.patches.versions import diffusers_unverified_reason
+
+if TYPE_CHECKING:  # pragma: no cover
+    from diffusers import AutoencoderKLWan
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "triton", "off")
+_MARK = "_vaed_fast_path"  # set on every module whose forward we replaced
+_REPORT = "_vaed_fast_path_report"
+
+
+class FastPathError(RuntimeError):
+    """Explicitly requested fast paths cannot be installed or run."""
+
+
+@dataclass(frozen=True)
+class FastPathReport:
+    kernels: str  # "triton" when Triton ops are installed, else "off"
+    layout: str  # "channels_last" or "contiguous"
+    installed: tuple[str, ...]  # human-readable list of what was installed
+    skipped: tuple[str, ...]  # what was skipped and why
+    ops: str = "stock"  # name of the default op set the forwards use ("stock": none installed)
+    disabled_ops: tuple[str, ...] = ()  # ops running their reference: flag or failed check
+    stock_reason: str | None = None  # why the stock decoder serves (version guard), else None
+    op_sets: dict[str, OpSet] = field(default_factory=dict)  # usable tier -> checked op set
+
+    @property
+    def summary(self) -> str:
+        """One line for logs and ModelInfo."""
+        if self.stock_reason is not None:
+            return f"stock decoder ({self.stock_reason}); layout={self.layout}"
+        tiers = ",".join(self.op_sets) or "none"
+        s = f"ops={self.ops} tiers={tiers} kernels={self.kernels} layout={self.layout}"
+        if self.disabled_ops:
+            s += f" disabled={','.join(self.disabled_ops)}"
+        return s
+
+    def ops_for(self, tier: str) -> OpSet:
+        """The checked op set of a tier, for ``patches.using``; KeyError names the usable ones."""
+        try:
+            return self.op_sets[tier]
+        except KeyError:
+            raise KeyError(f"tier {tier!r} is not available; usable tiers: {sorted(self.op_sets)}") from None
+
+
+def _kernel_reason(kernels: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    if kernels == "off":
+        return "disabled (--kernels off)"
+    if not rt.triton_available():
+        return "triton is not importable"
+    if device.type != "cuda" and not (device.type == "cpu" and kernels == "triton" and rt.interpreter_active()):
+        return f"decoder is on {device.type}, kernels need CUDA"
+    if dtype not in rt.SUPPORTED_DTYPES:
+        return f"unsupported dtype {dtype}"
+    return None
+
+
+def _resolve_tiers(
+    tiers: Iterable[str], ops: OpSet | None
+) -> list[tuple[str, OpSet]]:
+    if ops is not None:
+        return [(ops.name, ops)]
+    from vaed.patches import OP_SETS  # the registry lives in the package (fast tier included)
+
+    out = []
+    for t in tiers:
+        if t not in OP_SETS:
+            raise ValueError(f"unknown tier {t!r}; known: {', '.join(OP_SETS)}")
+        out.append((t, OP_SETS[t]))
+    if not out:
+        raise ValueError("tiers must name at least one op set")
+    return out
+
+
+def prepare_decoder(
+    vae: "AutoencoderKLWan",
+    *,
+    kernels: str = "auto",
+    layout: str = "auto",
+    disabled_ops: Iterable[str] = frozenset(),
+    tiers: Iterable[str] = ("lossless",),
+    ops: OpSet | None = None,
+) -> FastPathReport:
+    """Set the decoder's weight layout and install the table's forwards (idempotent).
+
+    ``tiers`` names the op sets to prepare (``OP_SETS`` keys); the first is
+    the default. ``ops`` installs that one op set instead (e.g.
+    ``REFERENCE_OPS``: the ported forwards over plain torch, for tests).
+    ``disabled_ops`` switches single ops (``OP_NAMES``) to their references
+    in every tier.
+    """
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    disabled = frozenset(disabled_ops)
+    unknown = disabled - set(OP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown op names in disabled_ops: {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
+    wanted = _resolve_tiers(tiers, ops)
+    param = next(vae.decoder.parameters())
+    device, dtype = param.device, param.dtype
+    lay = resolve_layout(layout, device)
+    n_conv = convert_conv3d_weights(vae, lay)
+    remove_fast_paths(vae)  # idempotent: a second call re-installs from a clean state
+    installed = [f"{lay} Conv3d weights ({n_conv})"]
+
+    stock_reason = diffusers_unverified_reason()
+    if stock_reason is not None:
+        if kernels == "triton":
+            raise FastPathError(f"--kernels triton requested but unavailable: {stock_reason}")
+        log.warning("fast paths: %s", stock_reason)
+        return _finish(vae, FastPathReport("off", lay, tuple(installed), (stock_reason,), stock_reason=stock_reason))
+
+    skipped: list[str] = []
+    usable: dict[str, OpSet] = {}
+    off_ops: set[str] = set(disabled)
+    k_reason = _kernel_reason(kernels, device, dtype)
+    for tier, opset in wanted:
+        if opset.uses_triton and k_reason is not None:
+            if kernels == "triton":
+                raise FastPathError(f"--kernels triton requested but unavailable: {k_reason}")
+            skipped.append(f"fused kernels: {k_reason}" if tier == wanted[0][0] else f"tier {tier}: {k_reason}")
+            continue
+        masked = opset.without(disabled & set(opset.differs_from_reference()))
+        failed = check_op_set(masked, device, dtype)
+        if failed and kernels == "triton":
+            raise FastPathError(f"--kernels triton requested but start-up checks failed: {failed}")
+        for name, why in failed.items():
+            skipped.append(f"{tier} {name}: start-up check failed ({why})")
+        off_ops |= set(failed)
+        usable[tier] = masked.without(frozenset(failed))
+    for name in sorted(disabled):
+        skipped.append(f"{name}: disabled by flag")
+
+    default_tier = wanted[0][0]
+    if default_tier not in usable:
+        if kernels == "auto":
+            log.info("fast paths: layout=%s, kernels off (%s)", lay, k_reason)
+        return _finish(vae, FastPathReport("off", lay, tuple(installed), tuple(skipped), disabled_ops=tuple(sorted(disabled))))
+    default = usable[default_tier]
+    counts = _install(vae, default)
+    installed += [f"{label} ({n})" for label, n in counts.items() if n]
+    report = FastPathReport(
+        kernels="triton" if default.uses_triton else "off",
+        layout=lay,
+        installed=tuple(installed),
+        skipped=tuple(skipped),
+        ops=default_tier,
+        disabled_ops=tuple(n for n in OP_NAMES if n in off_ops),
+        op_sets=usable,
+    )
+    log.info("fast paths: %s; installed %s", report.summary, "; ".join(installed))
+    return _finish(vae, report)
+
+
+def _finish(vae: nn.Module, report: FastPathReport) -> FastPathReport:
+    setattr(vae, _REPORT, report)
+    return report
+
+
+def _install(vae: nn.Module, default: OpSet) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    roots: list[nn.Module] = [vae.decoder]
+    pqc = getattr(vae, "post_quant_conv", None)
+    if pqc is not None:
+        roots.append(pqc)
+    for root in roots:
+        for m in root.modules():
+            row = row_for(m)
+            if row is None:
+                continue
+            m.forward = types.MethodType(row.forward, m)  # type: ignore[method-assign]
+            setattr(m, OPS_ATTR, default)
+            setattr(m, _MARK, True)
+            counts[row.label] = counts.get(row.label, 0) + 1
+    return counts
+
+
+def installed_report(vae: nn.Module) -> FastPathReport | None:
+    """The report of the last prepare_decoder on this instance, if any."""
+    return getattr(vae, _REPORT, None)
+
+
+def remove_fast_paths(vae: nn.Module) -> None:
+    """Restore the stock forwards (weight layout is left as it is; values are unchanged)."""
+    for m in vae.modules():
+        if getattr(m, _MARK, False):
+            if "forward" in m.__dict__:
+                del m.forward
+            delattr(m, _MARK)
+            if OPS_ATTR in m.__dict__:
+                delattr(m, OPS_ATTR)
+    if hasattr(vae, _REPORT):
+        delattr(vae, _REPORT)

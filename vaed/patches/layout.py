@@ -1,0 +1,48 @@
+"""Decoder weight and activation layout (channels_last_3d or contiguous).
+
+channels_last_3d changes cuDNN's algorithm, so "lossless" means
+bit-identical to stock diffusers with the same weight layout; the layout is
+chosen once per decoder and applied to weights here and to inputs by
+:func:`to_decoder_layout`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
+
+
+def resolve_layout(layout: str, device: torch.device) -> str:
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"layout must be one of {LAYOUT_CHOICES}, got {layout!r}")
+    if layout == "auto":
+        # channels_last_3d is where the fused kernels pay (1.20x vs 0.98x contiguous, H200)
+        return "channels_last" if device.type == "cuda" else "contiguous"
+    return layout
+
+
+def to_decoder_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """Make a 5-D activation channels_last_3d or contiguous ("auto": by device)."""
+    if x.dim() != 5:
+        raise ValueError(f"expected a 5-D tensor, got shape {tuple(x.shape)}")
+    layout = resolve_layout(layout, x.device)
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last_3d)
+    return x.contiguous()
+
+
+def convert_conv3d_weights(vae: nn.Module, layout: str) -> int:
+    """Put the decoder's (and post_quant_conv's) Conv3d weights in ``layout``; returns how many."""
+    fmt = torch.channels_last_3d if layout == "channels_last" else torch.contiguous_format
+    n = 0
+    for root in (vae.decoder, getattr(vae, "post_quant_conv", None)):
+        if root is None:
+            continue
+        for m in root.modules():
+            if isinstance(m, nn.Conv3d):
+                # in-place .data swap: same Parameter object, name and state_dict key
+                m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+                n += 1
+    return n

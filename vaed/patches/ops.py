@@ -1,0 +1,276 @@
+"""Op sets: the bundles of ops the patched decoder forwards call.
+
+The forwards (:mod:`vaed.patches.forwards`) never call a kernel directly;
+they call the fields of an :class:`OpSet`. An op set is data -- a frozen
+dataclass of callables with fixed, documented signatures -- so a second tier
+(the lossy ``FAST_OPS``), a per-op switch-off (:meth:`OpSet.without`) or a
+sharded variant (halo exchange around each spatial conv input, then the inner
+op with one-sided padding) is a new bundle, never a copy of the forwards.
+
+Op signatures (every op set honours all of them):
+
+``causal_pad(x, cache, pad, *, norm=None, zero_history=False, emit_cache=True)``
+``norm_causal_pad(...)`` -- same signature, called with ``norm`` set
+    -> ``(conv input, next cache | None)``. ``x`` [B, C, T, H, W] is the new
+    frames (raw activation when ``norm`` is given: the op applies
+    WanRMS_norm + SiLU first); ``cache`` the previous chunk's cached frames or
+    None; ``pad`` F.pad's 6-tuple (w_left, w_right, h_top, h_bottom, t_front,
+    0) -- left != right is allowed, e.g. 0 on a shard's interior edge;
+    ``zero_history`` the upsample time_conv's first-chunk "Rep" marker;
+    ``emit_cache=False`` returns None for the next cache. The conv input may
+    alias ``x`` when ``pad`` is all zero: callers never write into it.
+``upsample(x, interleave=False)`` / ``upsample_interleave(x, interleave=True)``
+    -> images [B*T', C', 2H, 2W]: WanResample's frame flattening (and, with
+    ``interleave``, the upsample3d channel->time interleave of the time_conv
+    output) followed by nearest-exact 2x.
+``dupup_add(main, source, factor_t, factor_s, first_chunk)``
+    -> ``main + DupUp3D(source)`` (Wan2.2 residual up-block shortcut).
+``conv3d(conv, x)`` -> the module's convolution of an already padded input.
+``conv2d(conv, x)`` -> ``conv(x)`` for WanResample's 3x3 image conv (it pads
+    itself; a sharded variant swaps in halo rows and one-sided padding here).
+``residual_add(x, h)`` -> ``x + h`` (the residual block's output).
+
+``REFERENCE_OPS`` holds the plain-torch chains, op for op what stock diffusers
+runs. ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
+falls back to its reference per call (bit-identical: every kernel is exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn as nn
+
+from vaed import kernels as K
+from vaed.kernels import _runtime as rt
+from vaed.kernels.upsample import upsample_nearest2x_reference
+
+PadTuple = tuple[int, int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class NormSilu:
+    """What ``norm_causal_pad`` needs from a WanRMS_norm(channel_first, bias=False) + SiLU pair."""
+
+    gamma: torch.Tensor  # (C, 1, 1, 1), the module's parameter as stored
+    scale: float  # dim ** 0.5
+    bias: float  # the module's python-float bias (0.0)
+
+
+class CausalPadOp(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cache: torch.Tensor | None,
+        pad: PadTuple,
+        *,
+        norm: NormSilu | None = None,
+        zero_history: bool = False,
+        emit_cache: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class UpsampleOp(Protocol):
+    def __call__(self, x: torch.Tensor, interleave: bool = False) -> torch.Tensor: ...
+
+
+class DupUpAddOp(Protocol):
+    def __call__(
+        self, main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+    ) -> torch.Tensor: ...
+
+
+ConvOp = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+AddOp = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """A kernel launcher beside its reference, same signature.
+
+    ``kernel`` returns None for inputs it does not handle; the call then runs
+    ``reference`` (so per-call fallbacks keep the reference's exact bytes).
+    Start-up checks call ``kernel`` alone to prove it runs.
+    """
+
+    name: str
+    kernel: Callable[..., Any]
+    reference: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.kernel(*args, **kwargs)
+        return out if out is not None else self.reference(*args, **kwargs)
+
+
+# --- references: the stock aten chains ------------------------------------------
+
+
+def reference_causal_pad(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: PadTuple,
+    *,
+    norm: NormSilu | None = None,
+    zero_history: bool = False,
+    emit_cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = None if norm is None else (norm.gamma, norm.scale, norm.bias)
+    return K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=n, emit_cache=emit_cache)
+
+
+def reference_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    return upsample_nearest2x_reference(x, interleave)
+
+
+def reference_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> torch.Tensor:
+    return upsample_nearest2x_reference(x, interleave)
+
+
+def reference_dupup_add(
+    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+) -> torch.Tensor:
+    return K.dupup_add_reference(main, source, factor_t, factor_s, first_chunk)
+
+
+def reference_conv3d(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # WanCausalConv3d's own padding is (0, 0, 0) after its __init__: the input is pre-padded
+    return conv._conv_forward(x, conv.weight, conv.bias)  # type: ignore[operator]
+
+
+def reference_conv2d(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return conv(x)
+
+
+def reference_residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return x + h
+
+
+# --- Triton launchers (None = not handled here) -----------------------------------
+
+
+def _dense(x: torch.Tensor) -> bool:
+    return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def triton_causal_pad(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: PadTuple,
+    *,
+    norm: NormSilu | None = None,
+    zero_history: bool = False,
+    emit_cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if norm is None and not emit_cache and not any(pad) and _dense(x):
+        # F.pad with zero padding is a clone; a dense clone keeps x's strides,
+        # so the conv reads the same bytes in the same layout from x itself
+        return x, None
+    if not rt.triton_available() or not rt.device_ok(x):
+        return None  # decided before the fp32 norm pass below is paid for
+    args = None
+    if norm is not None:
+        args = K.RmsSiluArgs(norm.gamma, float(norm.scale), float(norm.bias), K.norm_denominator(x))
+    return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)  # type: ignore[arg-type]
+
+
+def triton_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor | None:
+    return K.upsample_nearest2x(x, interleave)
+
+
+def triton_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> torch.Tensor | None:
+    return K.upsample_nearest2x(x, interleave)
+
+
+# --- the bundle ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSet:
+    """One tier's ops. ``exact``: bit-identical to REFERENCE_OPS (checked with torch.equal)."""
+
+    name: str
+    exact: bool
+    uses_triton: bool
+    causal_pad: CausalPadOp
+    norm_causal_pad: CausalPadOp
+    upsample: UpsampleOp
+    upsample_interleave: UpsampleOp
+    dupup_add: DupUpAddOp
+    conv3d: ConvOp
+    conv2d: ConvOp
+    residual_add: AddOp
+
+    def causal_conv_input(
+        self,
+        x: torch.Tensor,
+        cache: torch.Tensor | None,
+        pad: PadTuple,
+        *,
+        norm: NormSilu | None = None,
+        zero_history: bool = False,
+        emit_cache: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conv input builder: routes to ``norm_causal_pad`` when a norm is fused in."""
+        op = self.causal_pad if norm is None else self.norm_causal_pad
+        return op(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
+
+    def upsample2x(self, x: torch.Tensor, interleave: bool) -> torch.Tensor:
+        return self.upsample_interleave(x, True) if interleave else self.upsample(x, False)
+
+    def without(self, names: frozenset[str] | set[str] | tuple[str, ...]) -> "OpSet":
+        """This op set with ``names`` switched to their plain-torch references."""
+        unknown = set(names) - set(OP_NAMES)
+        if unknown:
+            raise ValueError(f"unknown op names {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
+        if not names:
+            return self
+        swap = {n: getattr(REFERENCE_OPS, n) for n in names}
+        return dataclasses.replace(self, **swap)
+
+    def differs_from_reference(self) -> tuple[str, ...]:
+        """Op names whose callable is not the plain-torch reference."""
+        return tuple(n for n in OP_NAMES if getattr(self, n) is not getattr(REFERENCE_OPS, n))
+
+
+# every switchable op, in forward order; the first five are the fused paths
+OP_NAMES: tuple[str, ...] = (
+    "causal_pad",
+    "norm_causal_pad",
+    "upsample",
+    "upsample_interleave",
+    "dupup_add",
+    "conv3d",
+    "conv2d",
+    "residual_add",
+)
+
+REFERENCE_OPS = OpSet(
+    name="reference",
+    exact=True,
+    uses_triton=False,
+    causal_pad=reference_causal_pad,
+    norm_causal_pad=reference_causal_pad,
+    upsample=reference_upsample,
+    upsample_interleave=reference_upsample_interleave,
+    dupup_add=reference_dupup_add,
+    conv3d=reference_conv3d,
+    conv2d=reference_conv2d,
+    residual_add=reference_residual_add,
+)
+
+LOSSLESS_OPS = OpSet(
+    name="lossless",
+    exact=True,
+    uses_triton=True,
+    causal_pad=FusedOp("causal_pad", triton_causal_pad, reference_causal_pad),
+    norm_causal_pad=FusedOp("norm_causal_pad", triton_causal_pad, reference_causal_pad),
+    upsample=FusedOp("upsample", triton_upsample, reference_upsample),
+    upsample_interleave=FusedOp("upsample_interleave", triton_upsample_interleave, reference_upsample_interleave),
+    dupup_add=FusedOp("dupup_add", K.dupup_add, reference_dupup_add),
+    conv3d=reference_conv3d,
+    conv2d=reference_conv2d,
+    residual_add=reference_residual_add,
+)
