@@ -77,6 +77,11 @@ RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-deps /wheels/*.whl \
     && vaed --help > /dev/null
 
+# The weights fetcher the Kubernetes weights Job and the decoders' init
+# container run (k8s/weights, k8s/base): fills /models/<name>/vae only.
+# huggingface_hub comes with diffusers.
+COPY scripts/fetch_weights.py /opt/vaed/fetch_weights.py
+
 USER 10001:10001
 WORKDIR /cache
 
@@ -91,8 +96,12 @@ HEALTHCHECK --interval=30s --timeout=10s --start-period=300s --retries=3 \
 # vaed runs as PID 1 and installs its own SIGTERM handler (drain, then exit),
 # so no init shim is needed; Triton's compiler subprocesses are waited for.
 ENTRYPOINT ["vaed"]
-# A diffusers Wan folder (or its vae/ subfolder) mounted read-only at /models.
-# --grace 30 matches terminationGracePeriodSeconds minus the preStop pause in k8s/.
+# A diffusers Wan folder (or its vae/ subfolder) mounted read-only at /models;
+# the same path k8s/models/wan21 serves and fills (vae/ only, ~0.51 GB).
+# --grace 30: in-flight streams get 30 s after SIGTERM; `docker stop` kills
+# after 10 s unless told otherwise, so stop with `docker stop -t 40`.
+# Kubernetes sets its own --grace (k8s/base) and the keepalive/connection-age
+# flags; the server's defaults for those suit a single container.
 CMD ["serve", "--gpu", "0", "--host", "0.0.0.0", "--port", "50051", \
      "--metrics-port", "9090", "--model", "/models/Wan2.1-T2V-1.3B-Diffusers", \
      "--grace", "30"]

@@ -135,7 +135,7 @@ def test_json_entrypoint_and_cmd_run_vaed_serve() -> None:
     assert entry == ["vaed"]
     assert cmd[0] == "serve"
     args = _serve_parser().parse_args(cmd[1:])
-    assert args.gpu == 0
+    assert str(args.gpu) == "0"  # --gpu takes a device list: "0", "0,1", "all"
     assert args.port == 50051 and args.metrics_port == 9090
     assert args.grace == 30
     exposed = {int(p) for w, r in instructions() if w == "EXPOSE" for p in r.split()}

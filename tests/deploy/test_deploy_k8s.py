@@ -1,156 +1,71 @@
 """Offline checks of k8s/: render every overlay, validate it against the
-Kubernetes 1.30 schemas (strict), and assert the operational properties.
+Kubernetes 1.30 schemas (strict, bundled with kubernetes-validate: no
+network), and assert the operational properties of every decoder in it.
 
-Rendering uses `kubectl kustomize` when kubectl is on PATH; otherwise a small
-built-in renderer assembles the same objects (resources, strategic-merge
-patches with $patch: delete, images, namespace). When kubectl is present the
-two renderings are compared, so the fallback stays honest.
+Model layers, weights, the CPU overlay and the autoscaling rule are checked in
+test_deploy_models.py; rendering lives in manifests.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import functools
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
+from manifests import (
+    K8S,
+    K8S_VERSION,
+    KUBECTL,
+    OVERLAYS,
+    ROOT,
+    Obj,
+    by_kind,
+    container,
+    decoders,
+    flag_value,
+    container_args,
+    one,
+    pod_containers,
+    pod_spec,
+    render_fallback,
+    render_kubectl,
+    rendered,
+    serve_args,
+    serve_parser,
+)
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "k8s"
-OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
-K8S_VERSION = "1.30.0"
+GPU_OVERLAYS = [o for o in OVERLAYS if o != "cpu"]
+# Overlays that serve real weights from a PVC with auth on (the production shape).
+PROD_OVERLAYS = ["prod", "wan21", "wan22"]
 
-Obj = dict[str, Any]
-
-
-# ------------------------------------------------------------ rendering
-
-
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass", "StorageClass",
-                  "PersistentVolume", "CustomResourceDefinition"}
-# Strategic-merge keys of the list fields the manifests patch.
-MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-    "volumeMounts": "mountPath", "ports": "containerPort", "imagePullSecrets": "name",
-}
+# Flags the manifests use that `vaed serve` gained for issue 10 / issue 8.
+# test_new_serve_flags_exist names the ones the server does not have yet.
+NEW_SERVE_FLAGS = [
+    "--keepalive-time", "--keepalive-timeout", "--min-ping-interval",
+    "--max-connection-age", "--max-connection-age-grace", "--warmup-shapes",
+]
 
 
-def _load_all(path: Path) -> list[Obj]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+def decoder_params() -> list[tuple[str, str]]:
+    return [(o, d["metadata"]["name"]) for o in OVERLAYS for d in decoders(rendered(o))]
 
 
-def _merge(base: Obj, patch: Obj) -> None:
-    """Strategic merge of ``patch`` into ``base`` (the subset kustomize applies here)."""
-    for key, value in patch.items():
-        if key == "$patch":
-            continue
-        if value is None:
-            base.pop(key, None)
-        elif isinstance(value, dict) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        elif isinstance(value, list) and key in MERGE_KEYS and isinstance(base.get(key), list):
-            mk = MERGE_KEYS[key]
-            items = base[key]
-            for item in value:
-                idx = next((i for i, b in enumerate(items) if b.get(mk) == item.get(mk)), None)
-                if item.get("$patch") == "delete":
-                    if idx is not None:
-                        items.pop(idx)
-                elif idx is not None:
-                    _merge(items[idx], item)
-                else:
-                    items.append({k: v for k, v in copy.deepcopy(item).items() if k != "$patch"})
-        else:
-            base[key] = copy.deepcopy(value)
+DECODERS = decoder_params()
 
 
-def _pod_containers(obj: Obj) -> list[Obj]:
-    spec = obj.get("spec", {}).get("template", {}).get("spec", {})
-    return list(spec.get("containers", [])) + list(spec.get("initContainers", []))
-
-
-def render_fallback(directory: Path) -> list[Obj]:
-    """Assemble a kustomization without kustomize."""
-    kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    objs: list[Obj] = []
-    for res in kust.get("resources", []):
-        path = (directory / res).resolve()
-        objs.extend(render_fallback(path) if path.is_dir() else _load_all(path))
-    for entry in kust.get("patches", []):
-        for patch in _load_all(directory / entry["path"]):
-            kind, name = patch["kind"], patch["metadata"]["name"]
-            idx = next(i for i, o in enumerate(objs)
-                       if o["kind"] == kind and o["metadata"]["name"] == name)
-            if patch.get("$patch") == "delete":
-                objs.pop(idx)
-            else:
-                _merge(objs[idx], patch)
-    for image in kust.get("images", []):
-        for obj in objs:
-            for c in _pod_containers(obj):
-                if c["image"].split("@")[0].rsplit(":", 1)[0] == image["name"]:
-                    c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
-    if "namespace" in kust:
-        for obj in objs:
-            if obj["kind"] not in CLUSTER_SCOPED:
-                obj["metadata"]["namespace"] = kust["namespace"]
-    return objs
-
-
-def render_kubectl(directory: Path) -> list[Obj]:
-    out = subprocess.run(["kubectl", "kustomize", str(directory)], check=True,
-                         capture_output=True, text=True, timeout=60).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-KUBECTL = shutil.which("kubectl")
-
-
-@functools.cache
-def rendered(overlay: str) -> tuple[Obj, ...]:
-    directory = K8S / "overlays" / overlay
-    objs = render_kubectl(directory) if KUBECTL else render_fallback(directory)
-    return tuple(objs)
-
-
-def by_kind(objs: tuple[Obj, ...], kind: str) -> list[Obj]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def one(objs: tuple[Obj, ...], kind: str, name: str | None = None) -> Obj:
-    found = [o for o in by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
-    return found[0]
-
-
-def container(objs: tuple[Obj, ...]) -> Obj:
-    return one(objs, "Deployment", "vaed")["spec"]["template"]["spec"]["containers"][0]
-
-
-def serve_args(objs: tuple[Obj, ...]) -> argparse.Namespace:
-    """The container args parsed by the real `vaed serve` parser (catches flag typos)."""
-    from vaed.cli import add_serve_arguments
-
-    args = container(objs)["args"]
-    assert args[0] == "serve"
-    # allow_abbrev=False: a misspelt flag must fail, not match a prefix.
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    add_serve_arguments(parser)
-    return parser.parse_args(args[1:])
+def decoder(overlay: str, name: str) -> Obj:
+    return one(rendered(overlay), "Deployment", name)
 
 
 # ------------------------------------------------------------ rendering and schema
 
 
 def test_overlays_exist() -> None:
-    assert {"dev", "prod"} <= set(OVERLAYS)
+    assert {"dev", "prod", "wan21", "wan22", "cpu"} <= set(OVERLAYS)
 
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH")
@@ -184,46 +99,93 @@ def test_schema_valid_strict_cli(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_unique_object_names(overlay: str) -> None:
+    keys = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in rendered(overlay)]
+    assert len(keys) == len(set(keys))
+
+
+# ------------------------------------------------------------ server flags
+
+
+def test_new_serve_flags_exist() -> None:
+    """Fails until `vaed serve` has every flag the manifests rely on."""
+    known = {s for a in serve_parser()._actions for s in a.option_strings}
+    missing = [f for f in NEW_SERVE_FLAGS if f not in known]
+    assert not missing, f"`vaed serve` lacks {missing}, which k8s/ uses"
+
+
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_manifest_flags_parse(overlay: str, name: str) -> None:
+    args = container_args(decoder(overlay, name))
+    used = {a.split("=", 1)[0] for a in args[1:] if a.startswith("--")}
+    assert set(NEW_SERVE_FLAGS) <= used, f"{name} does not set {set(NEW_SERVE_FLAGS) - used}"
+    serve_args(decoder(overlay, name))  # every flag exists and every value parses
+
+
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_connection_lifecycle(overlay: str, name: str) -> None:
+    """Clients reach replicas added later: connections age out within minutes,
+    in-flight calls get a grace longer than a Decode, and keepalive settings
+    agree with the client library's."""
+    from vaed_client.channel import KEEPALIVE_TIME_MS
+
+    args = container_args(decoder(overlay, name))
+    value = {f: float(flag_value(args, f) or "nan") for f in NEW_SERVE_FLAGS if f != "--warmup-shapes"}
+    # Re-resolution within 1-10 min: new pods get traffic soon, without
+    # reconnect storms (gRPC adds +-10 % jitter to the age).
+    assert 60 <= value["--max-connection-age"] <= 600
+    # A 720x1280x81 Decode takes ~3 s on an H200; calls in flight when the
+    # connection ages out must finish, so allow at least a minute.
+    assert value["--max-connection-age-grace"] >= 60
+    # The client pings every 60 s; the server must permit that or it answers
+    # GOAWAY too_many_pings and every long call fails.
+    assert value["--min-ping-interval"] <= KEEPALIVE_TIME_MS / 1000
+    assert 0 < value["--keepalive-timeout"] < value["--keepalive-time"]
+
+
 # ------------------------------------------------------------ Deployment
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
 def test_gpu_and_resources(overlay: str) -> None:
-    c = container(rendered(overlay))
-    res = c["resources"]
-    assert int(res["limits"]["nvidia.com/gpu"]) == 1
-    assert "cpu" in res["requests"] and "memory" in res["requests"]
-    assert "memory" in res["limits"]
-    assert serve_args(rendered(overlay)).gpu == 0
+    for dep in decoders(rendered(overlay)):
+        res = container(dep)["resources"]
+        assert int(res["limits"]["nvidia.com/gpu"]) == 1
+        assert "cpu" in res["requests"] and "memory" in res["requests"]
+        assert "memory" in res["limits"]
+        # --gpu is a device list ("0", "0,1", "all"); one GPU per pod here.
+        assert str(serve_args(dep).gpu) == "0"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grpc_probes(overlay: str) -> None:
-    objs = rendered(overlay)
-    c = container(objs)
-    port = serve_args(objs).port
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_grpc_probes(overlay: str, name: str) -> None:
+    dep = decoder(overlay, name)
+    c = container(dep)
+    port = serve_args(dep).port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c[probe]
         assert p["grpc"]["port"] == port, probe
         assert p["grpc"].get("service", "") == ""
     s = c["startupProbe"]
-    # Weights + Triton compile + warm-up can take minutes: at least 5 min budget.
-    assert s["periodSeconds"] * s["failureThreshold"] >= 300
+    # Weights + Triton compile + warm-up can take minutes: at least 5 min budget,
+    # plus a minute per warm-up shape (each reaches its steady chunk, ~6 s on an
+    # H200; the margin covers slower GPUs and cold volumes).
+    shapes = flag_value(container_args(dep), "--warmup-shapes") or ""
+    n_shapes = 0 if shapes in ("", "none") else len(shapes.split(","))
+    assert s["periodSeconds"] * s["failureThreshold"] >= 300 + 60 * n_shapes
     r = c["readinessProbe"]
     assert r["periodSeconds"] * r.get("failureThreshold", 3) <= 15  # out of rotation quickly
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_restricted_security_context(overlay: str) -> None:
-    objs = rendered(overlay)
-    pod = one(objs, "Deployment", "vaed")["spec"]["template"]["spec"]
+def _check_restricted_pod(pod: Obj) -> None:
     psc = pod["securityContext"]
     assert psc["runAsNonRoot"] is True
     assert isinstance(psc["runAsUser"], int) and psc["runAsUser"] > 0
     assert psc["seccompProfile"]["type"] == "RuntimeDefault"
     assert pod["automountServiceAccountToken"] is False
     assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
-    for c in pod["containers"]:
+    for c in list(pod["containers"]) + list(pod.get("initContainers") or []):
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False
         assert sc.get("privileged", False) is False
@@ -239,11 +201,19 @@ def test_restricted_security_context(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_writable_paths_are_emptydirs(overlay: str) -> None:
+def test_restricted_security_context(overlay: str) -> None:
     objs = rendered(overlay)
-    pod = one(objs, "Deployment", "vaed")["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["mountPath"]: m for m in container(objs)["volumeMounts"]}
+    workloads = by_kind(objs, "Deployment") + by_kind(objs, "Job")
+    assert workloads
+    for obj in workloads:
+        _check_restricted_pod(pod_spec(obj))
+
+
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_writable_paths_are_emptydirs(overlay: str, name: str) -> None:
+    dep = decoder(overlay, name)
+    volumes = {v["name"]: v for v in pod_spec(dep)["volumes"]}
+    mounts = {m["mountPath"]: m for m in container(dep)["volumeMounts"]}
     for path in ("/cache", "/tmp"):
         assert path in mounts, path
         assert "emptyDir" in volumes[mounts[path]["name"]], path
@@ -255,148 +225,149 @@ def test_writable_paths_are_emptydirs(overlay: str) -> None:
         assert env[var] == "/cache" or env[var].startswith("/cache/"), var
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_graceful_termination_matches_grace(overlay: str) -> None:
-    objs = rendered(overlay)
-    pod = one(objs, "Deployment", "vaed")["spec"]["template"]["spec"]
-    pre_stop = container(objs)["lifecycle"]["preStop"]
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_graceful_termination_matches_grace(overlay: str, name: str) -> None:
+    dep = decoder(overlay, name)
+    pre_stop = container(dep)["lifecycle"]["preStop"]
     pause = pre_stop["sleep"]["seconds"]
     assert 1 <= pause <= 15
-    grace = serve_args(objs).grace
+    grace = serve_args(dep).grace
     # kubelet counts preStop inside terminationGracePeriodSeconds; leave >= 5 s
     # after the drain for the process to exit before SIGKILL.
-    assert pod["terminationGracePeriodSeconds"] >= pause + grace + 5
+    assert pod_spec(dep)["terminationGracePeriodSeconds"] >= pause + grace + 5
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_topology_spread_selects_own_pods(overlay: str) -> None:
-    dep = one(rendered(overlay), "Deployment", "vaed")
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_topology_spread_selects_own_pods(overlay: str, name: str) -> None:
+    dep = decoder(overlay, name)
     labels = dep["spec"]["template"]["metadata"]["labels"]
-    tscs = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    tscs = pod_spec(dep)["topologySpreadConstraints"]
     assert {t["topologyKey"] for t in tscs} >= {"kubernetes.io/hostname"}
     for t in tscs:
         assert t["labelSelector"]["matchLabels"].items() <= labels.items()
         assert t["maxSkew"] >= 1
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_metrics_port_exposed(overlay: str) -> None:
-    objs = rendered(overlay)
-    c = container(objs)
+@pytest.mark.parametrize("overlay,name", DECODERS)
+def test_metrics_port_exposed(overlay: str, name: str) -> None:
+    dep = decoder(overlay, name)
+    c = container(dep)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    args = serve_args(objs)
+    args = serve_args(dep)
     assert ports["grpc"] == args.port == 50051
     assert ports["metrics"] == args.metrics_port == 9090
-    ann = one(objs, "Deployment", "vaed")["spec"]["template"]["metadata"]["annotations"]
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/port"] == str(args.metrics_port)
 
 
-def test_prod_model_auth_and_offline() -> None:
-    objs = rendered("prod")
-    pod = one(objs, "Deployment", "vaed")["spec"]["template"]["spec"]
-    c = container(objs)
-    args = serve_args(objs)
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    # Weights from a read-only PVC mounted at /models.
-    assert args.model.startswith("/models/")
-    m = mounts["/models"]
-    assert m["readOnly"] is True
-    pvc = volumes[m["name"]]["persistentVolumeClaim"]
-    assert pvc["readOnly"] is True and pvc["claimName"]
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["HF_HUB_OFFLINE"] == "1"
-    # The token file lives on a read-only Secret volume.
-    assert args.auth_token_file
-    token_dir = str(Path(args.auth_token_file).parent)
-    secret_mount = mounts[token_dir]
-    assert secret_mount["readOnly"] is True
-    secret = volumes[secret_mount["name"]]["secret"]
-    assert secret["secretName"] == "vaed-auth"
-    assert any(i["path"] == Path(args.auth_token_file).name for i in secret["items"])
+@pytest.mark.parametrize("overlay", PROD_OVERLAYS)
+def test_prod_model_auth_and_offline(overlay: str) -> None:
+    objs = rendered(overlay)
+    for dep in decoders(objs):
+        pod = pod_spec(dep)
+        c = container(dep)
+        args = serve_args(dep)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+        # Weights from a read-only PVC mounted at /models.
+        assert args.model.startswith("/models/")
+        m = mounts["/models"]
+        assert m["readOnly"] is True
+        pvc = volumes[m["name"]]["persistentVolumeClaim"]
+        assert pvc["readOnly"] is True and pvc["claimName"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["HF_HUB_OFFLINE"] == "1"
+        # The token file lives on a read-only Secret volume.
+        assert args.auth_token_file
+        token_dir = str(Path(args.auth_token_file).parent)
+        secret_mount = mounts[token_dir]
+        assert secret_mount["readOnly"] is True
+        secret = volumes[secret_mount["name"]]["secret"]
+        assert secret["secretName"] == "vaed-auth"
+        assert any(i["path"] == Path(args.auth_token_file).name for i in secret["items"])
     # No Secret object is committed: operators create it.
     assert not by_kind(objs, "Secret")
 
 
 def test_dev_random_weights_no_auth() -> None:
     objs = rendered("dev")
-    args = serve_args(objs)
+    (dep,) = decoders(objs)
+    args = serve_args(dep)
     assert args.model == "random:wan2.1"
     assert args.auth_token_file is None
-    pod = one(objs, "Deployment", "vaed")["spec"]["template"]["spec"]
+    pod = pod_spec(dep)
     kinds = {k for v in pod["volumes"] for k in v if k != "name"}
     assert kinds == {"emptyDir"}
-    assert {m["mountPath"] for m in container(objs)["volumeMounts"]} == {"/cache", "/tmp"}
+    assert {m["mountPath"] for m in container(dep)["volumeMounts"]} == {"/cache", "/tmp"}
+    assert not pod.get("initContainers")
     assert not by_kind(objs, "HorizontalPodAutoscaler")
-    assert one(objs, "Deployment", "vaed")["spec"]["replicas"] == 1
+    assert not by_kind(objs, "Job") and not by_kind(objs, "PersistentVolumeClaim")
+    assert dep["spec"]["replicas"] == 1
 
 
-# ------------------------------------------------------------ Services, PDB, HPA, NetworkPolicy
+# ------------------------------------------------------------ Services, PDB, NetworkPolicy
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_services(overlay: str) -> None:
     objs = rendered(overlay)
-    labels = one(objs, "Deployment", "vaed")["spec"]["template"]["metadata"]["labels"]
-    headless = one(objs, "Service", "vaed-headless")
-    assert headless["spec"]["clusterIP"] == "None"
-    cluster = one(objs, "Service", "vaed")
-    assert cluster["spec"].get("type", "ClusterIP") == "ClusterIP"
-    assert cluster["spec"].get("clusterIP") != "None"
-    for svc in (headless, cluster):
-        assert svc["spec"]["selector"].items() <= labels.items()
-        grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
-        assert grpc_port["port"] == 50051
-        assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
-        assert grpc_port["targetPort"] == "grpc"
+    services = by_kind(objs, "Service")
+    for dep in decoders(objs):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        mine = [s for s in services if s["spec"]["selector"].items() <= labels.items()]
+        headless = [s for s in mine if s["spec"].get("clusterIP") == "None"]
+        cluster = [s for s in mine if s["spec"].get("clusterIP") != "None"]
+        assert len(headless) == 1 and len(cluster) == 1, dep["metadata"]["name"]
+        assert headless[0]["metadata"]["name"].startswith("vaed-headless")
+        assert cluster[0]["spec"].get("type", "ClusterIP") == "ClusterIP"
+        for svc in headless + cluster:
+            grpc_port = next(p for p in svc["spec"]["ports"] if p["name"] == "grpc")
+            assert grpc_port["port"] == 50051
+            assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
+            assert grpc_port["targetPort"] == "grpc"
+    assert len(services) == 2 * len(decoders(objs))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pdb(overlay: str) -> None:
     objs = rendered(overlay)
-    labels = one(objs, "Deployment", "vaed")["spec"]["template"]["metadata"]["labels"]
-    pdb = one(objs, "PodDisruptionBudget")
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert "maxUnavailable" in pdb["spec"] or "minAvailable" in pdb["spec"]
-
-
-def test_prod_hpa_on_queue_depth() -> None:
-    from vaed.metrics import QUEUED_CHUNKS_METRIC, ServerMetrics
-
-    objs = rendered("prod")
-    hpa = one(objs, "HorizontalPodAutoscaler", "vaed")
-    spec = hpa["spec"]
-    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "vaed"}
-    assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
-    names = [m["pods"]["metric"]["name"] for m in spec["metrics"] if m["type"] == "Pods"]
-    assert names == [QUEUED_CHUNKS_METRIC]
-    # The metric really is exported by the server.
-    assert ServerMetrics().registry.get_sample_value(QUEUED_CHUNKS_METRIC) == 0
-    # The HPA owns the replica count; a fixed one would fight it on every apply.
-    assert "replicas" not in one(objs, "Deployment", "vaed")["spec"]
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    for dep in decoders(objs):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        (pdb,) = [p for p in pdbs if p["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+        assert "maxUnavailable" in pdb["spec"] or "minAvailable" in pdb["spec"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policy(overlay: str) -> None:
     objs = rendered(overlay)
-    labels = one(objs, "Deployment", "vaed")["spec"]["template"]["metadata"]["labels"]
-    port_names = {p["name"] for p in container(objs)["ports"]}
     np = one(objs, "NetworkPolicy", "vaed")
     spec = np["spec"]
-    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
     assert "Ingress" in spec["policyTypes"]
-    allowed_ports = set()
-    for rule in spec["ingress"]:
-        # Every rule names its peers and ports: no allow-all.
-        assert rule.get("from"), rule
-        assert rule.get("ports"), rule
-        for peer in rule["from"]:
-            assert peer.get("namespaceSelector") or peer.get("podSelector"), peer
-            assert "ipBlock" not in peer
-        for p in rule["ports"]:
-            assert p["port"] in port_names
-            allowed_ports.add(p["port"])
-    assert allowed_ports == {"grpc", "metrics"}
+    for dep in decoders(objs):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+        port_names = {p["name"] for p in container(dep)["ports"]}
+        allowed_ports = set()
+        for rule in spec["ingress"]:
+            # Every rule names its peers and ports: no allow-all.
+            assert rule.get("from"), rule
+            assert rule.get("ports"), rule
+            for peer in rule["from"]:
+                assert peer.get("namespaceSelector") or peer.get("podSelector"), peer
+                assert "ipBlock" not in peer
+            for p in rule["ports"]:
+                assert p["port"] in port_names
+                allowed_ports.add(p["port"])
+        assert allowed_ports == {"grpc", "metrics"}
+    # Peers are selected by their own labels only: a model label leaking in
+    # from the model layers would match no kube-dns, client or Prometheus pod.
+    peers = [peer for rule in spec["ingress"] for peer in rule["from"]]
+    peers += [peer for rule in spec.get("egress", []) for peer in rule["to"]]
+    for peer in peers:
+        assert "vaed.io/model" not in peer.get("podSelector", {}).get("matchLabels", {}), peer
+    dns = [p for p in peers if p.get("podSelector", {}).get("matchLabels") == {"k8s-app": "kube-dns"}]
+    assert dns, "egress to kube-dns must stay allowed"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -411,5 +382,8 @@ def test_namespace_enforces_restricted(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_image_is_set(overlay: str) -> None:
-    image = container(rendered(overlay))["image"]
+    objs = rendered(overlay)
+    images = {c["image"] for o in by_kind(objs, "Deployment") + by_kind(objs, "Job") for c in pod_containers(o)}
+    assert len(images) == 1, images  # decoder, init container and weights Job run one image
+    image = images.pop()
     assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest")
