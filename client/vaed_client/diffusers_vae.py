@@ -1,0 +1,206 @@
+"""`RemoteAutoencoderKLWan`: a vaed server as the `vae` of a diffusers Wan pipeline.
+
+    from vaed_client import RemoteAutoencoderKLWan
+    pipe = WanPipeline(..., vae=RemoteAutoencoderKLWan("vaed:50051"))
+    video = pipe(prompt_embeds=..., output_type="np").frames   # decoded remotely
+
+Design: a parameter-free `torch.nn.Module` with one empty buffer. Pipelines
+treat every `nn.Module` component alike — `pipe.to(...)` moves it, `device`
+and `_execution_device` read it, `enable_model_cpu_offload()` hooks it — and
+the buffer is what carries `.device` / `.dtype` through those moves, exactly
+as the parameters of a local `AutoencoderKLWan` would. There are no weights:
+`to("cuda")` costs nothing, and offload hooks move an empty module.
+
+What Wan pipelines read (diffusers 0.42.1, pipelines/wan/*.py): `vae.config`
+(`z_dim`, `latents_mean`, `latents_std`, `scale_factor_temporal`,
+`scale_factor_spatial`), `vae.dtype`, the module's execution device, and
+`vae.decode(z, return_dict=False)[0]`. They de-normalise the latents
+themselves, so `decode` sends VAE-space latents (`raw_latents=True`) and asks
+for RAW frames in `z`'s dtype: the pipeline's own postprocess then sees the
+same tensor a local VAE of that dtype returns (bit-identical when the server
+runs the same weights, dtype and layout). The config is fetched from the
+server's ModelInfo when the object is built.
+
+`encode` (image-to-video conditioning) is not served: pass `encoder=` a local
+`AutoencoderKLWan` (its encoder half is used), otherwise `encode` raises.
+diffusers is optional: without it `config` is a read-only dict with attribute
+access and `decode` returns a small `DecoderOutput` with `.sample`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .client import VaeClient
+from .core import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class _AttrDict(dict):
+    """Read-only dict with attribute access (diffusers' FrozenDict without diffusers)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError("the remote VAE config is read-only")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise TypeError("the remote VAE config is read-only")
+
+
+def _frozen_config(values: dict[str, Any]) -> Any:
+    try:
+        from diffusers.configuration_utils import FrozenDict
+    except ImportError:
+        return _AttrDict(values)
+    return FrozenDict(values)
+
+
+@dataclass
+class _DecoderOutput:
+    sample: torch.Tensor
+    commit_loss: Any = None
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.sample,)[index]
+
+
+def _decoder_output(sample: torch.Tensor) -> Any:
+    try:
+        from diffusers.models.autoencoders.vae import DecoderOutput
+    except ImportError:
+        return _DecoderOutput(sample=sample)
+    return DecoderOutput(sample=sample)
+
+
+def config_from_info(info: ModelInfo) -> dict[str, Any]:
+    """The AutoencoderKLWan-style config a pipeline reads, from ModelInfo."""
+    spatial = info.scale_factor_spatial or 8
+    return {
+        "_class_name": "AutoencoderKLWan",
+        "z_dim": info.z_dim,
+        "latents_mean": list(info.latents_mean),
+        "latents_std": list(info.latents_std),
+        "scale_factor_temporal": info.scale_factor_temporal or 4,
+        "scale_factor_spatial": spatial,
+        # Wan2.2's VAE packs 2x2 pixels into channels (16x spatial); Wan2.1 does not.
+        "patch_size": 2 if spatial == 16 else None,
+        "in_channels": 12 if spatial == 16 else 3,
+        "out_channels": 12 if spatial == 16 else 3,
+        "remote_model": info.model,
+    }
+
+
+class RemoteAutoencoderKLWan(torch.nn.Module):
+    """Drop-in for `AutoencoderKLWan` in diffusers Wan pipelines, decoding on a vaed server.
+
+    `target` and `client_options` (timeout, tls, token, tls_server_name,
+    options) are those of `VaeClient`. `dtype` defaults to the server's
+    compute dtype, like a local VAE loaded in that dtype; `.to(dtype)` changes
+    it. `wire_format="rgb8"` is not offered here: pipelines postprocess the
+    decoder output themselves, which needs RAW.
+    """
+
+    _supports_gradient_checkpointing = False
+
+    def __init__(
+        self,
+        target: str | VaeClient,
+        *,
+        dtype: torch.dtype | None = None,
+        encoder: Any = None,
+        **client_options: Any,
+    ) -> None:
+        super().__init__()
+        self._client = target if isinstance(target, VaeClient) else VaeClient(target, **client_options)
+        self.info = self._client.model_info()
+        if dtype is None:
+            dtype = getattr(torch, self.info.compute_dtype, torch.float32) if self.info.compute_dtype else torch.float32
+        # The empty buffer carries device and dtype through .to(), pipe.to() and offload hooks.
+        self.register_buffer("_anchor", torch.empty(0, dtype=dtype), persistent=False)
+        self._config = _frozen_config(config_from_info(self.info))
+        self._encoder = encoder
+
+    # -- what pipelines read -------------------------------------------------
+    @property
+    def config(self) -> Any:
+        return self._config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._anchor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._anchor.device
+
+    @property
+    def client(self) -> VaeClient:
+        return self._client
+
+    # -- decode ----------------------------------------------------------------
+    def _pre_forward(self) -> None:
+        # accelerate's cpu_offload_with_hook (enable_model_cpu_offload) hooks
+        # forward(); diffusers' own VAEs call the hook from decode, so do we.
+        hook = getattr(self, "_hf_hook", None)
+        if hook is not None and hasattr(hook, "pre_forward"):
+            hook.pre_forward(self)
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, return_dict: bool = True) -> Any:
+        """VAE-space latents `[B, z_dim, T, h, w]` -> `DecoderOutput(sample=[B, 3, T_out, H, W])`
+        clamped to [-1, 1], on z's device and in z's dtype (float32 for other dtypes)."""
+        self._pre_forward()
+        if not isinstance(z, torch.Tensor):
+            raise TypeError(f"decode expects a torch.Tensor, got {type(z).__name__}")
+        raw_dtype = z.dtype if z.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        sample = self._client.decode(
+            z.to(raw_dtype), output_type="raw", raw_dtype=raw_dtype, raw_latents=True
+        )
+        sample = sample.to(device=z.device, dtype=z.dtype if z.dtype.is_floating_point else raw_dtype)
+        if not return_dict:
+            return (sample,)
+        return _decoder_output(sample)
+
+    def forward(self, z: torch.Tensor, return_dict: bool = True) -> Any:
+        return self.decode(z, return_dict=return_dict)
+
+    def encode(self, x: torch.Tensor, return_dict: bool = True) -> Any:
+        """Encoding runs locally on `encoder=` (vaed serves the decoder only)."""
+        if self._encoder is None:
+            raise NotImplementedError(
+                "vaed serves the decoder only: pass encoder=<a local AutoencoderKLWan> to "
+                "RemoteAutoencoderKLWan for pipelines that encode (image-to-video conditioning)"
+            )
+        return self._encoder.encode(x.to(self._encoder.device, self._encoder.dtype), return_dict=return_dict)
+
+    # -- no-ops pipelines or users may call on a local VAE ---------------------
+    def enable_slicing(self) -> None:
+        """No-op: the server decodes per latent chunk already."""
+
+    def disable_slicing(self) -> None:
+        """No-op."""
+
+    def enable_tiling(self, *args: Any, **kwargs: Any) -> None:
+        """No-op: spatial tiling is the server's concern."""
+
+    def disable_tiling(self) -> None:
+        """No-op."""
+
+    def clear_cache(self) -> None:
+        """No-op: the server owns the causal cache of each call."""
+
+    def extra_repr(self) -> str:
+        return f"target={self._client.target!r}, model={self.info.model!r}, z_dim={self.info.z_dim}"
+
+    def close(self) -> None:
+        self._client.close()
