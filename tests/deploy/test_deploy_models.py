@@ -1,0 +1,265 @@
+"""Offline checks of what makes k8s/ operable per model: one decoder per model
+with consistent weights paths, the weights Job and the init container that
+waits for it, the CPU overlay, the HPA on vaed_pending_latent_frames with its
+derived targets, the prometheus-adapter rule, and the docs naming them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from manifests import (
+    K8S,
+    K8S_VERSION,
+    OVERLAYS,
+    ROOT,
+    Obj,
+    by_kind,
+    container,
+    container_args,
+    decoders,
+    flag_value,
+    model_label,
+    one,
+    pod_spec,
+    rendered,
+    serve_args,
+)
+
+yaml = pytest.importorskip("yaml")
+
+PENDING_METRIC = "vaed_pending_latent_frames"
+# Per model: hub repository, folder under /models, z_dim, warm-up shapes, and
+# the measured steady decode rate (latent frames/s, H200 bf16) of its main
+# shape that the HPA target derives from (docs/deployment.md, "Autoscaling").
+MODELS = {
+    "wan2.1": dict(repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", z_dim=16, shapes="480x832,720x1280", rate=1 / 0.062),
+    "wan2.2": dict(repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers", z_dim=48, shapes="704x1280", rate=1 / 0.150),
+}
+WEIGHT_OVERLAYS = {"prod": {"wan2.1", "wan2.2"}, "wan21": {"wan2.1"}, "wan22": {"wan2.2"}}
+FETCH_SCRIPT = "/opt/vaed/fetch_weights.py"
+
+
+@pytest.fixture(scope="module")
+def fetch_weights() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fetch_weights_for_k8s", ROOT / "scripts" / "fetch_weights.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fetch_args(fw: ModuleType, c_args: list[str]) -> argparse.Namespace:
+    return fw.build_parser().parse_args(c_args)
+
+
+def claim(pod: Obj, mount_path: str, c: Obj) -> str:
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == mount_path)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    return volume["persistentVolumeClaim"]["claimName"]
+
+
+# ------------------------------------------------------------ one decoder per model
+
+
+@pytest.mark.parametrize("overlay,models", sorted(WEIGHT_OVERLAYS.items()))
+def test_one_decoder_per_model(overlay: str, models: set[str]) -> None:
+    objs = rendered(overlay)
+    deps = decoders(objs)
+    assert {model_label(d) for d in deps} == models
+    for dep in deps:
+        assert dep["spec"]["template"]["metadata"]["labels"]["vaed.io/model"] == model_label(dep)
+        assert dep["spec"]["selector"]["matchLabels"]["vaed.io/model"] == model_label(dep)
+    # Every Service, PDB and HPA belongs to exactly one model's pods: a Wan2.1
+    # client must never be balanced onto a Wan2.2 pod (z_dim 16 vs 48).
+    for obj in by_kind(objs, "Service") + by_kind(objs, "PodDisruptionBudget"):
+        sel = obj["spec"]["selector"]
+        sel = sel.get("matchLabels", sel)
+        owners = [d for d in deps if sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(owners) == 1, obj["metadata"]["name"]
+        assert model_label(obj) == model_label(owners[0])
+    for hpa in by_kind(objs, "HorizontalPodAutoscaler"):
+        target = one(objs, "Deployment", hpa["spec"]["scaleTargetRef"]["name"])
+        assert model_label(hpa) == model_label(target)
+
+
+@pytest.mark.parametrize("overlay", sorted(WEIGHT_OVERLAYS))
+def test_model_paths_consistent(overlay: str, fetch_weights: ModuleType) -> None:
+    """--model, the init container's --dest, the Job's --dest and its repo all
+    name one folder on one PVC, with the z_dim of that model."""
+    objs = rendered(overlay)
+    jobs = by_kind(objs, "Job")
+    for dep in decoders(objs):
+        spec = MODELS[model_label(dep)]
+        model_dir = "/models/" + spec["repo"].split("/")[1]
+        assert serve_args(dep).model == model_dir
+        assert flag_value(container_args(dep), "--warmup-shapes") == spec["shapes"]
+        pod = pod_spec(dep)
+        pvc = claim(pod, "/models", container(dep))
+
+        init = container(dep, "wait-weights")
+        assert init["command"] == ["python", FETCH_SCRIPT]
+        wait = fetch_args(fetch_weights, container_args(dep, "wait-weights"))
+        assert wait.check and wait.wait >= 600
+        assert str(wait.dest) == model_dir and wait.expect_z_dim == spec["z_dim"]
+        assert claim(pod, "/models", init) == pvc
+        assert all(m.get("readOnly") for m in init["volumeMounts"] if m["mountPath"] == "/models")
+
+        (job,) = [j for j in jobs if model_label(j) == model_label(dep)]
+        fetch = fetch_args(fetch_weights, container_args(job, "fetch"))
+        assert fetch.repo == spec["repo"] and str(fetch.dest) == model_dir
+        assert fetch.expect_z_dim == spec["z_dim"]
+        assert claim(pod_spec(job), "/models", container(job, "fetch")) == pvc
+        one(objs, "PersistentVolumeClaim", pvc)
+
+
+def test_dockerfile_default_model_is_the_wan21_layer() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    cmd = json.loads(re.search(r"^CMD (\[.*?\])", text, re.S | re.M).group(1).replace("\\\n", ""))
+    (dep,) = decoders(rendered("wan21"))
+    assert cmd[cmd.index("--model") + 1] == serve_args(dep).model
+
+
+@pytest.mark.parametrize("overlay", sorted(WEIGHT_OVERLAYS))
+def test_weights_job_and_pvc(overlay: str) -> None:
+    objs = rendered(overlay)
+    for job in by_kind(objs, "Job"):
+        pod = pod_spec(job)
+        c = container(job, "fetch")
+        assert pod["restartPolicy"] in ("Never", "OnFailure")
+        assert job["spec"]["backoffLimit"] >= 1 and job["spec"]["activeDeadlineSeconds"] > 0
+        # Deleted after it finishes, so the next apply re-creates it (a no-op on a
+        # complete folder) instead of failing on the immutable pod template.
+        assert job["spec"]["ttlSecondsAfterFinished"] > 0
+        # Writes the PVC, needs no GPU, and keeps hub caches on an emptyDir.
+        models = next(m for m in c["volumeMounts"] if m["mountPath"] == "/models")
+        assert not models.get("readOnly")
+        assert not any("nvidia.com/gpu" in r for r in c["resources"].values())
+        assert "tolerations" not in pod
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/cache", "/tmp"}
+        env = {e["name"]: e for e in c["env"]}
+        assert "HF_HUB_OFFLINE" not in env
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        # The decoders' NetworkPolicy (DNS-only egress) must not select the Job.
+        np = one(objs, "NetworkPolicy", "vaed")["spec"]["podSelector"]["matchLabels"]
+        assert not np.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    for pvc in by_kind(objs, "PersistentVolumeClaim"):
+        # Written once by the Job, read by decoder pods on any node.
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        size = pvc["spec"]["resources"]["requests"]["storage"]
+        assert re.fullmatch(r"\d+Gi", size)
+        # vae/ is ~0.51 GB (Wan2.1) / ~2.82 GB (Wan2.2): at least 2x headroom.
+        need = {"wan2.1": 0.51, "wan2.2": 2.82}[model_label(pvc)]
+        assert int(size[:-2]) * 2**30 / 1e9 >= 2 * need
+
+
+def test_dockerfile_ships_fetch_script() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^COPY scripts/fetch_weights\.py " + re.escape(FETCH_SCRIPT) + r"$", text, re.M)
+
+
+# ------------------------------------------------------------ CPU overlay
+
+
+def test_cpu_overlay_needs_no_gpu_no_weights() -> None:
+    objs = rendered("cpu")
+    (dep,) = decoders(objs)
+    args = serve_args(dep)
+    assert args.device == "cpu" and args.gpu is None
+    assert args.model == "random:wan2.1-tiny"
+    assert args.auth_token_file is None
+    text = json.dumps(list(objs))
+    assert "nvidia.com/gpu" not in text  # no GPU request, limit or toleration
+    assert not by_kind(objs, "PersistentVolumeClaim") and not by_kind(objs, "Job")
+    assert not by_kind(objs, "HorizontalPodAutoscaler")
+    pod = pod_spec(dep)
+    assert not pod.get("initContainers")
+    assert {k for v in pod["volumes"] for k in v if k != "name"} == {"emptyDir"}
+    assert dep["spec"]["replicas"] == 1
+
+
+def test_cpu_model_spec_exists() -> None:
+    from vaed.models import RANDOM_CONFIGS
+
+    (dep,) = decoders(rendered("cpu"))
+    assert serve_args(dep).model.removeprefix("random:") in RANDOM_CONFIGS
+
+
+# ------------------------------------------------------------ autoscaling
+
+
+@pytest.mark.parametrize("overlay", sorted(WEIGHT_OVERLAYS))
+def test_hpa_on_pending_latent_frames(overlay: str) -> None:
+    objs = rendered(overlay)
+    hpas = by_kind(objs, "HorizontalPodAutoscaler")
+    assert len(hpas) == len(decoders(objs))
+    for hpa in hpas:
+        spec = hpa["spec"]
+        ref = spec["scaleTargetRef"]
+        assert ref["apiVersion"] == "apps/v1" and ref["kind"] == "Deployment"
+        target = one(objs, "Deployment", ref["name"])
+        assert 1 <= spec["minReplicas"] <= spec["maxReplicas"]
+        (metric,) = [m for m in spec["metrics"] if m["type"] == "Pods"]
+        assert metric["pods"]["metric"]["name"] == PENDING_METRIC
+        assert metric["pods"]["target"]["type"] == "AverageValue"
+        # The target is 1-2.5 s of queued work at the model's main shape.
+        pending = float(metric["pods"]["target"]["averageValue"])
+        seconds = pending / MODELS[model_label(target)]["rate"]
+        assert 0.5 <= seconds <= 2.5, (hpa["metadata"]["name"], seconds)
+        # The HPA owns the replica count; a fixed one would fight it on every apply.
+        assert "replicas" not in target["spec"]
+        # New pods cost minutes: scale down slower than up.
+        b = spec["behavior"]
+        assert b["scaleDown"]["stabilizationWindowSeconds"] > b["scaleUp"]["stabilizationWindowSeconds"]
+
+
+def test_server_exports_pending_latent_frames() -> None:
+    """Fails until the server exports the HPA's metric under this name."""
+    import vaed.metrics as metrics
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.ServerMetrics().registry).decode()
+    assert re.search(rf"^# TYPE {PENDING_METRIC} gauge$", text, re.M), f"{PENDING_METRIC} is not exported"
+
+
+def adapter_rules() -> tuple[Obj, list[Obj]]:
+    cm = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-rules.yaml").read_text())
+    return cm, yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+
+
+def test_adapter_rule_serves_the_hpa_metric() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    cm, rules = adapter_rules()
+    kv.validate(cm, K8S_VERSION, strict=True)
+    names = {r["name"]["as"] for r in rules}
+    for overlay in OVERLAYS:
+        for hpa in by_kind(rendered(overlay), "HorizontalPodAutoscaler"):
+            for m in hpa["spec"]["metrics"]:
+                assert m["pods"]["metric"]["name"] in names
+    (rule,) = [r for r in rules if r["name"]["as"] == PENDING_METRIC]
+    assert rule["seriesQuery"].startswith(PENDING_METRIC + "{")
+    assert re.fullmatch(rule["name"]["matches"], PENDING_METRIC)
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+    # Per pod (summed over its GPUs), matched to the HPA's pods.
+    assert "<<.GroupBy>>" in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+
+
+# ------------------------------------------------------------ docs
+
+
+def test_docs_name_what_ships() -> None:
+    doc = (ROOT / "docs" / "deployment.md").read_text()
+    for overlay in OVERLAYS:
+        assert f"k8s/overlays/{overlay}" in doc, overlay
+    for word in (PENDING_METRIC, "scripts/fetch_weights.py", "k8s/monitoring/prometheus-adapter-rules.yaml",
+                 "--max-connection-age", "--warmup-shapes", "vaed-auth", "VAED_AUTH_TOKEN"):
+        assert word in doc, word
+    assert "vaed_queued_chunks" not in doc
+    for spec in MODELS.values():
+        assert spec["repo"] in doc
