@@ -35,7 +35,9 @@ the registry (and the scrape) without bound.
 The HTTP endpoint (``start_http_server``) is one asyncio loop on one daemon
 thread, not a thread per connection: an idle or half-sent request costs a
 socket and a coroutine, never a thread, and is closed after
-``HTTP_TIMEOUT_SECONDS``. It serves ``GET /metrics`` only.
+``HTTP_TIMEOUT_SECONDS``; past ``HTTP_MAX_CONNECTIONS`` open connections a new
+one evicts the oldest. It serves ``GET /metrics`` only (404 elsewhere, 405
+for other methods).
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 # A scrape client gets this long to send its request head and read the
 # answer; Prometheus sends the head at once, a slowloris client is cut off.
 HTTP_TIMEOUT_SECONDS = 5.0
-# Open connections beyond this are closed on accept: bounds sockets (and file
-# descriptors the gRPC port also needs) held by a flood of idle connections.
+# At most this many connections are open; a new one evicts the oldest. Bounds
+# the sockets (file descriptors the gRPC port also needs) that a flood of idle
+# connections can hold, without locking real scrapes out.
 HTTP_MAX_CONNECTIONS = 64
 # Request heads larger than this are refused (a scrape's head is ~200 bytes).
 HTTP_MAX_HEAD_BYTES = 8192
@@ -278,7 +281,7 @@ class _MetricsHttpServer:
 
     Each connection gets one request and ``Connection: close``; its whole
     exchange (head in, answer out) must finish within ``timeout``. At most
-    ``max_connections`` are open; more are closed on accept.
+    ``max_connections`` are open: a new connection closes the oldest.
     """
 
     def __init__(
@@ -292,11 +295,11 @@ class _MetricsHttpServer:
         self._render = render
         self._timeout = timeout
         self._max_connections = max_connections
-        self._open = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vaed-metrics-http", daemon=True)
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Open connections in arrival order (dict: ordered, O(1) removal).
+        self._tasks: dict[asyncio.Task[None], None] = {}
 
     def start(self, host: str, port: int) -> int:
         self._thread.start()
@@ -314,9 +317,10 @@ class _MetricsHttpServer:
         async def close() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in list(self._tasks):
+            tasks = list(self._tasks)
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5.0)
@@ -332,18 +336,23 @@ class _MetricsHttpServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)
-        self._open += 1
+        if len(self._tasks) >= self._max_connections:
+            # Evict the oldest connection, not the new one: a scraper sends its
+            # head within milliseconds and is done, so the oldest open
+            # connection is the one most likely idle; refusing new ones
+            # instead would let idle connections lock scrapes out.
+            oldest = next(iter(self._tasks))
+            oldest.cancel()
+            del self._tasks[oldest]
+        self._tasks[task] = None
         try:
-            if self._open <= self._max_connections:
-                await asyncio.wait_for(self._exchange(reader, writer), self._timeout)
-        except (asyncio.TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-            pass  # idle, half-sent or gone: just close
+            await asyncio.wait_for(self._exchange(reader, writer), self._timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError, ConnectionError, asyncio.IncompleteReadError):
+            pass  # idle, half-sent, evicted or gone: just close
         except Exception:
             logger.warning("metrics request failed", exc_info=True)
         finally:
-            self._open -= 1
-            self._tasks.discard(task)
+            self._tasks.pop(task, None)
             writer.close()
 
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
