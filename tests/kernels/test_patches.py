@@ -1,0 +1,282 @@
+"""The patch table on the CPU: ported forwards over REFERENCE_OPS equal stock diffusers, op sets per call,
+per-op switch-offs and start-up checks, and the diffusers version guard."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from vaed import patches as P
+from vaed.models import build_random_vae
+from vaed.patches.checks import check_op, check_op_set
+from vaed.patches.ops import FusedOp, reference_residual_add, reference_upsample
+
+ARCHS = ["wan2.1-tiny", "wan2.2-tiny"]
+
+
+def _vae(arch: str, dtype: torch.dtype = torch.float32) -> Any:
+    return build_random_vae(arch).to(dtype=dtype).eval().requires_grad_(False)
+
+
+def _counting(ops: P.OpSet, name: str = "counting") -> tuple[P.OpSet, collections.Counter]:
+    """``ops`` with every op wrapped to count its calls (the wrappers differ from the references)."""
+    calls: collections.Counter = collections.Counter()
+
+    def wrap(op_name: str, fn: Any) -> Any:
+        def counted(*a: Any, **k: Any) -> Any:
+            calls[op_name] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    fields = {n: wrap(n, getattr(ops, n)) for n in P.OP_NAMES}
+    return dataclasses.replace(ops, name=name, uses_triton=False, **fields), calls
+
+
+def _chunked(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The engine's loop: session cache, one decoder call per latent frame; returns (out, cache)."""
+    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
+    cache: list = [None] * n
+    x = vae.post_quant_conv(z)
+    outs = [vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)) for i in range(x.shape[2])]
+    return torch.cat(outs, 2), cache
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert a.stride() == b.stride(), (a.stride(), b.stride())
+    assert torch.equal(a, b)
+
+
+def _same_cache(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if isinstance(b, torch.Tensor):
+            _same(a, b)
+        else:
+            assert a == b
+
+
+def _patched(vae: Any) -> list[str]:
+    return sorted({type(m).__name__ for m in vae.modules() if "forward" in m.__dict__})
+
+
+# --- the ported forwards, run on the CPU, against stock diffusers -----------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype: torch.dtype) -> None:
+    """Every patched forward runs its op-set path (counted) and equals the unpatched decoder, caches included."""
+    vae = _vae(arch, dtype)
+    torch.manual_seed(0)
+    z = P.to_decoder_layout(torch.randn(1, vae.config.z_dim, 4, 4, 4, dtype=dtype), layout)
+    ops, calls = _counting(P.REFERENCE_OPS)
+    with torch.no_grad():
+        P.prepare_decoder(vae, kernels="off", layout=layout)
+        assert _patched(vae) == []  # kernels off: the stock decoder
+        want, want_cache = _chunked(vae, z)
+        want_decode = vae.decode(z, return_dict=False)[0]
+        rep = P.prepare_decoder(vae, layout=layout, ops=ops)
+        calls.clear()  # the start-up checks called each op
+        assert rep.ops == "counting" and rep.stock_reason is None and rep.op_sets == {"counting": ops}
+        expect = ["WanCausalConv3d", "WanDecoder3d", "WanResample", "WanResidualBlock"]
+        if arch.startswith("wan2.2"):
+            expect.append("WanResidualUpBlock")
+        assert _patched(vae) == sorted(expect)
+        got, got_cache = _chunked(vae, z)
+        got_decode = vae.decode(z, return_dict=False)[0]
+    _same(got, want)
+    _same_cache(got_cache, want_cache)
+    _same(got_decode, want_decode)
+    used = {"causal_pad", "norm_causal_pad", "upsample", "upsample_interleave", "conv3d", "conv2d", "residual_add"}
+    if arch.startswith("wan2.2"):
+        used.add("dupup_add")
+    assert {n for n, c in calls.items() if c} == used
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lossless_ops_fall_back_per_call_on_cpu(arch: str) -> None:
+    """LOSSLESS_OPS on a CPU tensor: each FusedOp's kernel declines and its reference runs, bit-identical."""
+    vae = _vae(arch)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
+    with torch.no_grad():
+        want, want_cache = _chunked(vae, z)
+        P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
+        with P.using(P.LOSSLESS_OPS):
+            got, got_cache = _chunked(vae, z)
+    _same(got, want)
+    _same_cache(got_cache, want_cache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_whole_call_fallbacks_run_stock(arch: str) -> None:
+    """Autograd on, or no causal cache: the stock forwards run (no op is called) and results match."""
+    vae = _vae(arch)
+    z = torch.randn(1, vae.config.z_dim, 2, 4, 4)
+    with torch.no_grad():
+        x = vae.post_quant_conv(z)
+        want_nocache = vae.decoder(x[:, :, :1], first_chunk=True)
+    with torch.enable_grad():
+        want_grad = vae.decode(z, return_dict=False)[0]
+    ops, calls = _counting(P.REFERENCE_OPS)
+    P.prepare_decoder(vae, layout="contiguous", ops=ops)
+    calls.clear()
+    with torch.enable_grad():
+        got_grad = vae.decode(z, return_dict=False)[0]
+    assert sum(calls.values()) == 0
+    with torch.no_grad():
+        got_nocache = vae.decoder(x[:, :, :1], first_chunk=True)
+    # without a cache only WanCausalConv3d/WanResample/WanResidualUpBlock take the op path
+    assert calls["norm_causal_pad"] == 0 and calls["causal_pad"] > 0
+    _same(got_grad, want_grad)
+    _same(got_nocache, want_nocache)
+
+
+def test_using_is_per_call_and_per_thread() -> None:
+    vae = _vae("wan2.1-tiny")
+    z = torch.randn(1, 4, 2, 4, 4)
+    default, d_calls = _counting(P.REFERENCE_OPS, "default")
+    other, o_calls = _counting(P.REFERENCE_OPS, "other")
+    P.prepare_decoder(vae, layout="contiguous", ops=default)
+    d_calls.clear()
+    with torch.no_grad():
+        want, _ = _chunked(vae, z)
+        n_default = sum(d_calls.values())
+        assert n_default > 0 and sum(o_calls.values()) == 0
+        seen: list[P.OpSet | None] = []
+        with P.using(other):
+            assert P.current_ops() is other
+            # another thread does not see this thread's op set
+            th = threading.Thread(target=lambda: seen.append(P.current_ops()))
+            th.start()
+            th.join()
+            got, _ = _chunked(vae, z)
+        assert P.current_ops() is None
+    assert seen == [None]
+    assert sum(o_calls.values()) == n_default and sum(d_calls.values()) == n_default
+    _same(got, want)
+    with pytest.raises(TypeError):
+        with P.using("lossless"):  # type: ignore[arg-type]
+            pass
+
+
+# --- per-op switch-offs and start-up checks -------------------------------------------
+
+
+def test_without_swaps_single_ops() -> None:
+    ops = P.LOSSLESS_OPS.without({"upsample", "dupup_add"})
+    assert ops.upsample is P.REFERENCE_OPS.upsample and ops.dupup_add is P.REFERENCE_OPS.dupup_add
+    assert ops.causal_pad is P.LOSSLESS_OPS.causal_pad and ops.upsample_interleave is P.LOSSLESS_OPS.upsample_interleave
+    assert set(ops.differs_from_reference()) == {"causal_pad", "norm_causal_pad", "upsample_interleave"}
+    assert P.LOSSLESS_OPS.without(()) is P.LOSSLESS_OPS
+    with pytest.raises(ValueError, match="unknown op names"):
+        P.LOSSLESS_OPS.without({"upsampel"})
+
+
+def _broken(ops: P.OpSet) -> P.OpSet:
+    """residual_add off by a factor: a lossy op that fails any check."""
+    return dataclasses.replace(ops, name="broken", uses_triton=False, residual_add=lambda x, h: x + h * 1.5)
+
+
+def test_failed_check_disables_that_op_only() -> None:
+    vae = _vae("wan2.1-tiny")
+    counted, calls = _counting(P.REFERENCE_OPS)
+    ops = dataclasses.replace(_broken(counted))
+    rep = P.prepare_decoder(vae, layout="contiguous", ops=ops)
+    assert rep.disabled_ops == ("residual_add",)
+    assert any("residual_add: start-up check failed" in s for s in rep.skipped)
+    installed = rep.ops_for("broken")
+    assert installed.residual_add is reference_residual_add
+    assert installed.upsample is counted.upsample  # the others stay
+    assert "disabled=residual_add" in rep.summary
+    with pytest.raises(KeyError, match="usable tiers"):
+        rep.ops_for("fast")
+    with pytest.raises(P.FastPathError, match="start-up checks failed"):
+        P.prepare_decoder(vae, layout="contiguous", ops=ops, kernels="triton")
+
+
+def test_disabled_ops_flag() -> None:
+    vae = _vae("wan2.2-tiny")
+    counted, calls = _counting(P.REFERENCE_OPS)
+    rep = P.prepare_decoder(vae, layout="contiguous", ops=counted, disabled_ops={"dupup_add", "upsample"})
+    assert rep.disabled_ops == ("upsample", "dupup_add")
+    assert "dupup_add: disabled by flag" in rep.skipped and "upsample: disabled by flag" in rep.skipped
+    calls.clear()
+    ops = rep.ops_for("counting")
+    assert ops.dupup_add is P.REFERENCE_OPS.dupup_add and ops.upsample is reference_upsample
+    with torch.no_grad():
+        _chunked(vae, torch.randn(1, 6, 2, 2, 2))
+    assert calls["dupup_add"] == 0 and calls["upsample"] == 0 and calls["upsample_interleave"] > 0
+    with pytest.raises(ValueError, match="unknown op names"):
+        P.prepare_decoder(vae, disabled_ops={"norm"})
+    with pytest.raises(ValueError, match="unknown tier"):
+        P.prepare_decoder(vae, tiers=("turbo",))
+
+
+def test_check_op_catches_declines_and_mismatches() -> None:
+    cpu, f32 = torch.device("cpu"), torch.float32
+    # every reference op passes against itself, on every check case
+    for name in P.OP_NAMES:
+        assert check_op(P.REFERENCE_OPS, name, cpu, f32) is None, name
+    declining = dataclasses.replace(
+        P.REFERENCE_OPS, upsample=FusedOp("upsample", lambda x, interleave=False: None, reference_upsample)
+    )
+    assert "declined" in (check_op(declining, "upsample", cpu, f32) or "")
+    assert "values" in (check_op(_broken(P.REFERENCE_OPS), "residual_add", cpu, f32) or "")
+    strided = dataclasses.replace(P.REFERENCE_OPS, residual_add=lambda x, h: (x + h).contiguous())
+    assert "strides" in (check_op(strided, "residual_add", cpu, f32) or "")
+    raising = dataclasses.replace(P.REFERENCE_OPS, conv2d=lambda conv, x: 1 / 0)
+    assert "ZeroDivisionError" in (check_op(raising, "conv2d", cpu, f32) or "")
+    assert check_op_set(P.REFERENCE_OPS, cpu, f32) == {}  # nothing differs: nothing runs
+
+
+# --- diffusers version guard --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version,ok", [
+    ("0.42.1", True), ("0.38.0", True), ("0.40.0.dev0", True),
+    ("0.37.1", False), ("0.43.0.dev0", False), ("0.43.0", False), ("1.0.0", False), ("garbage", False),
+])  # fmt: skip
+def test_version_guard_range(version: str, ok: bool) -> None:
+    reason = P.diffusers_unverified_reason(version)
+    assert (reason is None) == ok, reason
+    if not ok:
+        assert version in reason and "0.38.x-0.42.x" in reason
+
+
+def test_version_guard_serves_stock(monkeypatch: pytest.MonkeyPatch) -> None:
+    import diffusers
+
+    vae = _vae("wan2.1-tiny")
+    z = torch.randn(1, 4, 2, 4, 4)
+    with torch.no_grad():
+        want, _ = _chunked(vae, z)
+    monkeypatch.setattr(diffusers, "__version__", "0.37.1")
+    rep = P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
+    assert rep.stock_reason is not None and "diffusers 0.37.1" in rep.stock_reason
+    assert rep.stock_reason in rep.summary and rep.summary.startswith("stock decoder")
+    assert rep.op_sets == {} and rep.ops == "stock" and _patched(vae) == []
+    with torch.no_grad():
+        got, _ = _chunked(vae, z)
+    _same(got, want)
+    with pytest.raises(P.FastPathError, match="0.37.1"):
+        P.prepare_decoder(vae, kernels="triton")
+    monkeypatch.setattr(diffusers, "__version__", "0.42.1")
+    rep = P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
+    assert rep.stock_reason is None and _patched(vae)
+
+
+def test_table_names_only_known_ops() -> None:
+    from vaed.patches.table import ops_used
+
+    assert set(ops_used()) == set(P.OP_NAMES)
+    assert {row.cls for row in P.PATCH_TABLE} == {
+        "WanCausalConv3d", "WanDecoder3d", "WanResidualBlock", "WanResample", "WanResidualUpBlock",
+    }  # fmt: skip
