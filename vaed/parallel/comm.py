@@ -1,0 +1,124 @@
+"""The three communication patterns of a sharded decode, on torch.distributed only.
+
+- `exchange_halo`: before a spatial conv, each rank sends its first/last `halo`
+  rows (or cols) to its neighbours and receives theirs (P2P through
+  `batch_isend_irecv`: NCCL between GPUs, gloo on CPU). The outer edges of the
+  first and last shard get zero rows, which is exactly the conv's zero padding,
+  so every shard then runs the same conv with padding 0 along the split axis.
+- `all_gather_along`: the mid-block attention attends over the whole frame, so
+  its input is gathered (shards padded to the largest, then trimmed: uneven
+  splits) and every rank computes the same full attention.
+- `gather_along`: finished frames go to the group's rank 0 (uint8 RGB8 is 2-4x
+  fewer bytes than the decoder's bf16/fp32 output, so frames are gathered after
+  postprocess).
+
+Send buffers are made dense (`.contiguous()`): both backends refuse strided
+tensors, and a halo row of a [B, C, T, H, W] tensor is strided along W or H.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, halo: int = 1) -> torch.Tensor:
+    """x with `halo` neighbour rows added on both sides of `dim` (zeros at the outer edges).
+
+    Keeps x's memory format (channels_last_3d in, channels_last_3d out), so the
+    conv that follows sees the layout it would see unsharded.
+    """
+    if halo < 1:
+        return x
+    n = x.shape[dim]
+    if n < halo:
+        raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
+    rank, world = group_rank_world(group)
+    shape = list(x.shape)
+    shape[dim] = n + 2 * halo
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_memory_format(x))
+    out.narrow(dim, halo, n).copy_(x)
+    ops: list[dist.P2POp] = []
+    recvs: list[tuple[int, torch.Tensor]] = []
+    if rank > 0:
+        peer = _global(group, rank - 1)
+        send_lo = x.narrow(dim, 0, halo).contiguous()
+        recv_lo = torch.empty_like(send_lo)
+        ops += [dist.P2POp(dist.isend, send_lo, peer, group), dist.P2POp(dist.irecv, recv_lo, peer, group)]
+        recvs.append((0, recv_lo))
+    else:
+        out.narrow(dim, 0, halo).zero_()
+    if rank < world - 1:
+        peer = _global(group, rank + 1)
+        send_hi = x.narrow(dim, n - halo, halo).contiguous()
+        recv_hi = torch.empty_like(send_hi)
+        ops += [dist.P2POp(dist.isend, send_hi, peer, group), dist.P2POp(dist.irecv, recv_hi, peer, group)]
+        recvs.append((n + halo, recv_hi))
+    else:
+        out.narrow(dim, n + halo, halo).zero_()
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        for start, buf in recvs:
+            out.narrow(dim, start, halo).copy_(buf)
+    return out
+
+
+def _padded_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    x = x.contiguous()
+    n = x.shape[dim]
+    if n == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, n).copy_(x)
+    return out
+
+
+def all_gather_along(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The full tensor along `dim` on every rank; rank r's shard has `sizes[r]` rows there."""
+    rank, world = group_rank_world(group)
+    if len(sizes) != world or x.shape[dim] != sizes[rank]:
+        raise ValueError(f"shard sizes {list(sizes)} do not fit rank {rank} of {world} holding {x.shape[dim]}")
+    big = max(sizes)
+    mine = _padded_to(x, dim, big)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    full = torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+    return full.contiguous(memory_format=_memory_format(x))
+
+
+def gather_along(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup | None
+) -> torch.Tensor | None:
+    """Concatenate every rank's shard along `dim` on the group's rank 0 (None elsewhere)."""
+    rank, world = group_rank_world(group)
+    if len(sizes) != world or x.shape[dim] != sizes[rank]:
+        raise ValueError(f"shard sizes {list(sizes)} do not fit rank {rank} of {world} holding {x.shape[dim]}")
+    mine = _padded_to(x, dim, max(sizes))
+    parts = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+    dist.gather(mine, parts, dst=_global(group, 0), group=group)
+    if parts is None:
+        return None
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)

@@ -1,0 +1,230 @@
+"""The Wan decoder's forward on one spatial shard (one latent frame per call).
+
+A mirror of diffusers' `WanDecoder3d.forward` tree (decoder -> mid block ->
+up blocks -> residual blocks / resample -> head), reading the module's
+weights but never replacing any of its forwards: the same loaded model
+serves sharded and one-GPU sessions side by side, and a one-GPU session stays
+bit-identical to stock (the installed fast paths are untouched).
+
+Per op, on a shard that owns rows [a, b) of the split axis (see plan.py):
+
+- causal 3-D convs (conv_in, both convs of every residual block, conv_out):
+  halo exchange of the conv's input (1 row each side, zeros at the outer
+  edges), then the inner op builds [cache | frames] with zero padding 0 along
+  the split axis and the conv runs unpadded. The conv's cache holds the
+  rank's own *haloed* frames, so the cached conv of the next latent frame
+  sees exactly the neighbourhood it would see unsharded, without exchanging
+  old frames again. Where WanRMS_norm + SiLU feeds the conv, the raw rows are
+  exchanged and the norm runs on the haloed shard (it is per pixel; a zero
+  row stays zero through it because the Wan norms have no bias).
+- the 3x3 Conv2d after each nearest upsample: halo exchange, padding 0 along
+  the split axis.
+- the upsample time_conv (3x1x1), the 1x1x1 shortcut convs, the nearest 2x
+  upsample, DupUp3D and the per-pixel RMS norms: local, no exchange.
+- the mid-block attention (full spatial attention per frame): computed on
+  the all-gathered feature map, then sliced back to the shard.
+
+The cache list has the layout diffusers' own loop would give (same indices,
+same "Rep" marker for the first upsample3d call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import all_gather_along, exchange_halo
+from .inner_ops import InnerOps, NormArgs
+from .plan import ShardPlan
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a sharded forward needs: the group, this rank, the plan and the inner ops."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    plan: ShardPlan
+    ops: InnerOps
+
+    @property
+    def dim(self) -> int:
+        return self.plan.dim
+
+    def halo(self, x: torch.Tensor, halo: int) -> torch.Tensor:
+        return exchange_halo(x, self.dim, self.group, halo)
+
+    def level_sizes(self, x: torch.Tensor) -> tuple[int, ...]:
+        """Every rank's extent at x's level (shards scale together: 2x per upsample)."""
+        scale, rem = divmod(x.shape[self.dim], self.plan.sizes[self.rank])
+        if rem:
+            raise RuntimeError(f"shard extent {x.shape[self.dim]} is not a multiple of its latent extent")
+        return self.plan.scaled(scale)
+
+
+# --- ops with a halo -------------------------------------------------------------------
+
+
+def _split_pad(ctx: ShardContext, pad: tuple[int, ...]) -> tuple[tuple[int, int, int, int, int, int], int]:
+    """(causal pad with 0 along the split axis, halo = the split axis's padding)."""
+    pw0, pw1, ph0, ph1, pt0, pt1 = pad
+    if ctx.plan.axis == "height":
+        return (pw0, pw1, 0, 0, pt0, pt1), ph0
+    return (0, 0, ph0, ph1, pt0, pt1), pw0
+
+
+def _norm_args(norm: Any) -> NormArgs:
+    return NormArgs(norm.gamma, float(norm.scale), float(norm.bias))
+
+
+def cached_conv(
+    ctx: ShardContext,
+    conv: Any,
+    x: torch.Tensor,
+    cache: list[Any],
+    idx: list[int],
+    norm: Any = None,
+) -> torch.Tensor:
+    """conv([cache | (SiLU(norm(x)) if norm else x)]) on the haloed shard; updates cache[idx]."""
+    i = idx[0]
+    pad, halo = _split_pad(ctx, tuple(conv._padding))
+    xin = ctx.halo(x, halo)
+    padded, nxt = ctx.ops.causal_conv_input(xin, cache[i], pad, norm=None if norm is None else _norm_args(norm))
+    cache[i] = nxt
+    idx[0] += 1
+    return ctx.ops.conv3d(conv, padded)
+
+
+def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """A 3x3 stride-1 Conv2d on images [N, C, H, W] of the shard."""
+    ph, pw = conv.padding  # type: ignore[misc]
+    if ctx.plan.axis == "height":
+        halo, padding = ph, (0, pw)
+    else:
+        halo, padding = pw, (ph, 0)
+    xin = ctx.halo(x, halo)
+    return F.conv2d(xin, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+
+
+def attention(ctx: ShardContext, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """WanAttentionBlock over the whole frame: gather, attend (same bytes on every rank), slice."""
+    sizes = ctx.level_sizes(x)
+    full = all_gather_along(x, ctx.dim, sizes, ctx.group)
+    y = attn(full)
+    start = sum(sizes[: ctx.rank])
+    return y.narrow(ctx.dim, start, sizes[ctx.rank])
+
+
+# --- the module tree --------------------------------------------------------------------
+
+
+def residual_block(ctx: ShardContext, rb: Any, x: torch.Tensor, cache: list[Any], idx: list[int]) -> torch.Tensor:
+    h = rb.conv_shortcut(x)  # 1x1x1 or identity: local
+    x = cached_conv(ctx, rb.conv1, x, cache, idx, norm=rb.norm1)
+    x = cached_conv(ctx, rb.conv2, x, cache, idx, norm=rb.norm2)  # dropout: eval-mode identity (checked)
+    return ctx.ops.residual_add(x, h)
+
+
+def mid_block(ctx: ShardContext, mid: Any, x: torch.Tensor, cache: list[Any], idx: list[int]) -> torch.Tensor:
+    x = residual_block(ctx, mid.resnets[0], x, cache, idx)
+    for attn, rb in zip(mid.attentions, mid.resnets[1:]):
+        if attn is not None:
+            x = attention(ctx, attn, x)
+        x = residual_block(ctx, rb, x, cache, idx)
+    return x
+
+
+def resample(ctx: ShardContext, rs: Any, x: torch.Tensor, cache: list[Any], idx: list[int]) -> torch.Tensor:
+    """WanResample upsample2d/upsample3d: local time conv and upsample, haloed 3x3 conv."""
+    b, _, t, _, _ = x.shape
+    interleave = False
+    if rs.mode == "upsample3d":
+        i = idx[0]
+        prev = cache[i]
+        if prev is None:
+            cache[i] = "Rep"  # first call: no time upsampling, as diffusers
+        else:
+            rep = isinstance(prev, str)
+            padded, nxt = ctx.ops.causal_conv_input(
+                x, None if rep else prev, tuple(rs.time_conv._padding), zero_history=rep
+            )
+            x = ctx.ops.conv3d(rs.time_conv, padded)
+            cache[i] = nxt
+            interleave = True
+        idx[0] += 1
+    images = ctx.ops.upsample2x(x, interleave)
+    y = conv2d(ctx, rs.resample[1], images)
+    t_out = t * 2 if interleave else t
+    return y.view(b, t_out, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
+
+
+def up_block(
+    ctx: ShardContext, up: Any, x: torch.Tensor, cache: list[Any], idx: list[int], first_chunk: bool
+) -> torch.Tensor:
+    if hasattr(up, "avg_shortcut"):  # WanResidualUpBlock (Wan2.2)
+        x_copy = x.clone()
+        for rb in up.resnets:
+            x = residual_block(ctx, rb, x, cache, idx)
+        if up.upsampler is not None:
+            x = resample(ctx, up.upsampler, x, cache, idx)
+        sc = up.avg_shortcut
+        if sc is not None:
+            x = ctx.ops.dupup_add(x, x_copy, sc.factor_t, sc.factor_s, bool(first_chunk))
+        return x
+    for rb in up.resnets:  # WanUpBlock (Wan2.1)
+        x = residual_block(ctx, rb, x, cache, idx)
+    if up.upsamplers is not None:
+        x = resample(ctx, up.upsamplers[0], x, cache, idx)
+    return x
+
+
+def decoder_forward(
+    ctx: ShardContext, decoder: Any, x: torch.Tensor, cache: list[Any], first_chunk: bool
+) -> torch.Tensor:
+    """One latent frame [B, z, 1, h_shard, w] (post_quant_conv'd) -> decoder output of the shard."""
+    idx = [0]
+    x = cached_conv(ctx, decoder.conv_in, x, cache, idx)
+    x = mid_block(ctx, decoder.mid_block, x, cache, idx)
+    for up in decoder.up_blocks:
+        x = up_block(ctx, up, x, cache, idx, first_chunk)
+    return cached_conv(ctx, decoder.conv_out, x, cache, idx, norm=decoder.norm_out)
+
+
+# --- eligibility (once per model) ----------------------------------------------------------
+
+
+def check_shardable(decoder: nn.Module) -> None:
+    """Raise ValueError unless every module of `decoder` is one this forward mirrors exactly."""
+    from diffusers.models.autoencoders import autoencoder_kl_wan as W
+
+    if not isinstance(decoder, W.WanDecoder3d):
+        raise ValueError(f"spatial sharding needs a WanDecoder3d, got {type(decoder).__name__}")
+    if not isinstance(decoder.nonlinearity, nn.SiLU):
+        raise ValueError("spatial sharding needs SiLU activations")
+    for name, m in decoder.named_modules():
+        if isinstance(m, W.WanCausalConv3d):
+            pw0, pw1, ph0, ph1, _, _ = m._padding
+            kt, kh, kw = m.kernel_size
+            if (pw0, pw1) != ((kw - 1) // 2,) * 2 or (ph0, ph1) != ((kh - 1) // 2,) * 2 or m.stride[1:] != (1, 1):
+                raise ValueError(f"{name}: causal conv {m.kernel_size} with padding {m._padding} is not 'same' spatially")
+        elif isinstance(m, W.WanResample):
+            if m.mode not in ("upsample2d", "upsample3d"):
+                raise ValueError(f"{name}: resample mode {m.mode!r} is not supported on shards")
+            c2 = m.resample[1]
+            k = c2.kernel_size
+            if c2.stride != (1, 1) or c2.padding != ((k[0] - 1) // 2, (k[1] - 1) // 2) or c2.padding_mode != "zeros":
+                raise ValueError(f"{name}: image conv {k} stride {c2.stride} padding {c2.padding} is not 'same'")
+            up = m.resample[0]
+            if getattr(up, "mode", None) != "nearest-exact" or tuple(up.scale_factor) != (2.0, 2.0):
+                raise ValueError(f"{name}: only the nearest-exact 2x upsample is supported")
+        elif isinstance(m, W.WanRMS_norm):
+            if not m.channel_first or not isinstance(m.bias, float) or m.bias != 0.0:
+                raise ValueError(f"{name}: RMS norm must be channel-first without bias (zero halo rows stay zero)")
+        elif isinstance(m, W.WanResidualBlock):
+            if m.dropout.training and m.dropout.p > 0:
+                raise ValueError(f"{name}: dropout is active; put the model in eval mode")

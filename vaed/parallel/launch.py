@@ -1,0 +1,161 @@
+"""Group set-up: rank 0 in the calling process, ranks 1.. as spawned processes.
+
+`start_sharded_engine(GroupConfig(...))` is what a server (or a test, or the
+benchmark) calls: it spawns one follower process per extra device
+(`torch.multiprocessing`, spawn context: CUDA cannot be forked), joins them in
+a torch.distributed group (NCCL when the devices are GPUs, gloo on CPU) plus a
+gloo control group for the step descriptors, waits until every follower has
+loaded its model, and returns rank 0's `ShardedEngine`. `engine.close()`
+stops and joins the followers.
+
+Why processes and not threads: one Python process drives one GPU at full
+speed only when its host thread is free (~274 launches and ~53 ms of host
+dispatch per 480p chunk, DESIGN.md); two GPUs from one interpreter would share
+one GIL. NCCL also needs one rank per process here.
+
+NVLink multicast (NVLS) stays off: `NCCL_NVLS_ENABLE=0` is put in the
+environment before the group starts unless the caller already set it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .engine import Follower, ShardedEngine
+
+log = logging.getLogger(__name__)
+
+# the control group waits for the next step while the server idles; gloo keeps a
+# timeout in milliseconds, 24 days stays under 2**31 ms (call engine.keepalive() to idle longer)
+CONTROL_TIMEOUT = datetime.timedelta(days=24)
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    model: str                        # a --model spec, loaded by every rank
+    devices: tuple[str, ...]          # one per rank, rank 0 first ("cuda:0", "cuda:1" / "cpu", "cpu")
+    dtype: str = "bfloat16"
+    kernels: str = "auto"
+    layout: str = "auto"
+    axis: str = "auto"
+    min_pixels: int = 0
+    timeout_s: float = 300.0          # data-group collectives (a dead rank surfaces after this)
+    backend: str | None = None        # None: nccl for cuda devices, else gloo
+    init_method: str | None = None    # None: tcp://127.0.0.1:<free port>
+    engine_options: dict[str, Any] = field(default_factory=dict)  # extra DecodeEngine options
+
+    @property
+    def world(self) -> int:
+        return len(self.devices)
+
+    def resolved_backend(self) -> str:
+        if self.backend:
+            return self.backend
+        return "nccl" if all(d.startswith("cuda") for d in self.devices) else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _load_base(cfg: GroupConfig, device: str) -> Any:
+    from vaed.engine import DecodeEngine
+
+    return DecodeEngine.load(
+        cfg.model, device=device, dtype=cfg.dtype, kernels=cfg.kernels, layout=cfg.layout, **cfg.engine_options
+    )
+
+
+def _join_group(cfg: GroupConfig, rank: int, init_method: str) -> dist.ProcessGroup:
+    """init the default (data) group and create the gloo control group; returns the control group."""
+    dist.init_process_group(
+        cfg.resolved_backend(),
+        init_method=init_method,
+        rank=rank,
+        world_size=cfg.world,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
+    device = cfg.devices[rank]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    control = _join_group(cfg, rank, init_method)
+    try:
+        base = _load_base(cfg, device)
+        follower = Follower(base, control_group=control, kernels=cfg.kernels)
+        dist.barrier(group=control)  # ready: rank 0 waits here for every model
+        follower.run()
+    finally:
+        dist.destroy_process_group()
+
+
+class ShardGroup:
+    """The follower processes of one group (rank 0 is the caller)."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs = procs
+
+    def join(self, timeout: float = 60.0) -> None:
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                log.warning("follower pid %s did not stop; terminating it", p.pid)
+                p.terminate()
+                p.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_sharded_engine(cfg: GroupConfig, base: Any = None) -> ShardedEngine:
+    """Spawn ranks 1.., join the group as rank 0 and return the engine (models loaded everywhere).
+
+    `base` is rank 0's existing DecodeEngine (a server shares its GPU-0 engine);
+    None loads one on `cfg.devices[0]`.
+    """
+    if cfg.world < 2:
+        raise ValueError(f"a sharded group needs at least 2 devices, got {list(cfg.devices)}")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    init_method = cfg.init_method or f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(r, cfg, init_method), daemon=True) for r in range(1, cfg.world)]
+    for p in procs:
+        p.start()
+    group = ShardGroup(procs)
+    try:
+        if cfg.devices[0].startswith("cuda"):
+            torch.cuda.set_device(torch.device(cfg.devices[0]))
+        control = _join_group(cfg, 0, init_method)
+        if base is None:
+            base = _load_base(cfg, cfg.devices[0])
+        dist.barrier(group=control)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        group.join(5)
+        raise
+    log.info("sharded group ready: %d ranks on %s (%s)", cfg.world, ", ".join(cfg.devices), cfg.resolved_backend())
+    return ShardedEngine(
+        base,
+        control_group=control,
+        axis=cfg.axis,
+        min_pixels=cfg.min_pixels,
+        kernels=cfg.kernels,
+        launched=group,
+    )
