@@ -145,6 +145,8 @@ def test_weights_job_and_pvc(overlay: str) -> None:
         env = {e["name"]: e for e in c["env"]}
         assert "HF_HUB_OFFLINE" not in env
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        # The xet chunk cache (10 GB by default) would overflow the /cache emptyDir.
+        assert env["HF_XET_CHUNK_CACHE_SIZE_BYTES"]["value"] == "0"
         # The decoders' NetworkPolicy (DNS-only egress) must not select the Job.
         np = one(objs, "NetworkPolicy", "vaed")["spec"]["podSelector"]["matchLabels"]
         assert not np.items() <= job["spec"]["template"]["metadata"]["labels"].items()
