@@ -107,6 +107,33 @@ def channel_credentials(tls: TlsSpec) -> grpc.ChannelCredentials | None:
     raise TypeError(f"tls must be None, bool, CA PEM bytes, a CA file path or grpc.ChannelCredentials, not {type(tls).__name__}")
 
 
+def read_token(path: str | None, env_var: str | None = None) -> str | None:
+    """The bearer token from the file `path` or, without a path, from the
+    environment variable `env_var` (e.g. `wire.AUTH_TOKEN_ENV`); None when
+    neither is configured. Surrounding whitespace (echo's newline, a Secret
+    file's) is stripped; an empty file or an empty-but-set variable raises
+    ValueError: whoever asked for auth must not silently get none.
+    Read when called, never at import."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read auth token file {path!r}: {exc.strerror or exc}") from exc
+        if not token:
+            raise ValueError(f"auth token file {path!r} is empty")
+        return token
+    if env_var:
+        raw = os.environ.get(env_var)
+        if raw is None:
+            return None
+        token = raw.strip()
+        if not token:
+            raise ValueError(f"environment variable {env_var} is set but empty")
+        return token
+    return None
+
+
 def bearer_metadata(token: str | None) -> Metadata:
     if not token:
         return ()

@@ -1,6 +1,7 @@
-"""`vaed decode` / `vaed info`: latents readers, mp4/PNG writers, and the
-commands end to end against the fake server of test_client_unit and against
-the real in-process server."""
+"""`vaed decode` / `vaed info` (the client package's `vaed_client.cli`, re-exported
+by `vaed.decode_command`): latents readers, mp4/mkv/PNG writers, and the
+commands end to end against the fake server and against the real in-process
+server."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def test_decode_command_mp4_and_png(
     out = capsys.readouterr().out
     for key in ("frames:", "first frame:", "total:", "received:", "wrote:"):
         assert key in out
-    assert "9 x 1 at 48x32" in out
+    assert "9 x 1 at 32x48 (H x W)" in out  # H x W, like every other size vaed prints
     assert servicer.metadata[-1]["authorization"] == "Bearer tok"
     assert servicer.requests[-1].options.raw_latents
 
@@ -191,3 +192,88 @@ def test_decode_command_against_real_server(tiny_server: Any, tmp_path: pathlib.
     assert len(files) == video.shape[1] == 9
     for i, f in enumerate(files):
         assert np.array_equal(np.asarray(Image.open(f)), video[0, i])
+
+
+# -- outputs: suffixes, lossless ----------------------------------------------
+def test_unknown_output_suffix_is_an_error_listing_supported(tmp_path: pathlib.Path) -> None:
+    from vaed_client.export import ExportError
+
+    with pytest.raises(ExportError) as info:
+        dc.make_writer(tmp_path / "x.gif", fps=16)
+    for supported in (".mp4", ".mkv", "PNG"):
+        assert supported in str(info.value)
+    assert not (tmp_path / "x.gif").exists()  # no directory named x.gif any more
+    assert isinstance(dc.make_writer(str(tmp_path / "frames.d") + "/", fps=16), dc.PngWriter)  # explicit folder
+
+
+def test_decode_command_unknown_suffix_exits_2(
+    fake_target: tuple[FakeDecoder, str], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, target = fake_target
+    np.save(tmp_path / "lat.npy", np.zeros((1, 16, 2, 2, 2), np.float32))
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "x.gif")])
+    assert dc.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".mkv" in err and not (tmp_path / "x.gif").exists()
+
+
+@pytest.mark.parametrize("name, flags", [("v.mkv", []), ("v.mp4", ["--lossless"])])
+def test_decode_command_lossless_video(
+    fake_target: tuple[FakeDecoder, str], tmp_path: pathlib.Path, name: str, flags: list[str]
+) -> None:
+    _, target = fake_target
+    np.save(tmp_path / "lat.npy", np.zeros((2, 16, 3, 4, 6), np.float32))
+    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / name),
+                                     "--quiet", *flags])
+    assert dc.run(args) == 0
+    want = expected_video(2, 3, 4, 6)
+    stem, suffix = name.split(".")
+    for b in range(2):
+        frames = _mp4_frames(tmp_path / f"{stem}_b{b}.{suffix}")
+        assert len(frames) == 9
+        assert all(np.array_equal(f, want[b, i]) for i, f in enumerate(frames))  # bit-exact RGB
+
+
+def test_lossy_mp4_is_not_claimed_lossless(tmp_path: pathlib.Path) -> None:
+    video = fake_video(1, 5, 32, 48)
+    writer = dc.make_writer(tmp_path / "v.mp4", fps=16)
+    writer.write(0, video)
+    writer.close()
+    frames = _mp4_frames(tmp_path / "v.mp4")
+    assert not all(np.array_equal(f, video[0, i]) for i, f in enumerate(frames))  # yuv420p CRF 18 rounds
+
+
+# -- the same input rule in the library and the command ------------------------
+def test_library_and_command_accept_the_same_latents(fake_target: tuple[FakeDecoder, str], tmp_path: pathlib.Path) -> None:
+    from vaed_client import LocalInputError, VaeClient
+
+    _, target = fake_target
+    four_d = np.random.default_rng(0).standard_normal((16, 2, 3, 3))  # float64, no batch axis
+    np.save(tmp_path / "a.npy", four_d)
+    from_file = dc.load_latents(tmp_path / "a.npy")
+    with VaeClient(target) as client:
+        assert np.array_equal(client.decode(four_d), client.decode(from_file))
+        assert np.array_equal(client.decode(four_d), expected_video(1, 2, 3, 3))
+        with pytest.raises(LocalInputError) as library_error:
+            client.decode(np.zeros((4, 4), np.float32))
+    np.save(tmp_path / "flat.npy", np.zeros((4, 4), np.float32))
+    with pytest.raises(dc.CommandError) as command_error:
+        dc.load_latents(tmp_path / "flat.npy")
+    assert str(library_error.value) in str(command_error.value)  # the same message
+
+
+# -- the client-only entry point --------------------------------------------------
+def test_vaed_client_main(fake_target: tuple[FakeDecoder, str], tmp_path: pathlib.Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    from vaed_client import cli
+
+    _, target = fake_target
+    assert cli.main(["info", "--server", target]) == 0
+    assert "z_dim:" in capsys.readouterr().out
+    np.save(tmp_path / "lat.npy", np.zeros((1, 16, 2, 2, 2), np.float32))
+    assert cli.main(["decode", str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png"), "--quiet"]) == 0
+    assert len(list((tmp_path / "png").glob("*.png"))) == 5
+    assert "5 x 1 at 16x16 (H x W)" in capsys.readouterr().out
+    assert cli.main(["health", "--server", "127.0.0.1:1", "--timeout", "1"]) == 1
+    assert capsys.readouterr().out.startswith("UNAVAILABLE")
+    assert cli.main(["info", "--server", target, "--tls-server-name", "x"]) == 2  # needs --tls

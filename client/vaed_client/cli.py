@@ -1,0 +1,349 @@
+"""`vaed-client`: the client commands `decode`, `info` and `health`.
+
+    vaed-client decode latents.pt --server localhost:50051 -o video.mp4
+    vaed-client decode latents.npy -o video.mkv              # lossless (FFV1)
+    vaed-client decode latents.npy -o video.mp4 --lossless   # lossless H.264 (rgb24)
+    vaed-client decode latents.npy -o frames/                # PNG folder
+    vaed-client info --server localhost:50051
+    vaed-client health --server localhost:50051              # exit 0 only if SERVING
+
+They need only the client install (grpcio, protobuf, numpy; PyAV/Pillow for
+video output, torch only to read .pt files). The server package's `vaed
+decode|info|health` are these same functions: `add_decode_arguments` /
+`run_decode`, `add_info_arguments` / `run_info`, `add_health_arguments` /
+`run_health`. One connection helper (`add_connection_arguments`, `connect`)
+gives every command the same target, TLS, server-name and token flags.
+
+Latents: `.pt` (a tensor, or a dict with key "latents"), `.safetensors` (key
+"latents" or the only tensor) or `.npy`; `[B, z_dim, T, h, w]` or
+`[z_dim, T, h, w]` (B=1), float64 cast to float32 — the library's rule
+(`vaed_client.core.normalize_latents`). Frames are written as they arrive, so
+encoding overlaps the remote decode; with B > 1 every batch item gets its own
+output, named with a `_bN` suffix. Sizes print as H x W.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from . import __version__, wire
+from .core import normalize_latents
+from .channel import read_token
+from .errors import LocalInputError, VaedError
+from .export import ExportError, FrameWriter, make_writer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVER = "localhost:50051"
+DEFAULT_INFO_TIMEOUT_S = 10.0
+# The server answers health from the event loop even while the GPU is busy;
+# 5 s covers a loaded node without hanging a probe.
+DEFAULT_HEALTH_TIMEOUT_S = 5.0
+
+
+class CommandError(Exception):
+    """A problem the user can fix (bad file, bad flag); printed as one line."""
+
+
+# -- reading latents -----------------------------------------------------------
+def _pick_tensor(mapping: dict[str, Any], path: pathlib.Path) -> Any:
+    if "latents" in mapping:
+        return mapping["latents"]
+    if len(mapping) == 1:
+        return next(iter(mapping.values()))
+    raise CommandError(f"{path}: found tensors {sorted(mapping)[:8]}; expected one named 'latents' or a single tensor")
+
+
+def _load_safetensors(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:  # client-only install: numpy view (no bf16 there)
+        from safetensors.numpy import load_file as load_numpy
+
+        return load_numpy(path)
+    return load_file(path, device="cpu")
+
+
+def load_latents(path: str | os.PathLike[str]) -> Any:
+    """Read latents from .pt, .safetensors or .npy as `[B, z_dim, T, h, w]`.
+
+    .pt / .safetensors give torch tensors (bf16 kept), .npy numpy arrays.
+    """
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise CommandError(f"{p}: no such file")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".npy":
+            latents: Any = np.load(p, allow_pickle=False)
+        elif suffix in (".pt", ".pth"):
+            try:
+                import torch
+            except ImportError:
+                raise CommandError(f"{p}: reading .pt needs torch; save latents as .npy or .safetensors") from None
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+            latents = _pick_tensor(obj, p) if isinstance(obj, dict) else obj
+        elif suffix == ".safetensors":
+            latents = _pick_tensor(_load_safetensors(p), p)
+        else:
+            raise CommandError(f"{p}: unknown latents format {suffix!r}; use .pt, .safetensors or .npy")
+    except CommandError:
+        raise
+    except Exception as e:  # unpickling/format errors from three libraries
+        raise CommandError(f"{p}: cannot read latents: {e}") from None
+    try:
+        return normalize_latents(latents)
+    except LocalInputError as e:
+        raise CommandError(f"{p}: {e}") from None
+
+
+# -- connecting ----------------------------------------------------------------
+def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | None, *, token: bool = True) -> None:
+    parser.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT",
+                        help=f"server address, or dns:///name:port for several replicas (default {DEFAULT_SERVER})")
+    if token:
+        parser.add_argument("--token-file", metavar="PATH",
+                            help=f"file holding the bearer token (default: ${wire.AUTH_TOKEN_ENV} when set)")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
+    parser.add_argument("--ca-cert", metavar="PATH", help="PEM CA bundle to verify the server (implies --tls)")
+    parser.add_argument("--tls-server-name", metavar="NAME",
+                        help="expected name in the server certificate when it differs from HOST "
+                             "(e.g. checking localhost against a cert for vaed.<ns>.svc)")
+    parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                        help="deadline of the call" + (f" (default {timeout:g})" if timeout else " (default: none)"))
+
+
+def connection_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """`VaeClient` keyword arguments from the connection flags."""
+    tls: Any = None
+    if args.ca_cert:
+        if not os.path.isfile(args.ca_cert):
+            raise CommandError(f"--ca-cert {args.ca_cert}: no such file")
+        tls = args.ca_cert
+    elif args.tls:
+        tls = True
+    if args.tls_server_name and tls is None:
+        raise CommandError("--tls-server-name needs --tls or --ca-cert")
+    token = None
+    if hasattr(args, "token_file"):
+        try:
+            token = read_token(args.token_file, wire.AUTH_TOKEN_ENV)
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+    return dict(timeout=args.timeout, tls=tls, token=token, tls_server_name=args.tls_server_name)
+
+
+def connect(args: argparse.Namespace) -> Any:
+    from .client import VaeClient
+
+    return VaeClient(args.server, **connection_settings(args))
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"{_prog()} {command}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _prog() -> str:
+    # Error lines name the command the user typed: `vaed-client` or the server package's `vaed`.
+    return "vaed-client" if sys.argv and os.path.basename(sys.argv[0]) == "vaed-client" else "vaed"
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key + ':':<{width + 1}} {value}")
+
+
+# -- decode --------------------------------------------------------------------
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("latents", help="latents file: .pt, .safetensors or .npy, [B, z_dim, T, h, w] or [z_dim, T, h, w]")
+    parser.add_argument("-o", "--output", required=True,
+                        help="output .mp4, .mkv (lossless FFV1), or a folder for PNG frames (no suffix or a "
+                             "trailing /); B > 1: one per item, suffix _bN")
+    parser.add_argument("--lossless", action="store_true",
+                        help="lossless video: .mp4 as H.264 rgb24 at CRF 0 (.mkv and PNG are always lossless)")
+    parser.add_argument("--raw-latents", action="store_true",
+                        help="latents are already in VAE space (default: the pipeline's normalized latents, "
+                             "which the server de-normalizes with the model's latents_mean/std)")
+    parser.add_argument("--fps", type=int, default=16, help="frame rate of the video (default %(default)s, Wan's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_connection_arguments(parser, None)
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    try:
+        latents = load_latents(args.latents)
+        writer = make_writer(args.output, args.fps, lossless=getattr(args, "lossless", False))
+        with connect(args) as client:
+            stats = _decode(client, latents, writer, args)
+    except (CommandError, ExportError, LocalInputError) as e:
+        return _fail("decode", str(e), 2)
+    except VaedError as e:
+        return _fail("decode", f"{args.server}: {e}", 1)
+    except OSError as e:  # unwritable output and the like
+        return _fail("decode", str(e), 1)
+    except KeyboardInterrupt:
+        return _fail("decode", "interrupted", 130)
+    _print_summary(stats)
+    return 0
+
+
+def _progress(total: int, quiet: bool) -> Any:
+    # No bar when stderr is not a terminal (logs, CI): \r-redrawn lines are noise there.
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        quiet = True
+    if quiet or not sys.stderr.isatty():
+        return None
+    return tqdm(total=total, unit="frame", desc="decode", file=sys.stderr)
+
+
+def _decode(client: Any, latents: Any, writer: FrameWriter, args: argparse.Namespace) -> dict[str, Any]:
+    batch, _, latent_frames = (int(d) for d in latents.shape[:3])
+    total = client.model_info().output_frames(latent_frames)
+    received = frames = 0
+    height = width = 0
+    first_frame_s: float | None = None
+    start = time.perf_counter()
+    bar = _progress(total, args.quiet)
+    try:
+        for chunk in client.stream(latents, raw_latents=args.raw_latents):
+            if first_frame_s is None:
+                first_frame_s = time.perf_counter() - start
+            video = np.asarray(chunk.frames)  # torch CPU uint8 -> numpy without a copy
+            height, width = video.shape[2], video.shape[3]
+            writer.write(chunk.first_frame, video)
+            received += chunk.nbytes
+            frames += chunk.num_frames
+            if bar is not None:
+                bar.update(chunk.num_frames)
+        paths = writer.close()
+    finally:
+        if bar is not None:
+            bar.close()
+    total_s = time.perf_counter() - start
+    return {
+        "batch": batch, "frames": frames, "height": height, "width": width,
+        "first_frame_s": first_frame_s or 0.0, "total_s": total_s, "bytes": received, "paths": paths,
+    }
+
+
+def _print_summary(stats: dict[str, Any]) -> None:
+    total_s = stats["total_s"]
+    rows = [
+        ("frames", f"{stats['frames']} x {stats['batch']} at {stats['height']}x{stats['width']} (H x W)"),
+        ("first frame", f"{stats['first_frame_s'] * 1000:.0f} ms"),
+        ("total", f"{total_s:.2f} s ({stats['frames'] * stats['batch'] / max(total_s, 1e-9):.1f} frames/s)"),
+        ("received", f"{stats['bytes'] / 1e6:.1f} MB ({stats['bytes'] / 1e6 / max(total_s, 1e-9):.1f} MB/s)"),
+        ("wrote", ", ".join(str(p) for p in stats["paths"])),
+    ]
+    _print_rows(rows)
+
+
+# -- info ----------------------------------------------------------------------
+def add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser, DEFAULT_INFO_TIMEOUT_S)
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{v:.4f}" for v in value) + "]" if value else "[]"
+    return str(value)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    try:
+        with connect(args) as client:
+            info = client.model_info()
+    except CommandError as e:
+        return _fail("info", str(e), 2)
+    except VaedError as e:
+        return _fail("info", f"{args.server}: {e}", 1)
+    rows = [("server", args.server)] + [(k, _format_value(v)) for k, v in info.to_dict().items()]
+    _print_rows(rows)
+    return 0
+
+
+# -- health --------------------------------------------------------------------
+def add_health_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--service", default="",
+                        help='service name to check; "" (default) is the whole server, '
+                             f'"{wire.SERVICE_NAME}" the decoder service')
+    # Health is open without a token (probes call it), so no --token-file.
+    add_connection_arguments(parser, DEFAULT_HEALTH_TIMEOUT_S, token=False)
+
+
+def check_health(args: argparse.Namespace) -> tuple[bool, str]:
+    """(serving, text to print) for the server and service in `args`:
+    SERVING, NOT_SERVING, SERVICE_UNKNOWN, or the gRPC error."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .channel import create_channel
+
+    try:
+        settings = connection_settings(args)
+        channel, _ = create_channel(args.server, tls=settings["tls"], tls_server_name=settings["tls_server_name"])
+    except CommandError as e:
+        return False, f"ERROR: {e}"
+    except OSError as e:
+        return False, f"ERROR: cannot read CA certificate: {e}"
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as e:
+            code = e.code() if callable(getattr(e, "code", None)) else None
+            if code == grpc.StatusCode.NOT_FOUND:
+                # The health servicer answers NOT_FOUND for a service it does not know.
+                return False, "SERVICE_UNKNOWN"
+            name = code.name if code is not None else "UNKNOWN"
+            details = e.details() if callable(getattr(e, "details", None)) else ""
+            return False, f"{name}: {details or ''}".rstrip(": ")
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def run_health(args: argparse.Namespace) -> int:
+    serving, text = check_health(args)
+    print(text)
+    return 0 if serving else 1
+
+
+# -- entry point ---------------------------------------------------------------
+COMMANDS: dict[str, tuple[Any, Any, str]] = {
+    "decode": (add_decode_arguments, run_decode, "decode a latents file through a server to .mp4, .mkv or PNGs"),
+    "info": (add_info_arguments, run_info, "print a server's model info"),
+    "health": (add_health_arguments, run_health, "ask a server's grpc.health.v1 status (exit 0 if SERVING)"),
+}
+
+
+def build_parser(prog: str = "vaed-client") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Client commands for vaed, remote Wan VAE decoding.")
+    parser.add_argument("--version", action="version", version=f"vaed-client {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (add, run, help_text) in COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        add(sub_parser)
+        sub_parser.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
