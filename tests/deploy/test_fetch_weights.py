@@ -142,3 +142,19 @@ def test_arguments(fw: ModuleType, tmp_path: Path) -> None:
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         fw.main(["--dest", str(tmp_path), "--repo", "a/b", "--check"])  # mutually exclusive
+
+
+def test_real_diffusers_vae_folder(fw: ModuleType, tmp_path: Path) -> None:
+    """What diffusers' save_pretrained writes passes, is copied, and loads back."""
+    torch = pytest.importorskip("torch")
+    diffusers = pytest.importorskip("diffusers")
+    from vaed.models import RANDOM_CONFIGS
+
+    vae = diffusers.AutoencoderKLWan(**RANDOM_CONFIGS["wan2.1-tiny"])
+    vae.save_pretrained(str(tmp_path / "src" / "vae"))
+    dest = tmp_path / "models" / "Wan2.1-T2V-1.3B-Diffusers"
+    assert fw.main(["--from-dir", str(tmp_path / "src"), "--dest", str(dest)]) == 0
+    assert fw.verify(dest)["z_dim"] == RANDOM_CONFIGS["wan2.1-tiny"]["z_dim"]
+    loaded = diffusers.AutoencoderKLWan.from_pretrained(str(dest), subfolder="vae")
+    for (k, a), (_, b) in zip(vae.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
