@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -40,18 +44,18 @@ class RunningServer:
     @property
     def vae(self) -> Any:
         """The served module (after the installer ran on it)."""
-        assert self.server.worker.engine is not None
-        return self.server.worker.engine.vae
+        assert self.server.pool.engine is not None
+        return self.server.pool.engine.vae
 
     def reference_vae(self) -> Any:
         """A separate copy of the same weights for diffusers reference decodes."""
-        engine = self.server.worker.engine
+        engine = self.server.pool.engine
         assert engine is not None
         return load_model(self.config.model, self.config.device, engine.dtype).vae
 
     @property
     def active_sessions(self) -> int:
-        return self.server.worker.active_sessions
+        return self.server.pool.active_sessions
 
 
 @contextlib.contextmanager
@@ -71,10 +75,46 @@ def serve_in_thread(config: ServerConfig, ready_timeout: float = 300) -> Iterato
 
 
 def make_config(model: str = "random:wan2.1-tiny", **overrides: Any) -> ServerConfig:
-    base = dict(model=model, device="cpu", host="127.0.0.1", port=0, max_sessions=16, grace=1.0)
+    base: dict[str, Any] = dict(model=model, devices=("cpu",), host="127.0.0.1", port=0, max_sessions=16, grace=1.0)
+    if "device" in overrides:  # one device, the common case
+        overrides["devices"] = (overrides.pop("device"),)
     base.update(overrides)
     return ServerConfig(**base)
 
+
+
+def start_cli_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`vaed serve` in a subprocess on the CPU (tiny model, port 0); returns (process, target) once SERVING."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+         "--model", "random:wan2.1-tiny", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    port = None
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = re.search(r"\(port (\d+),", line)
+        if match:
+            port = match.group(1)
+        if "SERVING" in line and port:
+            return proc, f"127.0.0.1:{port}"
+    proc.kill()
+    raise AssertionError("server did not start:\n" + "".join(lines))
+
+
+def proc_rss_bytes(pid: int) -> int:
+    """Resident set size of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def rgb8(decoded: torch.Tensor) -> torch.Tensor:

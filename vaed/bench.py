@@ -101,19 +101,16 @@ def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
     return vae.decode(z, return_dict=False)[0]
 
 
-def vaed_decoder(vae: Any, spec: str, device: torch.device, dtype: torch.dtype, kernels: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+def vaed_decoder(vae: Any, spec: str, kernels: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """The server's own decode path (DecodeEngine: session-owned cache, one
     decoder call per latent frame, fast paths installed, clamp), as a decode function."""
-    from vaed.config import ServerConfig
-    from vaed.engine import DTYPES, DecodeEngine, OutputSpec
+    from vaed.engine import DecodeEngine
     from vaed.models import LoadedModel
+    from vaed.session import OutputSpec
 
-    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
-    config = ServerConfig(model=spec, device=str(device), dtype=dtype_name, kernels=kernels, layout="channels_last",
-                          max_pixels=0, max_latent_frames=0)
-    engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")), config)
-    log.info("vaed-lossless: kernels=%s installed=%s skipped=%s",
-             engine.fast_paths.kernels, list(engine.fast_paths.installed), list(engine.fast_paths.skipped))
+    engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
+                          kernels=kernels, layout="channels_last")
+    log.info("vaed-lossless: %s", engine.fast_paths.summary)
     raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True)
     return lambda _vae, z: engine.decode_video(z, raw)
 
@@ -138,7 +135,7 @@ def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tu
 
 
 def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) -> list[Row]:
-    from vaed.install import prepare_decoder, remove_fast_paths, to_decoder_layout
+    from vaed.patches import prepare_decoder, remove_fast_paths, to_decoder_layout
 
     device = torch.device(args.device)
     dtype = _DTYPES[args.dtype]
@@ -158,7 +155,7 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             prepare_decoder(vae, kernels="off", layout="channels_last")
             zi, fn, ref_key = to_decoder_layout(z, "channels_last"), stock_decode, "stock-cl3d"
         else:
-            fn = vaed_decoder(vae, spec, device, dtype, args.kernels)
+            fn = vaed_decoder(vae, spec, args.kernels)
             zi, ref_key = to_decoder_layout(z, "channels_last"), "stock-cl3d"
         with torch.inference_mode():
             fn(vae, zi[:, :, :2])  # warm-up on 2 latent frames: Triton compiles, cuDNN plans

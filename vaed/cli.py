@@ -9,7 +9,7 @@ import logging
 import sys
 
 from . import __version__
-from .config import DEFAULT_MODEL, DEFAULT_PORT, ServerConfig
+from .config import DEFAULT_MODEL, DEFAULT_PORT, PRECISIONS, ServerConfig
 
 log = logging.getLogger("vaed")
 
@@ -22,35 +22,102 @@ _DELEGATED = {
 }
 
 
+def _devices(text: str) -> tuple[str, ...]:
+    """--gpu 0 | 0,1 | all -> ("cuda:0", ...)."""
+    import torch
+
+    if text == "all":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise SystemExit("vaed serve: --gpu all requested but CUDA is not available; use --device cpu")
+        return tuple(f"cuda:{i}" for i in range(count))
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"vaed serve: --gpu takes N, N,M,... or all; got {text!r}") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise SystemExit(f"vaed serve: --gpu needs distinct device numbers; got {text!r}")
+    return tuple(f"cuda:{i}" for i in ids)
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """--warmup-shapes 480x832,720x1280 | none -> ((480, 832), (720, 1280))."""
+    if text.strip().lower() == "none":
+        return ()
+    shapes = []
+    for part in text.split(","):
+        h, sep, w = part.strip().lower().partition("x")
+        if not sep or not h.isdigit() or not w.isdigit() or int(h) < 1 or int(w) < 1:
+            raise argparse.ArgumentTypeError(f"warm-up shapes look like 480x832,720x1280 (H x W) or none; got {part!r}")
+        shapes.append((int(h), int(w)))
+    return tuple(shapes)
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from .patches import OP_NAMES
+
     defaults = ServerConfig()
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--gpu", type=int, metavar="N", help="serve on CUDA device N (default: 0 when CUDA is available)")
+    where.add_argument("--gpu", metavar="N[,M...]|all",
+                       help="serve on these CUDA devices, one worker each behind one port (default: 0 when CUDA is available)")
     where.add_argument("--device", choices=["cpu"], help="serve on the CPU (slow; for tests and development)")
     parser.add_argument("--host", default=defaults.host, help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind; 0 picks a free one (default %(default)s)")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="local diffusers folder (repo root or its vae/), hub id (subfolder vae), or "
-                             "random:wan2.1 / random:wan2.2[?seed=N] (default %(default)s)")
+                             "random:wan2.1 / random:wan2.2[?seed=N] (real architectures, seeded random weights) or "
+                             "random:wan2.1-tiny / random:wan2.2-tiny (a few channels, for CPU development) "
+                             "(default %(default)s)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
+                        help="tier of requests that do not ask for one; a request may always ask for lossless "
+                             "(default %(default)s)")
+    parser.add_argument("--parallel", choices=["off", "spatial"], default=defaults.parallel,
+                        help="spatial: a large request is decoded by all --gpu devices together (default %(default)s)")
+    parser.add_argument("--spatial-axis", choices=["auto", "height", "width"], default=defaults.spatial_axis,
+                        help="axis split by --parallel spatial; auto = the longer one (default %(default)s)")
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
                         help="concurrent decode calls; more get RESOURCE_EXHAUSTED (default %(default)s)")
+    parser.add_argument("--max-concurrent-rpcs", type=int, default=None,
+                        help="concurrent RPCs of any kind but health; more get RESOURCE_EXHAUSTED unread "
+                             "(default 2 x --max-sessions + 8)")
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="largest B of one call (default %(default)s)")
     parser.add_argument("--max-latent-frames", type=int, default=defaults.max_latent_frames,
                         help="largest T (latent frames) of one call or session; 0 = no limit (default %(default)s)")
     parser.add_argument("--max-pixels", type=int, default=defaults.max_pixels,
                         help="largest output H*W of one frame; 0 = no limit (default %(default)s = 1280x1280)")
     parser.add_argument("--queue-chunks", type=int, default=defaults.queue_chunks,
-                        help="decoded chunks buffered per call before the decode waits for the client (default %(default)s)")
+                        help="decoded chunks buffered per call before its decode waits for the client (default %(default)s)")
+    parser.add_argument("--max-backlog-frames", type=int, default=defaults.max_backlog_frames,
+                        help="latent frames a DecodeStream session buffers before the server stops reading "
+                             "its client (default %(default)s)")
     parser.add_argument("--grace", type=float, default=defaults.grace,
-                        help="seconds SIGTERM lets in-flight streams finish (default %(default)s)")
+                        help="seconds SIGTERM lets in-flight streams finish; a second SIGTERM exits at once "
+                             "(default %(default)s)")
     parser.add_argument("--kernels", choices=["auto", "triton", "off"], default=defaults.kernels,
                         help="fused bit-exact Triton data movement: auto (when eligible), triton (required), off")
+    parser.add_argument("--disable-op", dest="disabled_ops", action="append", default=[], choices=sorted(OP_NAMES),
+                        help="switch one fused op off (repeatable); the stock aten chain runs in its place")
     parser.add_argument("--layout", choices=["auto", "channels_last", "contiguous"], default=defaults.layout,
                         help="decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="report SERVING without a warm-up decode")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="report SERVING without warm-up decodes")
+    parser.add_argument("--warmup-shapes", type=_shapes, default=None, metavar="HxW[,HxW...]|none",
+                        help="output sizes decoded up to their steady chunk before SERVING "
+                             "(default: 480x832,720x1280 for Wan2.1, 704x1280 for Wan2.2 on CUDA; a small one on CPU)")
+    parser.add_argument("--keepalive-time", type=float, default=defaults.keepalive_time,
+                        help="seconds between server pings on an idle connection (default %(default)s)")
+    parser.add_argument("--keepalive-timeout", type=float, default=defaults.keepalive_timeout,
+                        help="seconds a ping may go unanswered before the connection is dropped (default %(default)s)")
+    parser.add_argument("--min-ping-interval", type=float, default=defaults.min_ping_interval,
+                        help="shortest client ping interval allowed, in seconds (default %(default)s)")
+    parser.add_argument("--max-connection-age", type=float, default=defaults.max_connection_age,
+                        help="seconds after which a connection is closed so clients re-resolve DNS and reach "
+                             "new replicas; 0 = never (default %(default)s)")
+    parser.add_argument("--max-connection-age-grace", type=float, default=defaults.max_connection_age_grace,
+                        help="seconds in-flight calls get after --max-connection-age (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port")
+    parser.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
     parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
     parser.add_argument("--auth-token-file", help="require 'authorization: Bearer <token>' on every RPC but health; "
@@ -62,19 +129,32 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     import torch
 
     if args.device == "cpu":
-        device = "cpu"
+        devices: tuple[str, ...] = ("cpu",)
     elif args.gpu is not None:
-        device = f"cuda:{args.gpu}"
+        devices = _devices(args.gpu)
     else:
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"vaed serve: {device} requested but CUDA is not available; use --device cpu")
+        devices = ("cuda:0",) if torch.cuda.is_available() else ("cpu",)
+    if devices[0].startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"vaed serve: {devices[0]} requested but CUDA is not available; use --device cpu")
+        missing = [d for d in devices if int(d.split(":")[1]) >= torch.cuda.device_count()]
+        if missing:
+            raise SystemExit(f"vaed serve: {', '.join(missing)} requested but this host has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    if args.parallel == "spatial" and len(devices) < 2:
+        raise SystemExit("vaed serve: --parallel spatial needs two or more devices (--gpu 0,1 or --gpu all)")
     return ServerConfig(
-        model=args.model, device=device, dtype=args.dtype, host=args.host, port=args.port,
-        max_sessions=args.max_sessions, max_batch=args.max_batch, max_latent_frames=args.max_latent_frames,
-        max_pixels=args.max_pixels, queue_chunks=args.queue_chunks, grace=args.grace, kernels=args.kernels,
-        layout=args.layout, warmup=args.warmup, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
-        tls_key=args.tls_key, auth_token_file=args.auth_token_file,
+        model=args.model, devices=devices, dtype=args.dtype, host=args.host, port=args.port,
+        max_sessions=args.max_sessions, max_concurrent_rpcs=args.max_concurrent_rpcs, max_batch=args.max_batch,
+        max_latent_frames=args.max_latent_frames, max_pixels=args.max_pixels, queue_chunks=args.queue_chunks,
+        max_backlog_frames=args.max_backlog_frames, grace=args.grace, kernels=args.kernels,
+        disabled_ops=tuple(args.disabled_ops), layout=args.layout, precision=args.precision,
+        parallel=args.parallel, spatial_axis=args.spatial_axis, warmup=args.warmup, warmup_shapes=args.warmup_shapes,
+        keepalive_time=args.keepalive_time, keepalive_timeout=args.keepalive_timeout,
+        min_ping_interval=args.min_ping_interval, max_connection_age=args.max_connection_age,
+        max_connection_age_grace=args.max_connection_age_grace, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token_file=args.auth_token_file,
     )
 
 

@@ -1,44 +1,70 @@
-"""Server configuration: one frozen dataclass, filled from the CLI (or tests)."""
+"""Server configuration: one frozen dataclass, filled from the CLI (or tests).
+
+Nothing here reads the environment; `vaed.cli` turns flags into a
+ServerConfig and every other module takes what it needs from it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from vaed_client import wire
+
 DEFAULT_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 DEFAULT_PORT = 50051
 
-# Both ends set send/receive limits explicitly: gRPC's default receive limit is
-# 4 MiB and one 480x832 RGB8 chunk of 4 frames is already 4.8 MiB.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-# Frame groups larger than this are split into several FrameChunks on frame
-# boundaries; 16 MiB keeps each message far below both ends' 256 MiB limit and
-# still carries 13 frames of 480x832 RGB8 per message.
-DEFAULT_FRAME_MESSAGE_BYTES = 16 * 1024 * 1024
+# Pixel sizes warmed before SERVING when --warmup-shapes is not given: the
+# sizes Wan users serve. The first request at an unwarmed size paid 5.62 s
+# against 1.26 s steady (480x832x81, H200), so pods warm these up front.
+DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
+    16: ((480, 832), (720, 1280)),  # Wan2.1 (z_dim 16)
+    48: ((704, 1280),),             # Wan2.2 TI2V-5B (z_dim 48)
+}
+
+PRECISIONS = ("lossless", "fast")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     model: str = DEFAULT_MODEL
-    device: str = "cpu"                 # "cpu" or "cuda:N"
+    devices: tuple[str, ...] = ("cpu",)  # "cpu" or "cuda:N"; several GPUs form a pool behind one port
     dtype: str | None = None            # None: bfloat16 on CUDA, float32 on CPU
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT            # 0 picks a free port (tests)
-    max_sessions: int = 16              # concurrent Decode/DecodeStream calls
+    max_sessions: int = 16              # concurrent Decode/DecodeStream calls (all devices)
+    max_concurrent_rpcs: int | None = None  # None: 2 x max_sessions + 8 (health checks are never capped)
     max_batch: int = 8                  # B of one request
     max_latent_frames: int = 1024       # T of one request / session total
     max_pixels: int = 1280 * 1280       # output H * W of one frame
-    queue_chunks: int = 2               # decoded groups buffered per session (backpressure)
-    frame_message_bytes: int = DEFAULT_FRAME_MESSAGE_BYTES
-    max_message_bytes: int = MAX_MESSAGE_BYTES
+    queue_chunks: int = 2               # decoded groups buffered per session (output backpressure)
+    max_backlog_frames: int = 4         # latent frames buffered per DecodeStream session (input backpressure)
+    frame_message_bytes: int = wire.FRAME_MESSAGE_BYTES
+    max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     grace: float = 30.0                 # seconds SIGTERM waits for in-flight streams
     kernels: str = "auto"               # auto | triton | off
+    disabled_ops: tuple[str, ...] = ()  # fused ops switched off one by one
     layout: str = "auto"                # auto | channels_last | contiguous
-    warmup: bool = True                 # one decode before reporting SERVING
+    precision: str = "lossless"         # default tier of requests that do not ask
+    parallel: str = "off"               # off | spatial (one request over all devices)
+    spatial_axis: str = "auto"          # auto | height | width
+    warmup: bool = True                 # warm-up decodes before reporting SERVING
+    warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: DEFAULT_WARMUP_SHAPES by z_dim
+    keepalive_time: float = 60.0        # server pings an idle connection every N s
+    keepalive_timeout: float = 20.0     # ... and drops it when the ping is not answered within N s
+    min_ping_interval: float = 30.0     # clients may ping every >= N s (the client library pings every 60 s)
+    max_connection_age: float = 300.0   # close connections after ~N s so clients re-resolve DNS (0 = never)
+    max_connection_age_grace: float = 60.0  # in-flight calls get N s more after that
     metrics_port: int | None = None
+    metrics_host: str | None = None     # None: same as host
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token_file: str | None = None
+
+    @property
+    def device(self) -> str:
+        """The first device (the only one unless a GPU pool is served)."""
+        return self.devices[0]
 
     @property
     def is_cuda(self) -> bool:
@@ -49,6 +75,12 @@ class ServerConfig:
         if self.dtype is not None:
             return self.dtype
         return "bfloat16" if self.is_cuda else "float32"
+
+    @property
+    def rpc_limit(self) -> int:
+        if self.max_concurrent_rpcs is not None:
+            return self.max_concurrent_rpcs
+        return 2 * self.max_sessions + 8
 
     def replace(self, **changes: object) -> "ServerConfig":
         return dataclasses.replace(self, **changes)

@@ -1,24 +1,44 @@
-"""Domain errors. The service maps them to gRPC status codes in one place
-(`vaed.service.status_for`); nothing else chooses a status code."""
+"""Domain errors and the one table that turns them into gRPC status codes.
+
+Code below the service raises these; `status_for` is the only place that
+chooses a status code, and `vaed.service` the only caller of it.
+"""
 
 from __future__ import annotations
 
+import grpc
+
 
 class VaedServerError(Exception):
-    """Base class: message is safe to show to the caller."""
+    """Base class: the message is safe to show to the caller."""
 
 
 class InvalidInput(VaedServerError):
-    """Bad dtype, shape, byte count, z_dim, empty or over-limit input."""
+    """Bad dtype, shape, byte count, z_dim, non-finite values, empty or over-limit input, malformed message."""
 
 
 class CapacityExhausted(VaedServerError):
-    """Sessions full or the GPU ran out of memory; retry later."""
+    """Sessions or RPC slots full, or the GPU ran out of memory; retry later."""
 
 
 class NotReady(VaedServerError):
-    """Warming up or draining."""
+    """Warming up, draining, or no healthy device left."""
 
 
 class ModelLoadError(VaedServerError):
     """Weights could not be found or loaded."""
+
+
+_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code of an error; anything unknown is INTERNAL (logged, never shown)."""
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL

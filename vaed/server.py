@@ -1,10 +1,12 @@
-"""Server wiring: grpc.aio front, health, reflection, metrics, auth, TLS,
-and the lifecycle (load + warm-up in the background, drain on SIGTERM)."""
+"""Server wiring: grpc.aio front, interceptors, health, reflection, metrics,
+TLS, keepalive, and the lifecycle (load + warm-up in the background, drain on
+SIGTERM, exit at once on a second one)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from typing import Callable
 
@@ -12,30 +14,73 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
+from vaed_client import wire
 
-from .auth import AUTH_TOKEN_ENV, BearerTokenInterceptor, read_token, server_credentials
+from .auth import BearerTokenInterceptor, read_token, server_credentials
 from .config import ServerConfig
 from .engine import DecodeEngine
+from .interceptors import RpcLimitInterceptor
 from .metrics import ServerMetrics
+from .parallel.pool import WorkerPool
 from .service import Lifecycle, VaeDecoderService
 from .worker import DeviceWorker
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = vaed_pb2.DESCRIPTOR.services_by_name["VaeDecoder"].full_name
+EngineFactory = Callable[[str], DecodeEngine]  # device -> engine
 
 
 class StartupError(RuntimeError):
     """The server could not start (port taken, model failed to load, bad TLS/auth files)."""
 
 
+def engine_factory(config: ServerConfig) -> EngineFactory:
+    """How each device worker builds its engine from the config."""
+
+    def build(device: str) -> DecodeEngine:
+        return DecodeEngine.load(
+            config.model, device=device, dtype=config.compute_dtype_name,
+            kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
+        )
+
+    return build
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Message limits, keepalive and connection age (so clients re-resolve DNS and reach new replicas)."""
+    ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # Off: with SO_REUSEPORT a second server on the same port would
+        # silently share traffic instead of failing to start.
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", ms(config.keepalive_time)),
+        ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout)),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(config.min_ping_interval)),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", ms(config.min_ping_interval)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
+    if config.max_connection_age > 0:
+        options += [
+            ("grpc.max_connection_age_ms", ms(config.max_connection_age)),
+            ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace)),
+        ]
+    return options
+
+
 class VaedServer:
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[ServerConfig], DecodeEngine] | None = None):
+    def __init__(self, config: ServerConfig, build_engine: EngineFactory | None = None):
         self.config = config
         self.lifecycle = Lifecycle()
-        self.worker = DeviceWorker(config, engine_factory)
-        self.metrics = ServerMetrics(config.device) if config.metrics_port is not None else None
+        build = build_engine or engine_factory(config)
+        self.pool = WorkerPool(
+            [DeviceWorker(device, build, warmup=config.warmup, warmup_shapes=config.warmup_shapes)
+             for device in config.devices],
+            max_sessions=config.max_sessions,
+        )
+        self.metrics = ServerMetrics(load=self.pool) if config.metrics_port is not None else None
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -43,28 +88,26 @@ class VaedServer:
         self._ready = asyncio.Event()
         self._stopped = asyncio.Event()
 
+    def _refused(self, method: str, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_finished(method, code, 0.0)
+
     async def start(self) -> int:
         """Bind, start serving NOT_SERVING, and load the model in the background. Returns the port."""
         cfg = self.config
-        interceptors = []
-        token = read_token(cfg.auth_token_file, AUTH_TOKEN_ENV)
+        # Auth first: an unauthenticated call is refused before it takes an RPC slot.
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        token = read_token(cfg.auth_token_file, wire.AUTH_TOKEN_ENV)
         if token is not None:
-            interceptors.append(BearerTokenInterceptor(token))
-        server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_send_message_length", cfg.max_message_bytes),
-                ("grpc.max_receive_message_length", cfg.max_message_bytes),
-                # Off: with SO_REUSEPORT a second server on the same port
-                # would silently share traffic instead of failing to start.
-                ("grpc.so_reuseport", 0),
-            ],
-        )
-        service = VaeDecoderService(cfg, self.worker, self.lifecycle, self.metrics)
-        vaed_pb2_grpc.add_VaeDecoderServicer_to_server(service, server)
+            interceptors.append(BearerTokenInterceptor(token, on_refused=self._refused))
+        interceptors.append(RpcLimitInterceptor(cfg.rpc_limit, on_refused=self._refused))
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
+        service = VaeDecoderService(cfg, self.pool, self.lifecycle, self.metrics)
+        server.add_generic_rpc_handlers((service.rpc_handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+            [wire.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
         )
         address = f"{cfg.host}:{cfg.port}" if ":" not in cfg.host else f"[{cfg.host}]:{cfg.port}"
         try:
@@ -83,32 +126,34 @@ class VaedServer:
         self._server = server
         self.port = port
         if self.metrics is not None:
-            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port or 0, cfg.host)
+            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port or 0, cfg.metrics_host or cfg.host)
         loop = asyncio.get_running_loop()
-        self.worker.on_ready = lambda: loop.call_soon_threadsafe(self._on_worker_ready)
-        self.worker.start()
+        self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
         log.info("listening on %s (port %d, %s); loading %s on %s",
-                 address, port, "TLS" if cfg.tls_cert else "plaintext", cfg.model, cfg.device)
+                 address, port, "TLS" if cfg.tls_cert else "plaintext", cfg.model, ", ".join(cfg.devices))
         return port
 
-    def _on_worker_ready(self) -> None:
+    def _on_pool_ready(self) -> None:
         self._ready.set()
-        if self.worker.startup_error is None and not self.lifecycle.draining:
+        if self.pool.ready and not self.lifecycle.draining:
             asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.SERVING))
-            log.info("SERVING")
+            down = [w.device for w in self.pool.workers if not w.healthy]
+            log.info("SERVING on %s%s", ", ".join(w.device for w in self.pool.healthy_workers),
+                     f" ({', '.join(down)} failed to start)" if down else "")
 
     async def _set_health(self, status: int) -> None:
-        for name in ("", SERVICE_NAME):
+        for name in ("", wire.SERVICE_NAME):
             await self.health.set(name, status)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait for load + warm-up; raises StartupError if the model failed to load."""
+        """Wait for load + warm-up; raises StartupError if no device could start."""
         loop = asyncio.get_running_loop()
-        ok = await loop.run_in_executor(None, self.worker.wait_ready, timeout)
+        ok = await loop.run_in_executor(None, self.pool.wait_ready, timeout)
         if not ok:
             raise StartupError(f"model not ready after {timeout} s")
-        if self.worker.startup_error is not None:
-            raise StartupError(str(self.worker.startup_error)) from self.worker.startup_error
+        error = self.pool.startup_error
+        if error is not None:
+            raise StartupError(str(error)) from error
         await self._ready.wait()
 
     async def stop(self, grace: float | None = None) -> None:
@@ -118,11 +163,11 @@ class VaedServer:
         grace = self.config.grace if grace is None else grace
         self.lifecycle.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("draining: waiting up to %.1f s for %d session(s)", grace, self.worker.active_sessions)
+        log.info("draining: waiting up to %.1f s for %d session(s)", grace, self.pool.active_sessions)
         if self._server is not None:
             await self._server.stop(grace)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.worker.stop)
+        await loop.run_in_executor(None, self.pool.stop)
         if self.metrics is not None:
             self.metrics.stop_http_server()
         self._stopped.set()
@@ -132,8 +177,12 @@ class VaedServer:
         await self._stopped.wait()
 
 
+# Exit code of a second SIGTERM/SIGINT during the drain: 128 + SIGTERM, as a shell reports it.
+FORCED_EXIT_CODE = 128 + signal.SIGTERM
+
+
 async def serve(config: ServerConfig) -> int:
-    """`vaed serve`: run until SIGTERM/SIGINT, then drain. Returns the exit code."""
+    """`vaed serve`: run until SIGTERM/SIGINT, then drain; a second signal exits at once. Returns the exit code."""
     server = VaedServer(config)
     try:
         await server.start()
@@ -142,8 +191,15 @@ async def serve(config: ServerConfig) -> int:
         return 2
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop_requested.is_set():
+            log.error("second signal during the drain; exiting now")
+            os._exit(FORCED_EXIT_CODE)
+        stop_requested.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(sig, on_signal)
     ready = asyncio.ensure_future(server.wait_ready())
     stop_wait = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([ready, stop_wait], return_when=asyncio.FIRST_COMPLETED)

@@ -1,6 +1,24 @@
-"""gRPC servicer: proto <-> engine. No torch math here; device work goes
-through the DeviceWorker, and every domain error becomes a status code in
-`status_for`, the one place that chooses codes."""
+"""The gRPC servicer: proto <-> session, nothing else.
+
+Handlers are registered with raw bytes in and out of the deserializer, and all
+three methods read their requests as a stream (the wire is the same for a
+unary request), so the order of work is:
+
+    serving? -> admitted (session slot) -> receive -> parse -> validate header
+    -> copy latents -> session
+
+Nothing is received, parsed or copied before the call is authorised (the
+interceptors run first) and admitted; a malformed message is
+INVALID_ARGUMENT, not the UNKNOWN/INTERNAL a failing deserializer gives.
+
+Errors: code below raises domain errors (`vaed.errors`); `_translated` is the
+one place that turns an exception into a status, logs the call once and
+records its metrics, however it ends (done, failed, cancelled, deadline).
+
+The end of a call has one shape on the wire: after its frame messages (all
+with final=false) comes one FrameChunk with final=true, no frames,
+chunk_index = the number of groups and first_frame = the number of frames.
+"""
 
 from __future__ import annotations
 
@@ -9,103 +27,27 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError, Message
 
-from vaed_client import tensors
-from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
+from vaed_client import wire
 
-from .config import ServerConfig
-from .engine import DTYPES, OutputSpec
-from .errors import CapacityExhausted, InvalidInput, NotReady, VaedServerError
+from .config import PRECISIONS, ServerConfig
+from .engine import DTYPES
+from .errors import InvalidInput, NotReady, status_for
+from .parallel.pool import SessionSlot, WorkerPool
 from .rpc_streams import drain_requests
-from .worker import DeviceWorker, EndOfOutput, HostGroup, WorkItem
+from .session import CallRecord, HostGroup, Limits, OutputSpec, Session
 
 log = logging.getLogger(__name__)
 
-_WIRE_DTYPE = {torch.float16: vaed_pb2.FLOAT16, torch.bfloat16: vaed_pb2.BFLOAT16, torch.float32: vaed_pb2.FLOAT32}
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, InvalidInput):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, CapacityExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, NotReady):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
-
-
-def output_spec(options: vaed_pb2.DecodeOptions) -> OutputSpec:
-    fmt = options.format
-    if fmt not in (vaed_pb2.OUTPUT_FORMAT_UNSPECIFIED, vaed_pb2.RGB8, vaed_pb2.RAW):
-        raise InvalidInput(f"unknown output format {fmt}; use RGB8 or RAW")
-    raw_dtype = None
-    if options.raw_dtype != vaed_pb2.DATA_TYPE_UNSPECIFIED:
-        name = tensors.DTYPE_NAMES.get(options.raw_dtype)
-        if name not in DTYPES:
-            raise InvalidInput(
-                f"raw_dtype {tensors.dtype_name(options.raw_dtype)} is not a RAW output type; "
-                "use FLOAT16, BFLOAT16 or FLOAT32"
-            )
-        raw_dtype = DTYPES[name]
-    return OutputSpec(rgb8=fmt != vaed_pb2.RAW, raw_dtype=raw_dtype, raw_latents=options.raw_latents)
-
-
-def latents_from_message(message: vaed_pb2.Tensor) -> torch.Tensor:
-    try:
-        return tensors.to_torch(message)
-    except tensors.TensorFormatError as exc:
-        raise InvalidInput(f"latents: {exc}") from exc
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def frame_messages(group: HostGroup, request_id: str, rgb8: bool, cap_bytes: int) -> Iterator[vaed_pb2.FrameChunk]:
-    """One group -> FrameChunks of at most cap_bytes payload, split on frame boundaries."""
-    frames = group.frames
-    time_dim = 1 if rgb8 else 2
-    count = frames.shape[time_dim]
-    per_frame = max(1, frames.numel() * frames.element_size() // max(count, 1))
-    step = max(1, cap_bytes // per_frame)
-    for start in range(0, count, step):
-        part = frames.narrow(time_dim, start, min(step, count - start))
-        yield vaed_pb2.FrameChunk(
-            request_id=request_id,
-            chunk_index=group.chunk_index,
-            first_frame=group.first_frame + start,
-            frames=tensors.to_message(part),
-            final=group.last and start + step >= count,
-        )
-
-
-@dataclass
-class CallStats:
-    method: str
-    request_id: str
-    started: float
-    shape: list[int] | None = None
-    latent_frames: int = 0
-    chunks_in: int = 0
-    groups_out: int = 0
-    frames_out: int = 0
-    decode_seconds: float = 0.0
-    first_frame_at: float | None = None
-
-    def log_line(self, code: grpc.StatusCode) -> str:
-        total_ms = (time.perf_counter() - self.started) * 1e3
-        first = f"{(self.first_frame_at - self.started) * 1e3:.1f}" if self.first_frame_at else "-"
-        return (
-            f"{self.method} id={self.request_id} status={code.name} shape={self.shape} "
-            f"latent_frames={self.latent_frames} chunks_in={self.chunks_in} groups={self.groups_out} "
-            f"frames={self.frames_out} decode_ms={self.decode_seconds * 1e3:.1f} first_frame_ms={first} "
-            f"total_ms={total_ms:.1f}"
-        )
+pb = wire.pb
+_WIRE_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
+_PRECISION_NAMES = {pb.LOSSLESS: "lossless", pb.FAST: "fast"}
+_PRECISION_VALUES = {name: value for value, name in _PRECISION_NAMES.items()}
 
 
 class Lifecycle:
@@ -115,216 +57,339 @@ class Lifecycle:
         self.draining = False
 
 
-class VaeDecoderService(vaed_pb2_grpc.VaeDecoderServicer):
-    def __init__(self, config: ServerConfig, worker: DeviceWorker, lifecycle: Lifecycle, metrics=None) -> None:
+# -- request parsing (pure functions) ------------------------------------------------
+
+
+def parse(kind: type[Message], raw: bytes) -> Any:
+    try:
+        return kind.FromString(raw)
+    except (DecodeError, ValueError) as exc:
+        raise InvalidInput(f"malformed {kind.__name__} message ({len(raw)} bytes): {exc}") from None
+
+
+def checked_request_id(request_id: str) -> str:
+    """The caller's id if it is at most MAX_REQUEST_ID_CHARS printable ASCII characters; a new one if empty."""
+    if not request_id:
+        return uuid.uuid4().hex[:16]
+    limit = wire.MAX_REQUEST_ID_CHARS
+    if len(request_id) > limit or not all(" " <= c <= "~" for c in request_id):
+        raise InvalidInput(
+            f"request_id must be at most {limit} printable ASCII characters; got {len(request_id)} "
+            f"characters starting {request_id[:16]!r}"
+        )
+    return request_id
+
+
+def output_spec(options: Any, default_precision: str, offered: tuple[str, ...]) -> OutputSpec:
+    fmt = options.format
+    if fmt not in (pb.OUTPUT_FORMAT_UNSPECIFIED, pb.RGB8, pb.RAW):
+        raise InvalidInput(f"unknown output format {fmt}; use RGB8 or RAW")
+    raw_dtype = None
+    if options.raw_dtype != pb.DATA_TYPE_UNSPECIFIED:
+        name = wire.DTYPE_NAMES.get(options.raw_dtype)
+        if name not in DTYPES:
+            raise InvalidInput(
+                f"raw_dtype {wire.dtype_name(options.raw_dtype)} is not a RAW output type; "
+                "use FLOAT16, BFLOAT16 or FLOAT32"
+            )
+        raw_dtype = DTYPES[name]
+    if options.precision == pb.PRECISION_UNSPECIFIED:
+        precision = default_precision
+    elif options.precision in _PRECISION_NAMES:
+        precision = _PRECISION_NAMES[options.precision]
+    else:
+        raise InvalidInput(f"unknown precision {options.precision}; use LOSSLESS or FAST")
+    if precision not in offered:
+        raise InvalidInput(f"precision {precision} is not offered by this server; it offers {', '.join(offered)}")
+    return OutputSpec(
+        rgb8=fmt != pb.RAW, raw_dtype=raw_dtype, raw_latents=options.raw_latents,
+        precision=precision, allow_non_finite=options.allow_non_finite,
+    )
+
+
+def latents_header(message: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of a wire tensor, checked against its byte count, without copying it."""
+    try:
+        shape = wire.validate(message)
+        return shape, wire.torch_dtype(message.dtype)
+    except wire.TensorFormatError as exc:
+        raise InvalidInput(f"latents: {exc}") from None
+
+
+def frame_messages(group: HostGroup, request_id: str, time_dim: int, cap_bytes: int) -> Iterator[Any]:
+    """One group -> FrameChunks of at most cap_bytes payload, split on frame boundaries."""
+    frames = group.frames
+    count = frames.shape[time_dim]
+    frame_bytes = frames.numel() * frames.element_size() // max(count, 1)
+    for start, length in wire.frame_slices(count, frame_bytes, cap_bytes):
+        yield pb.FrameChunk(
+            request_id=request_id,
+            chunk_index=group.chunk_index,
+            first_frame=group.first_frame + start,
+            frames=wire.to_message(frames.narrow(time_dim, start, length)),
+        )
+
+
+def _log_line(record: CallRecord, code: grpc.StatusCode) -> str:
+    total_ms = (time.perf_counter() - record.started) * 1e3
+    first = f"{(record.first_frame_at - record.started) * 1e3:.1f}" if record.first_frame_at else "-"
+    return (
+        f"{record.method} id={record.request_id} status={code.name} shape={record.shape} "
+        f"chunks_in={record.chunks_in} groups={record.groups_out} frames={record.frames_out} "
+        f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={first} total_ms={total_ms:.1f}"
+    )
+
+
+class VaeDecoderService:
+    """GetModelInfo, Decode and DecodeStream over a WorkerPool."""
+
+    def __init__(self, config: ServerConfig, pool: WorkerPool, lifecycle: Lifecycle, metrics: Any = None) -> None:
         self.config = config
-        self.worker = worker
+        self.pool = pool
         self.lifecycle = lifecycle
         self.metrics = metrics
 
-    # -- helpers -------------------------------------------------------------
+    def rpc_handlers(self) -> grpc.GenericRpcHandler:
+        serialize = pb.FrameChunk.SerializeToString
+        return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString),
+            "Decode": grpc.stream_stream_rpc_method_handler(self.Decode, response_serializer=serialize),
+            "DecodeStream": grpc.stream_stream_rpc_method_handler(self.DecodeStream, response_serializer=serialize),
+        })
+
+    # -- the one error -> status translation ---------------------------------------------
+
+    def _finish(self, record: CallRecord, code: grpc.StatusCode) -> None:
+        (log.info if code == grpc.StatusCode.OK else log.warning)(_log_line(record, code))
+        if self.metrics is not None:
+            self.metrics.request_finished(record.method, code.name, time.perf_counter() - record.started)
+            if code == grpc.StatusCode.OK and record.first_frame_at is not None:
+                self.metrics.observe_first_frame(record.method, record.first_frame_at - record.started)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, record: CallRecord, exc: BaseException) -> None:
+        code = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("internal error in %s id=%s", record.method, record.request_id, exc_info=exc)
+            message = f"internal error (request id {record.request_id}); see the server log"
+        else:
+            message = str(exc)
+        self._finish(record, code)
+        await context.abort(code, message)
+
+    @staticmethod
+    def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+
+    async def _translated(
+        self,
+        context: grpc.aio.ServicerContext,
+        record: CallRecord,
+        messages: AsyncIterator[Any],
+        requests: AsyncIterator[bytes],
+    ) -> AsyncIterator[Any]:
+        """Run one streaming call: its errors become status codes, it is logged and counted
+        once, and its session is closed however it ends. A failing call drains the client's
+        in-flight messages before its status (grpc.aio clients still writing otherwise see INTERNAL)."""
+        try:
+            async for message in messages:
+                yield message
+        except (asyncio.CancelledError, GeneratorExit):
+            self._finish(record, self._cancel_code(context))
+            raise
+        except Exception as exc:
+            await messages.aclose()  # frees the session and stops its reader before draining
+            await drain_requests(requests)
+            await self._abort(context, record, exc)
+        else:
+            self._finish(record, grpc.StatusCode.OK)
+        finally:
+            await messages.aclose()  # runs the call's own cleanup now, not at garbage collection
+
+    # -- RPCs ----------------------------------------------------------------------------
+
+    async def GetModelInfo(self, request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        record = CallRecord("GetModelInfo", "-")
+        try:
+            parse(pb.ModelInfoRequest, request)
+            self._check_serving()
+            reply = self._model_info()
+        except Exception as exc:
+            await self._abort(context, record, exc)
+        self._finish(record, grpc.StatusCode.OK)
+        return reply
+
+    def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        record = CallRecord("Decode", "-")
+        requests = requests.__aiter__()
+        return self._translated(context, record, self._decode(requests, record), requests)
+
+    def DecodeStream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        record = CallRecord("DecodeStream", "-")
+        requests = requests.__aiter__()
+        return self._translated(context, record, self._decode_stream(requests, record), requests)
+
+    # -- the calls -----------------------------------------------------------------------
 
     def _check_serving(self) -> None:
         if self.lifecycle.draining:
             raise NotReady("the server is draining for shutdown; retry on another replica")
-        if not self.worker.ready:
-            if self.worker.startup_error is not None:
+        if not self.pool.ready:
+            if self.pool.started:
                 raise NotReady("the model failed to load; see the server log")
             raise NotReady("the server is warming up (loading the model); retry shortly")
 
-    def _check_chunk(self, stats: CallStats, latents: torch.Tensor) -> None:
-        assert self.worker.engine is not None
-        shape = tuple(latents.shape)
-        session_shape = None
-        if stats.shape is not None:
-            session_shape = (stats.shape[0], stats.shape[3], stats.shape[4])
-        self.worker.engine.check_chunk(
-            shape, latents.dtype, frames_before=stats.latent_frames, session_shape=session_shape
-        )
-        if stats.shape is None:
-            stats.shape = list(shape)
-        else:
-            stats.shape[2] += shape[2]
-        stats.latent_frames += shape[2]
-        stats.chunks_in += 1
+    @property
+    def _offered(self) -> tuple[str, ...]:
+        engine = self.pool.engine
+        offered = engine.info.precisions if engine is not None else ("lossless",)
+        default = self.config.precision
+        return (default,) + tuple(p for p in PRECISIONS if p in offered and p != default)
 
-    async def _abort(self, context: grpc.aio.ServicerContext, stats: CallStats, exc: BaseException) -> None:
-        code = status_for(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.error("internal error in %s id=%s", stats.method, stats.request_id, exc_info=exc)
-            message = f"internal error (request id {stats.request_id}); see the server log"
-        else:
-            message = str(exc)
-        self._finish(stats, code)
-        await context.abort(code, message)
-
-    def _finish(self, stats: CallStats, code: grpc.StatusCode) -> None:
-        line = stats.log_line(code)
-        (log.info if code == grpc.StatusCode.OK else log.warning)(line)
-        if self.metrics is not None:
-            self.metrics.request_finished(stats.method, code.name, time.perf_counter() - stats.started)
-            if code == grpc.StatusCode.OK and stats.first_frame_at is not None:
-                self.metrics.observe_first_frame(stats.method, stats.first_frame_at - stats.started)
-
-    def _open(self, spec: OutputSpec) -> WorkItem:
-        item = self.worker.open(spec)
-        if self.metrics is not None:
-            self.metrics.session_opened()
-        return item
-
-    def _close(self, item: WorkItem) -> None:
-        self.worker.close(item)
-        if self.metrics is not None:
-            self.metrics.session_closed()
-            self.metrics.set_queued_chunks(self.worker.queued_chunks)
-
-    async def _results(self, item: WorkItem, stats: CallStats) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        """Frame messages of one call until its last group; raises the worker's errors."""
-        cap = self.config.frame_message_bytes
-        while True:
-            value = await item.results.get()
-            if isinstance(value, BaseException):
-                raise value
-            if isinstance(value, EndOfOutput):
-                yield vaed_pb2.FrameChunk(request_id=stats.request_id, chunk_index=stats.groups_out, final=True)
-                return
-            assert isinstance(value, HostGroup)
-            for message in frame_messages(value, stats.request_id, item.output.rgb8, cap):
-                yield message
-                if stats.first_frame_at is None:
-                    stats.first_frame_at = time.perf_counter()
-            self.worker.release_credit(item)
-            frames = value.frames.shape[1 if item.output.rgb8 else 2]
-            stats.groups_out += 1
-            stats.frames_out += frames
-            stats.decode_seconds += value.decode_seconds
-            if self.metrics is not None:
-                self.metrics.frames_decoded(frames, 1)
-                self.metrics.set_queued_chunks(self.worker.queued_chunks)
-            if value.last:
-                return
-
-    # -- RPCs ------------------------------------------------------------------
-
-    async def GetModelInfo(self, request: vaed_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext) -> vaed_pb2.ModelInfo:
-        stats = CallStats("GetModelInfo", "-", time.perf_counter())
-        try:
-            self._check_serving()
-        except VaedServerError as exc:
-            await self._abort(context, stats, exc)
-        engine = self.worker.engine
-        assert engine is not None
-        self._finish(stats, grpc.StatusCode.OK)
-        return vaed_pb2.ModelInfo(
-            model=self.config.model,
+    def _model_info(self) -> Any:
+        engine = self.pool.engine
+        if engine is None:
+            raise NotReady("no device is serving; see the server log")
+        info = engine.info
+        cfg = self.config
+        return pb.ModelInfo(
+            model=cfg.model,
             z_dim=engine.z_dim,
             scale_factor_temporal=engine.scale_temporal,
             scale_factor_spatial=engine.scale_spatial,
             latents_mean=engine.latents_mean,
             latents_std=engine.latents_std,
-            compute_dtype=_WIRE_DTYPE[engine.dtype],
-            device=str(engine.device),
-            random_weights=engine.loaded.random_weights,
-            max_message_bytes=self.config.max_message_bytes,
-            max_latent_frames=self.config.max_latent_frames,
-            max_pixels=self.config.max_pixels,
-            kernels=engine.fast_paths.kernels,
-            layout=engine.fast_paths.layout,
+            compute_dtype=_WIRE_DTYPE[info.dtype],
+            device=info.device,
+            random_weights=info.random_weights,
+            max_message_bytes=cfg.max_message_bytes,
+            max_latent_frames=cfg.max_latent_frames,
+            max_pixels=cfg.max_pixels,
+            kernels=info.kernels,
+            layout=info.layout,
+            fast_paths_note=info.fast_paths_note,
+            precisions=[_PRECISION_VALUES[p] for p in self._offered],
+            devices=[w.device for w in self.pool.healthy_workers],
+            parallel=cfg.parallel,
         )
 
-    async def Decode(self, request: vaed_pb2.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        stats = CallStats("Decode", request.options.request_id or new_request_id(), time.perf_counter())
-        async for message in self._guarded(context, stats, self._decode(request, stats)):
-            yield message
+    def _limits(self) -> Limits:
+        engine = self.pool.engine
+        if engine is None:
+            raise NotReady("no device is serving; see the server log")
+        cfg = self.config
+        return Limits(
+            z_dim=engine.z_dim, scale_spatial=engine.scale_spatial, max_batch=cfg.max_batch,
+            max_latent_frames=cfg.max_latent_frames, max_pixels=cfg.max_pixels,
+        )
 
-    async def DecodeStream(self, request_iterator: AsyncIterator[vaed_pb2.LatentChunk], context: grpc.aio.ServicerContext) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        stats = CallStats("DecodeStream", "-", time.perf_counter())
-        requests = request_iterator.__aiter__()
-        async for message in self._guarded(context, stats, self._decode_stream(requests, stats), requests):
-            yield message
+    def _open(self, record: CallRecord, options: Any) -> Session:
+        spec = output_spec(options, self.config.precision, self._offered)
+        return Session(
+            record, spec, self._limits(), loop=asyncio.get_running_loop(),
+            credits=self.config.queue_chunks, max_backlog_frames=self.config.max_backlog_frames,
+        )
 
-    async def _guarded(
-        self,
-        context: grpc.aio.ServicerContext,
-        stats: CallStats,
-        messages: AsyncIterator[vaed_pb2.FrameChunk],
-        requests: AsyncIterator[vaed_pb2.LatentChunk] | None = None,
-    ) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        """Run one streaming call: its errors become status codes, it is logged and counted once,
-        and its session is closed however it ends (done, failed, cancelled, deadline). A failing
-        client-streaming call drains the client's in-flight chunks before its status."""
-        try:
-            async for message in messages:
+    def _accept(self, session: Session, message: Any) -> None:
+        """Validate the wire tensor's header against the session, then copy and queue it."""
+        shape, dtype = latents_header(message)
+        session.validate(shape, dtype)
+        session.accept(wire.to_torch(message))
+
+    async def _frames(self, session: Session) -> AsyncIterator[Any]:
+        """The session's frame messages, then the final message; raises the session's failure."""
+        record = session.record
+        cap = self.config.frame_message_bytes
+        time_dim = session.output.time_dim
+        while (group := await session.next_group()) is not None:
+            for message in frame_messages(group, record.request_id, time_dim, cap):
                 yield message
-        except (asyncio.CancelledError, GeneratorExit):
-            self._finish(stats, grpc.StatusCode.CANCELLED)
-            raise
-        except Exception as exc:
-            await messages.aclose()  # frees the session and stops its reader before draining
-            if requests is not None:
-                await drain_requests(requests)
-            await self._abort(context, stats, exc)
-        else:
-            self._finish(stats, grpc.StatusCode.OK)
-        finally:
-            await messages.aclose()  # runs the call's own cleanup now, not at garbage collection
+                if record.first_frame_at is None:
+                    record.first_frame_at = time.perf_counter()
+            session.group_sent()
+            frames = group.frames.shape[time_dim]
+            record.groups_out += 1
+            record.frames_out += frames
+            record.device_seconds += group.device_seconds
+            if self.metrics is not None:
+                self.metrics.frames_decoded(frames, 1)
+        yield pb.FrameChunk(
+            request_id=record.request_id, chunk_index=record.groups_out, first_frame=record.frames_out, final=True,
+        )
 
-    async def _decode(self, request: vaed_pb2.DecodeRequest, stats: CallStats) -> AsyncIterator[vaed_pb2.FrameChunk]:
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[SessionSlot]:
         self._check_serving()
-        spec = output_spec(request.options)
-        latents = latents_from_message(request.latents)
-        self._check_chunk(stats, latents)
-        item = self._open(spec)
+        slot = self.pool.admit()
         try:
-            self.worker.submit(item, latents, last=True)
-            async for message in self._results(item, stats):
-                yield message
+            yield slot
         finally:
-            self._close(item)
+            slot.release()
 
-    async def _decode_stream(
-        self, requests: AsyncIterator[vaed_pb2.LatentChunk], stats: CallStats
-    ) -> AsyncIterator[vaed_pb2.FrameChunk]:
-        self._check_serving()
-        try:
-            first = await requests.__anext__()
-        except StopAsyncIteration:
-            # Opened and half-closed with no chunk: an empty, successful session.
-            stats.request_id = new_request_id()
-            yield vaed_pb2.FrameChunk(request_id=stats.request_id, final=True)
-            return
-        stats.request_id = first.options.request_id or new_request_id()
-        spec = output_spec(first.options)
-        latents = latents_from_message(first.latents)
-        self._check_chunk(stats, latents)
-        item = self._open(spec)
-        reader = None
-        try:
-            self.worker.submit(item, latents)
-            reader = asyncio.create_task(self._read_rest(requests, item, stats))
-            async for message in self._results(item, stats):
-                yield message
-        finally:
-            if reader is not None:
+    async def _decode(self, requests: AsyncIterator[bytes], record: CallRecord) -> AsyncIterator[Any]:
+        async with self._admitted():
+            raw = await anext(requests, None)
+            if raw is None:
+                raise InvalidInput("Decode needs one DecodeRequest message")
+            request = parse(pb.DecodeRequest, raw)
+            record.request_id = checked_request_id(request.options.request_id)
+            session = self._open(record, request.options)
+            self._accept(session, request.latents)
+            del request, raw  # the session holds the only copy of the latents
+            session.finish_input()
+            worker = self.pool.attach(session)
+            try:
+                async for message in self._frames(session):
+                    yield message
+            finally:
+                worker.detach(session)
+
+    async def _decode_stream(self, requests: AsyncIterator[bytes], record: CallRecord) -> AsyncIterator[Any]:
+        async with self._admitted():
+            raw = await anext(requests, None)
+            if raw is None:
+                # Opened and half-closed with no chunk: an empty, successful session.
+                record.request_id = checked_request_id("")
+                yield pb.FrameChunk(request_id=record.request_id, final=True)
+                return
+            first = parse(pb.LatentChunk, raw)
+            record.request_id = checked_request_id(first.options.request_id)
+            session = self._open(record, first.options)
+            self._accept(session, first.latents)
+            del first, raw
+            worker = self.pool.attach(session)
+            reader = asyncio.create_task(self._read_rest(requests, session))
+            try:
+                async for message in self._frames(session):
+                    yield message
+            finally:
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader  # the request stream is free for draining once it returns
-            self._close(item)
+                worker.detach(session)
 
-    async def _read_rest(self, requests: AsyncIterator[vaed_pb2.LatentChunk], item: WorkItem, stats: CallStats) -> None:
-        """Feed the session's later chunks; a bad chunk ends the call through the result queue."""
+    async def _read_rest(self, requests: AsyncIterator[bytes], session: Session) -> None:
+        """Feed the session's later chunks, reading the next one only while its backlog has
+        room (gRPC flow control then holds the client); a bad chunk fails the session."""
         try:
-            async for chunk in requests:
+            while True:
+                await session.wait_for_room()
+                raw = await anext(requests, None)
+                if raw is None:
+                    break
+                chunk = parse(pb.LatentChunk, raw)
                 if chunk.HasField("options"):
                     raise InvalidInput(
                         "options are only accepted on the first message of a DecodeStream; "
-                        f"chunk {stats.chunks_in} carried options"
+                        f"chunk {session.record.chunks_in} carried options"
                     )
-                latents = latents_from_message(chunk.latents)
-                self._check_chunk(stats, latents)
-                self.worker.submit(item, latents)
-            self.worker.finish_input(item)
+                self._accept(session, chunk.latents)
+            session.finish_input()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            item.results.put_nowait(exc)
+            session.fail(exc)
+

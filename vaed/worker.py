@@ -1,97 +1,97 @@
 """The device worker: one thread owns every CUDA call for one device.
 
-gRPC handlers (asyncio) hand latent chunks to a `WorkItem` and receive decoded
-groups through the item's asyncio queue. The thread round-robins over items
-one decoder call (one latent frame) at a time, so concurrent sessions share
-the GPU fairly and a long video never blocks a short one for long.
-
-Backpressure: each item holds `queue_chunks` credits; decoding a group takes
-one, the handler gives it back after the group's messages are sent. A slow
-client therefore stalls only its own session and never piles frames up in
-GPU or host memory.
+It round-robins over its sessions one step at a time; a step decodes one
+latent frame (one decoder call, one frame group), so concurrent sessions
+share the GPU fairly and a long video never blocks a short one for long. A
+session is runnable when it has a latent frame and an output credit (see
+`vaed.session`), or when its input ended and only the end is left to deliver.
 
 Overlap: each group is copied to pinned host memory on a side stream; a
-delivery thread waits for the copy and hands the host tensor to the event
-loop, while this thread already launches the next decoder call.
+delivery thread waits for the copy and puts the group on the session's
+channel while this thread already launches the next decoder call. Ends and
+failures travel through the same delivery queue, so a session's channel
+always sees its groups, then its end, in order.
+
+Threads, not processes, per device: the host work of a step is launching
+~274 kernels and a few Python calls, and a GPU pool of one process keeps the
+handoff to the event loop in memory (see `vaed.parallel.pool` for the
+measured scaling).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from .config import ServerConfig
-from .engine import DecodedGroup, DecodeEngine, DecodeSession, OutputSpec
+from .engine import DecodedGroup, DecodeEngine
 from .errors import CapacityExhausted, VaedServerError
+from .metrics import DeviceLoad
+from .session import HostGroup, OutputSpec, Session, SessionState
 
 log = logging.getLogger(__name__)
 
+# Latent frames per warm-up shape: frame 0 has no cache, frame 1 a one-frame
+# cache, frames >= 2 the steady two-frame cache; the fourth runs the steady
+# chunk once more so its cuDNN plans and allocator blocks exist before SERVING.
+WARMUP_LATENT_FRAMES = 4
+# Without --warmup-shapes on CPU: one small decode (tests, development).
+CPU_WARMUP_LATENT_HW = (8, 8)
 
-@dataclass(frozen=True)
-class HostGroup:
-    """A decoded group in host memory, ready to serialize."""
-
-    chunk_index: int
-    first_frame: int
-    frames: torch.Tensor     # CPU tensor (pinned on CUDA)
-    last: bool               # no more groups follow for this call
-    decode_seconds: float    # device time of this decoder call, as the worker saw it
+EngineFactory = Callable[[str], DecodeEngine]
 
 
-class EndOfOutput:
-    """Queued after the last group when the input ended before it was known to be last."""
+class DeviceFault(RuntimeError):
+    """The device itself failed (not the request): the worker leaves rotation."""
 
 
-@dataclass(eq=False)
-class WorkItem:
-    """One call's share of the worker: its session, input backlog and output queue."""
-
-    output: OutputSpec
-    loop: asyncio.AbstractEventLoop
-    results: asyncio.Queue
-    credits: threading.Semaphore
-    id: int = field(default_factory=itertools.count().__next__)
-    inbox: collections.deque = field(default_factory=collections.deque)  # CPU latent chunks
-    input_done: bool = False
-    closed: bool = False
-    session: DecodeSession | None = None
-    busy: bool = False        # the worker is inside a step of this item
-    end_sent: bool = False    # the last group, an EndOfOutput or an error was delivered
-
-    def deliver(self, value: Any) -> None:
-        """Thread-safe put into the handler's queue (dropped if the loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self.results.put_nowait, value)
-        except RuntimeError:  # loop closed: the caller is gone
-            pass
+def is_device_fault(exc: BaseException) -> bool:
+    """CUDA errors other than OOM poison the context; OOM and bad input do not."""
+    if isinstance(exc, (DeviceFault,)):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 class DeviceWorker:
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[ServerConfig], DecodeEngine] | None = None):
-        self.config = config
-        self._engine_factory = engine_factory or DecodeEngine.load
+    def __init__(
+        self,
+        device: str,
+        build_engine: EngineFactory,
+        *,
+        warmup: bool = True,
+        warmup_shapes: tuple[tuple[int, int], ...] | None = None,
+    ) -> None:
+        self.device = device
+        self._build_engine = build_engine
+        self._warmup = warmup
+        self._warmup_shapes = warmup_shapes
         self.engine: DecodeEngine | None = None
+        self.startup_error: BaseException | None = None
+        self.fault: BaseException | None = None   # set when the device failed after start
+        self.warmup_seconds: dict[str, float] = {}
         self._lock = threading.Condition()
-        self._items: collections.deque[WorkItem] = collections.deque()
+        self._sessions: collections.deque[Session] = collections.deque()
         self._stopping = False
         self._ready = threading.Event()
-        self.startup_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"vaed-worker-{config.device}", daemon=True)
-        self._copies: queue.Queue = queue.Queue()
-        self._delivery = threading.Thread(target=self._deliver_copies, name="vaed-delivery", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"vaed-worker-{device}", daemon=True)
+        self._outbox: queue.Queue[tuple[torch.cuda.Event | None, Callable[[], None]] | None] = queue.Queue()
+        self._delivery = threading.Thread(target=self._deliver, name=f"vaed-delivery-{device}", daemon=True)
         self._copy_stream: torch.cuda.Stream | None = None
         self.on_ready: Callable[[], None] | None = None
 
-    # -- lifecycle -------------------------------------------------------
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    # -- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
@@ -101,8 +101,13 @@ class DeviceWorker:
         return self._ready.wait(timeout)
 
     @property
-    def ready(self) -> bool:
-        return self._ready.is_set() and self.startup_error is None
+    def started(self) -> bool:
+        """Start-up finished, successfully or not."""
+        return self._ready.is_set()
+
+    @property
+    def healthy(self) -> bool:
+        return self._ready.is_set() and self.startup_error is None and self.fault is None
 
     def stop(self) -> None:
         with self._lock:
@@ -111,178 +116,167 @@ class DeviceWorker:
         if self._thread.ident is None:  # never started (the server failed to bind)
             return
         self._thread.join(timeout=30)
-        self._copies.put(None)
+        self._outbox.put(None)
         self._delivery.join(timeout=30)
 
-    # -- handler side (event loop thread) ----------------------------------
+    # -- handler side (event loop thread) -----------------------------------------
 
-    @property
-    def active_sessions(self) -> int:
+    def attach(self, session: Session) -> None:
         with self._lock:
-            return len(self._items)
+            if not self.healthy:
+                raise CapacityExhausted(f"device {self.device} is out of rotation; retry")
+            session.lock = self._lock
+            session.device = self.device
+            self._sessions.append(session)
+            self._lock.notify_all()
 
-    @property
-    def queued_chunks(self) -> int:
+    def detach(self, session: Session) -> None:
+        """The handler left (done, failed or cancelled); the cache is freed now or after the running step."""
         with self._lock:
-            return sum(len(item.inbox) + (len(item.session.pending) if item.session else 0) for item in self._items)
+            session.mark_closed()
+            if session in self._sessions:
+                self._sessions.remove(session)
+            if not session.busy:
+                self._free(session)
+            self._lock.notify_all()
 
-    def open(self, output: OutputSpec) -> WorkItem:
-        loop = asyncio.get_running_loop()
+    def load(self) -> DeviceLoad:
         with self._lock:
-            if len(self._items) >= self.config.max_sessions:
-                raise CapacityExhausted(
-                    f"all {self.config.max_sessions} decode sessions are in use; retry shortly"
-                )
-            item = WorkItem(
-                output=output, loop=loop, results=asyncio.Queue(),
-                credits=threading.Semaphore(self.config.queue_chunks),
+            return DeviceLoad(
+                device=self.device,
+                healthy=self.healthy,
+                active_sessions=len(self._sessions),
+                pending_latent_frames=sum(s.backlog_frames for s in self._sessions),
             )
-            self._items.append(item)
-            self._lock.notify_all()
-        return item
 
-    def submit(self, item: WorkItem, latents: torch.Tensor, *, last: bool = False) -> None:
-        with self._lock:
-            item.inbox.append(latents)
-            item.input_done = item.input_done or last
-            self._lock.notify_all()
+    def _free(self, session: Session) -> None:
+        if session.decode_state is not None and self.engine is not None:
+            self.engine.free(session.decode_state)
+        session.decode_state = None
 
-    def finish_input(self, item: WorkItem) -> None:
-        with self._lock:
-            item.input_done = True
-            self._lock.notify_all()
-
-    def release_credit(self, item: WorkItem) -> None:
-        item.credits.release()
-        with self._lock:
-            self._lock.notify_all()
-
-    def close(self, item: WorkItem) -> None:
-        """End a call (done, failed or cancelled); its cache is freed now or after the running step."""
-        with self._lock:
-            item.closed = True
-            if item in self._items:
-                self._items.remove(item)
-            if not item.busy:
-                self._free(item)
-            self._lock.notify_all()
-
-    def _free(self, item: WorkItem) -> None:
-        if item.session is not None and self.engine is not None:
-            self.engine.close_session(item.session)
-        item.session = None
-        item.inbox.clear()
-
-    # -- worker thread -----------------------------------------------------
+    # -- worker thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            if self.config.is_cuda:
-                torch.cuda.set_device(torch.device(self.config.device))
+            if self.is_cuda:
+                torch.cuda.set_device(torch.device(self.device))
                 self._copy_stream = torch.cuda.Stream()
-            self.engine = self._engine_factory(self.config)
-            if self.config.warmup:
-                self._warm_up()
-        except BaseException as exc:  # reported by the server, which exits
+            self.engine = self._build_engine(self.device)
+            if self._warmup:
+                self._warm_up(self.engine)
+        except BaseException as exc:  # reported by the pool / server
             if isinstance(exc, VaedServerError):
-                log.error("worker failed to start: %s", exc)
+                log.error("worker on %s failed to start: %s", self.device, exc)
             else:
-                log.exception("worker failed to start")
+                log.exception("worker on %s failed to start", self.device)
             self.startup_error = exc
             self._ready.set()
+            if self.on_ready is not None:
+                self.on_ready()
             return
         self._ready.set()
         if self.on_ready is not None:
             self.on_ready()
         while True:
-            item = self._next_item()
-            if item is None:
+            session = self._next_session()
+            if session is None:
                 return
-            self._step(item)
+            self._step(session)
 
-    def _warm_up(self) -> None:
-        assert self.engine is not None
-        engine = self.engine
-        started = time.perf_counter()
-        # On CUDA warm up at 480x832 (two latent frames, ~0.1 s on an H200) so
-        # cuDNN and Triton first-use costs at a common size are paid before
-        # SERVING. The first 81-frame request after start was still slower
-        # (1.6-2.2 s against 1.29 s steady, H200): not all first-use cost is here.
-        h, w = (480 // engine.scale_spatial, 832 // engine.scale_spatial) if self.config.is_cuda else (8, 8)
-        latents = torch.zeros(1, engine.z_dim, 2, h, w)
-        engine.decode_video(latents, OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True))
-        if self.config.is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        log.info("warm-up decode took %.0f ms", (time.perf_counter() - started) * 1e3)
+    def _warm_shapes(self, engine: DecodeEngine) -> list[tuple[int, int]]:
+        """Latent (h, w) sizes to warm: the configured pixel sizes, or one small CPU decode."""
+        if self._warmup_shapes is not None:
+            s = engine.scale_spatial
+            return [(h // s, w // s) for h, w in self._warmup_shapes]
+        if not self.is_cuda:
+            return [CPU_WARMUP_LATENT_HW]
+        from .config import DEFAULT_WARMUP_SHAPES
 
-    def _runnable(self, item: WorkItem) -> bool:
-        if item.closed or item.end_sent:
-            return False
-        return bool(item.inbox) or bool(item.session and item.session.pending) or item.input_done
+        s = engine.scale_spatial
+        return [(h // s, w // s) for h, w in DEFAULT_WARMUP_SHAPES.get(engine.z_dim, ((480, 832),))]
 
-    def _next_item(self) -> WorkItem | None:
-        """Round-robin: the first runnable item with a free credit moves to the back."""
+    def _warm_up(self, engine: DecodeEngine) -> None:
+        """Decode every warm-up shape up to its steady chunk, so the first real request at
+        that shape does not pay cuDNN plan selection, Triton compiles or allocator growth."""
+        spec = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True)
+        frames = WARMUP_LATENT_FRAMES if self.is_cuda else 2
+        for h, w in self._warm_shapes(engine):
+            started = time.perf_counter()
+            latents = torch.zeros(1, engine.z_dim, frames, h, w)
+            engine.decode_video(latents, spec)
+            if self.is_cuda:
+                torch.cuda.synchronize(self.device)
+            name = f"{h * engine.scale_spatial}x{w * engine.scale_spatial}"
+            self.warmup_seconds[name] = time.perf_counter() - started
+            log.info("warm-up on %s at %s (%d latent frames) took %.2f s",
+                     self.device, name, frames, self.warmup_seconds[name])
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _next_session(self) -> Session | None:
+        """Round-robin: the first runnable session moves to the back and is marked busy."""
         with self._lock:
             while True:
                 if self._stopping:
                     return None
-                for _ in range(len(self._items)):
-                    item = self._items[0]
-                    self._items.rotate(-1)
-                    if self._runnable(item) and item.credits.acquire(blocking=False):
-                        item.busy = True
-                        return item
+                for _ in range(len(self._sessions)):
+                    session = self._sessions[0]
+                    self._sessions.rotate(-1)
+                    if session.runnable():
+                        session.busy = True
+                        return session
                 self._lock.wait(timeout=0.5)
 
-    def _step(self, item: WorkItem) -> None:
+    def _step(self, session: Session) -> None:
         assert self.engine is not None
         engine = self.engine
         try:
             with self._lock:
-                chunk = item.inbox.popleft() if item.inbox else None
-            if item.session is None:
-                item.session = engine.open_session(item.output)
-            if chunk is not None:
-                engine.accept_chunk(item.session, chunk)
-            if not item.session.pending:
-                # Input ended with nothing left to decode: tell the handler.
-                item.credits.release()
-                with self._lock:
-                    ended = item.input_done and not item.inbox
-                if ended:
-                    item.end_sent = True
-                    item.deliver(EndOfOutput())
-                return
+                frame = session.take_frame()
+                if frame is None:  # input ended and nothing is left: deliver the end
+                    session.mark_ended()
+                    self._outbox.put((None, session.channel.end))
+                    return
             started = time.perf_counter()
-            group = engine.decode_step(item.session)
-            with self._lock:
-                last = item.input_done and not item.inbox and not item.session.pending
-                item.end_sent = last
-            self._hand_over(item, group, last, started)
+            if session.decode_state is None:
+                session.decode_state = engine.new_state()
+            group = engine.decode_frame(session.decode_state, frame, session.output)
+            self._hand_over(session, group, started)
         except torch.cuda.OutOfMemoryError:
-            log.warning("CUDA out of memory in call %d; freeing its cache", item.id)
-            self._fail(item, CapacityExhausted("the GPU ran out of memory for this request; retry with fewer frames or a smaller batch"))
+            log.warning("CUDA out of memory in session %d on %s; freeing its cache", session.id, self.device)
+            self._fail(session, CapacityExhausted(
+                "the GPU ran out of memory for this request; retry with fewer frames or a smaller batch"))
         except VaedServerError as exc:
-            self._fail(item, exc)
+            self._fail(session, exc)
         except Exception as exc:  # never let one call take the worker down
-            log.exception("decode step failed in call %d", item.id)
-            self._fail(item, exc)
+            log.exception("decode step failed in session %d on %s", session.id, self.device)
+            if is_device_fault(exc):
+                self._leave_rotation(exc)
+            self._fail(session, exc)
         finally:
             with self._lock:
-                item.busy = False
-                if item.closed:
-                    self._free(item)
+                session.busy = False
+                if session.state is SessionState.CLOSED:
+                    self._free(session)
 
-    def _fail(self, item: WorkItem, exc: BaseException) -> None:
+    def _fail(self, session: Session, exc: BaseException) -> None:
         with self._lock:
-            item.end_sent = True
-            self._free(item)
-        if self.config.is_cuda:
+            session.mark_failed(exc)
+            self._free(session)
+        if self.is_cuda:
             torch.cuda.empty_cache()
-        item.deliver(exc)
+        self._outbox.put((None, lambda: session.channel.fail(exc)))
 
-    def _hand_over(self, item: WorkItem, group: DecodedGroup, last: bool, started: float) -> None:
+    def _leave_rotation(self, exc: BaseException) -> None:
+        """A device fault: fail every session here and take no new ones."""
+        log.error("device %s failed (%s); it leaves rotation", self.device, exc)
+        with self._lock:
+            self.fault = exc
+            others = [s for s in self._sessions if not s.busy]
+        for other in others:
+            self._fail(other, CapacityExhausted(f"device {self.device} failed; retry on another device"))
+
+    def _hand_over(self, session: Session, group: DecodedGroup, started: float) -> None:
         """Start the device-to-host copy on the side stream; the delivery thread finishes it."""
         frames = group.frames
         if frames.device.type == "cuda":
@@ -292,21 +286,25 @@ class DeviceWorker:
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(frames, non_blocking=True)
                 frames.record_stream(self._copy_stream)  # keep the block alive until the copy ran
-                done = torch.cuda.Event()
+                done: torch.cuda.Event | None = torch.cuda.Event()
                 done.record()
         else:
             host, done = frames, None
-        self._copies.put((item, group, host, done, last, started))
 
-    def _deliver_copies(self) -> None:
+        def deliver() -> None:
+            session.channel.put_group(HostGroup(
+                chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
+                device_seconds=time.perf_counter() - started,
+            ))
+
+        self._outbox.put((done, deliver))
+
+    def _deliver(self) -> None:
         while True:
-            job = self._copies.get()
+            job = self._outbox.get()
             if job is None:
                 return
-            item, group, host, done, last, started = job
+            done, deliver = job
             if done is not None:
                 done.synchronize()
-            item.deliver(HostGroup(
-                chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
-                last=last, decode_seconds=time.perf_counter() - started,
-            ))
+            deliver()

@@ -154,17 +154,17 @@ def test_sessions_full_is_resource_exhausted_then_recovers(limited_server):
 
 
 def test_out_of_memory_is_resource_exhausted_and_next_request_succeeds(limited_server, monkeypatch):
-    engine = limited_server.server.worker.engine
-    original = engine.decode_step
+    engine = limited_server.server.pool.engine
+    original = engine.decode_frame
     calls = {"n": 0}
 
-    def failing_once(session):
+    def failing_once(*args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return original(session)
+        return original(*args)
 
-    monkeypatch.setattr(engine, "decode_step", failing_once)
+    monkeypatch.setattr(engine, "decode_frame", failing_once)
     with VaeClient(limited_server.target) as client:
         with pytest.raises(ResourceExhaustedError) as info:
             client.decode(good_latents(t=3))
@@ -174,17 +174,17 @@ def test_out_of_memory_is_resource_exhausted_and_next_request_succeeds(limited_s
 
 
 def _slow_steps(engine, monkeypatch, seconds: float) -> None:
-    original = engine.decode_step
+    original = engine.decode_frame
 
-    def slow(session):
+    def slow(*args):
         time.sleep(seconds)
-        return original(session)
+        return original(*args)
 
-    monkeypatch.setattr(engine, "decode_step", slow)
+    monkeypatch.setattr(engine, "decode_frame", slow)
 
 
 def test_cancel_mid_stream_frees_the_session(limited_server, monkeypatch):
-    _slow_steps(limited_server.server.worker.engine, monkeypatch, 0.05)
+    _slow_steps(limited_server.server.pool.engine, monkeypatch, 0.05)
     with VaeClient(limited_server.target) as client:
         stream = client.stream(good_latents(t=6))
         first = next(stream)
@@ -201,7 +201,7 @@ def test_cancel_mid_stream_frees_the_session(limited_server, monkeypatch):
 
 
 def test_deadline_stops_the_decode_between_chunks(limited_server, monkeypatch):
-    _slow_steps(limited_server.server.worker.engine, monkeypatch, 0.2)
+    _slow_steps(limited_server.server.pool.engine, monkeypatch, 0.2)
     with VaeClient(limited_server.target, timeout=0.5) as client:
         with pytest.raises(DeadlineExceededError):
             client.decode(good_latents(t=6))
@@ -209,18 +209,18 @@ def test_deadline_stops_the_decode_between_chunks(limited_server, monkeypatch):
 
 
 def test_internal_error_has_no_stack_trace_and_server_survives(limited_server, monkeypatch):
-    engine = limited_server.server.worker.engine
-    original = engine.decode_step
+    engine = limited_server.server.pool.engine
+    original = engine.decode_frame
 
-    def broken(session):
+    def broken(*args):
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(engine, "decode_step", broken)
+    monkeypatch.setattr(engine, "decode_frame", broken)
     channel = grpc.insecure_channel(limited_server.target)
     code, details = decode_status(vaed_pb2_grpc.VaeDecoderStub(channel), vaed_pb2.DecodeRequest(latents=tensor_msg(good_latents())))
     assert code == grpc.StatusCode.INTERNAL
     assert "secret" not in details and "Traceback" not in details and "request id" in details
-    monkeypatch.setattr(engine, "decode_step", original)
+    monkeypatch.setattr(engine, "decode_frame", original)
     code, _ = decode_status(vaed_pb2_grpc.VaeDecoderStub(channel), vaed_pb2.DecodeRequest(latents=tensor_msg(good_latents())))
     assert code == grpc.StatusCode.OK
     channel.close()

@@ -33,7 +33,7 @@ def gpu_server(request):
 def stock_reference(server):
     """Stock diffusers (no fast paths) with the server's weight layout."""
     ref = server.reference_vae()
-    layout = server.server.worker.engine.fast_paths.layout
+    layout = server.server.pool.engine.fast_paths.layout
     prepare_decoder(ref, kernels="off", layout=layout)
     return ref, layout
 

@@ -27,7 +27,7 @@ MODEL = "random:wan2.1-tiny"  # z_dim 4, 8x spatial, 4x temporal; float32 on CPU
 
 def make_config(**overrides: object) -> ServerConfig:
     """Tiny CPU server on an ephemeral loopback port, 1 s drain."""
-    return ServerConfig(model=MODEL, device="cpu", host="127.0.0.1", port=0, grace=1.0,
+    return ServerConfig(model=MODEL, devices=("cpu",), host="127.0.0.1", port=0, grace=1.0,
                         **overrides)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,228 @@
+"""Hostile and unusual clients, through the real wire: exact statuses, bounded
+memory, sessions exact at every shape, and no raw control characters in logs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+
+from vaed_client import VaeClient, wire
+from vaed_client.errors import InvalidArgumentError
+
+from harness import make_config, proc_rss_bytes, serve_in_thread, start_cli_server
+
+pb = wire.pb
+Z = 4  # z_dim of random:wan2.1-tiny
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = make_config(max_latent_frames=0, max_pixels=0, max_sessions=4, max_concurrent_rpcs=6)
+    with serve_in_thread(config) as running:
+        yield running
+
+
+@pytest.fixture()
+def stub(server):
+    channel = grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 64 << 20)])
+    yield wire.pb_grpc.VaeDecoderStub(channel)
+    channel.close()
+
+
+def _status(call: Iterator) -> tuple[grpc.StatusCode, str]:
+    try:
+        list(call)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
+
+
+def _raw_call(target: str, method: str, payload: bytes, streaming_request: bool) -> tuple[grpc.StatusCode, str]:
+    """Send raw bytes to a method (no serializer), as a hostile client would."""
+    with grpc.insecure_channel(target) as channel:
+        path = f"/{wire.SERVICE_NAME}/{method}"
+        try:
+            if method == "GetModelInfo":
+                channel.unary_unary(path)(payload, timeout=10)
+            elif streaming_request:
+                list(channel.stream_stream(path)(iter([payload]), timeout=10))
+            else:
+                list(channel.unary_stream(path)(payload, timeout=10))
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
+
+
+# -- shapes, messages, ids -----------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, nbytes", [
+    ([1, Z, 1, 2**32, 2**32], 0),
+    ([1, Z, 1, 8, 8 + 2**60], 4096),
+    ([2**62, Z, 2**62, 1, 1], 16),
+])
+def test_shapes_that_overflow_int64_are_invalid_argument(stub, shape, nbytes):
+    request = pb.DecodeRequest(latents=pb.Tensor(dtype=pb.FLOAT32, shape=shape, data=b"\0" * nbytes))
+    code, details = _status(stub.Decode(request, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(shape) in details
+
+
+@pytest.mark.parametrize("method, streaming", [("GetModelInfo", False), ("Decode", False), ("DecodeStream", True)])
+def test_malformed_protobuf_is_invalid_argument(server, method, streaming, caplog):
+    caplog.set_level(logging.INFO)
+    code, details = _raw_call(server.target, method, b"\xff\xff\xff\xff garbage", streaming)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "malformed" in details
+    assert "Traceback" not in caplog.text
+
+
+def test_unknown_method_is_unimplemented_without_auth(server):
+    code, _ = _raw_call(server.target, "NoSuchMethod", b"", False)
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("request_id", ["a" * 129, "line\nbreak", "nul\x00byte", "tab\there", "é-not-ascii"])
+def test_bad_request_ids_are_refused_and_never_logged_raw(stub, request_id, caplog):
+    caplog.set_level(logging.INFO, logger="vaed")
+    latents = wire.to_message(torch.randn(1, Z, 1, 5, 7))
+    request = pb.DecodeRequest(latents=latents, options=pb.DecodeOptions(request_id=request_id))
+    code, details = _status(stub.Decode(request, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "128 printable ASCII" in details
+    for bad in ("\n", "\x00", "\t"):
+        assert not any(bad in record.getMessage() for record in caplog.records)
+
+
+def test_a_128_character_request_id_is_echoed(stub):
+    request_id = "r" * 127 + "~"
+    latents = wire.to_message(torch.randn(1, Z, 1, 5, 7))
+    replies = list(stub.Decode(pb.DecodeRequest(latents=latents, options=pb.DecodeOptions(request_id=request_id))))
+    assert {r.request_id for r in replies} == {request_id}
+
+
+def test_every_call_ends_with_one_empty_final_message(stub):
+    latents = wire.to_message(torch.randn(1, Z, 3, 5, 7))
+    replies = list(stub.Decode(pb.DecodeRequest(latents=latents)))
+    assert [r.final for r in replies] == [False] * (len(replies) - 1) + [True]
+    last = replies[-1]
+    assert not last.HasField("frames") and last.chunk_index == 3 and last.first_frame == 9
+
+
+# -- non-finite latents, dtype changes ------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_latents_are_invalid_argument_unless_allowed(server, bad):
+    latents = torch.randn(1, Z, 2, 5, 7)
+    latents[0, 1, 1, 2, 3] = bad
+    with VaeClient(server.target) as client:
+        with pytest.raises(InvalidArgumentError, match="NaN or Inf"):
+            client.decode(latents)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = wire.pb_grpc.VaeDecoderStub(channel)
+        options = pb.DecodeOptions(format=pb.RAW, raw_dtype=pb.FLOAT32, allow_non_finite=True)
+        replies = list(stub.Decode(pb.DecodeRequest(latents=wire.to_message(latents), options=options)))
+        assert replies[-1].final and len(replies) > 1
+
+
+def test_dtype_change_mid_session_is_refused(stub):
+    first = pb.LatentChunk(latents=wire.to_message(torch.randn(1, Z, 1, 5, 7)))
+    second = pb.LatentChunk(latents=wire.to_message(torch.randn(1, Z, 1, 5, 7).to(torch.bfloat16)))
+    code, details = _status(stub.DecodeStream(iter([first, second]), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dtype" in details
+
+
+# -- sessions are exact at every shape -------------------------------------------------------
+
+@pytest.mark.parametrize("h, w", [(1, 1), (1, 2), (2, 3), (3, 1), (8, 8)])
+@pytest.mark.parametrize("split", [(1, 1), (2, 1), (1, 2)])
+def test_session_equals_one_shot_at_every_shape(server, h, w, split):
+    torch.manual_seed(h * 100 + w)
+    latents = torch.randn(1, Z, sum(split), h, w)
+    with VaeClient(server.target) as client:
+        one_shot = client.decode(latents, format="raw", raw_dtype="float32")
+        with client.session(format="raw", raw_dtype="float32") as session:
+            start = 0
+            for t in split:
+                session.push(latents[:, :, start : start + t])
+                start += t
+            streamed = session.collect()
+    assert torch.equal(one_shot, streamed)
+
+
+# -- limits on calls ----------------------------------------------------------------------------
+
+def test_concurrent_rpcs_over_the_cap_are_resource_exhausted(server):
+    """max_concurrent_rpcs=6: six open sessions hold every RPC slot (4 sessions + 2 waiting)."""
+    with VaeClient(server.target) as client:
+        sessions = [client.session() for _ in range(6)]
+        try:
+            for s in sessions[:4]:
+                s.push(torch.randn(1, Z, 1, 5, 7))
+            deadline = time.monotonic() + 10
+            while server.server.pool.active_sessions < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with grpc.insecure_channel(server.target) as channel:
+                stub = wire.pb_grpc.VaeDecoderStub(channel)
+                code, details = _status(stub.Decode(pb.DecodeRequest(), timeout=10))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "calls in flight" in details
+        finally:
+            for s in sessions:
+                s.cancel()
+
+
+# -- input backpressure -------------------------------------------------------------------------
+
+def test_stream_flood_is_held_by_flow_control_and_server_memory_stays_bounded():
+    """A client pushes 256 MiB of latents without reading a frame. The server reads
+    only while the session's backlog is under --max-backlog-frames, so gRPC flow
+    control stops the client: the server's RSS grows by less than 64 MiB (the
+    previous server grew by the whole push). Messages are 1 MiB of 1024 small latent
+    frames so the two decodes the output credits allow cost little memory (measured:
+    12 messages pulled, +43 MiB, on the 2-core CI machine)."""
+    proc, target = start_cli_server("--max-pixels", "0", "--max-latent-frames", "0", "--max-backlog-frames", "4")
+    try:
+        chunk = pb.LatentChunk(latents=wire.to_message(torch.randn(1, Z, 1024, 8, 8)))  # 1 MiB, 1024 latent frames
+        pulled = [0]
+        stop = threading.Event()
+
+        def requests():
+            for _ in range(256):  # 256 MiB in all
+                if stop.is_set():
+                    return
+                pulled[0] += 1
+                yield chunk
+
+        before = proc_rss_bytes(proc.pid)
+        channel = grpc.insecure_channel(target)
+        call = wire.pb_grpc.VaeDecoderStub(channel).DecodeStream(requests(), timeout=120)
+        time.sleep(6)  # the client pushes as fast as flow control lets it; nothing is read
+        grown = proc_rss_bytes(proc.pid) - before
+        sent = pulled[0]
+        stop.set()
+        call.cancel()
+        channel.close()
+        assert sent < 32, f"flow control let {sent} chunks (1 MiB each) through"
+        assert grown < 64 << 20, f"server RSS grew by {grown >> 20} MiB"
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_session_pushed_ahead_of_its_reader_delivers_every_frame(server):
+    """Ten chunks pushed before reading anything (backlog bound 4 latent frames) all decode, in order."""
+    latents = torch.randn(1, Z, 10, 4, 4)
+    with VaeClient(server.target) as client:
+        with client.session(format="raw", raw_dtype="float32") as session:
+            for i in range(10):
+                session.push(latents[:, :, i : i + 1])
+            streamed = session.collect()
+        assert torch.equal(streamed, client.decode(latents, format="raw", raw_dtype="float32"))
+    assert streamed.shape[2] == 37

@@ -1,0 +1,344 @@
+"""One call's state in one object: a Decode call or a DecodeStream session.
+
+A `Session` holds everything about one call: its output spec, the limits its
+input is checked against, its position in the video, its causal cache (the
+engine's `DecodeState`), the bounded backlog of latent frames not yet on the
+device, its output credits, and the `FrameChannel` its frames leave on.
+
+Two threads touch a session, and each field says who writes it:
+
+* the gRPC handler (event loop thread) validates and queues input
+  (`accept`, `finish_input`), waits for backlog room (`wait_for_room`) and
+  reads output (`next_group`, `group_sent`);
+* the device worker (one thread per device) takes steps: it pops one latent
+  frame, decodes it, and puts the group on the channel.
+
+Shared fields are guarded by the worker's condition variable (`lock`), which
+the worker also waits on; every handler-side change notifies it.
+
+Life is an explicit state (`SessionState`)::
+
+    OPEN --finish_input--> INPUT_DONE --(backlog empty)--> ENDED
+      \\______________________ any error ________________--> FAILED
+    any state --handler leaves--> CLOSED  (the worker frees the cache)
+
+Credits (output backpressure): the worker takes one before each decode step
+and the handler returns it once the group's messages are sent, so a slow
+reader stalls only its own session and never piles frames up on the GPU or in
+host memory. Both ends of that exchange live in this module.
+
+Backlog (input backpressure): a DecodeStream reader reads the next client
+message only while the backlog holds fewer than `max_backlog_frames` latent
+frames, so gRPC flow control pushes back on a client that outruns the GPU.
+Latents stay on the host until their step: the device holds only the frame
+being decoded and the causal cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import InvalidInput
+
+LATENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class SessionState(enum.Enum):
+    OPEN = "open"              # input may still arrive
+    INPUT_DONE = "input_done"  # no more input: decode the backlog, then end
+    ENDED = "ended"            # the end was put on the channel
+    FAILED = "failed"          # an error was put on the channel
+    CLOSED = "closed"          # the handler left; nothing more is delivered
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]
+    raw_dtype: torch.dtype | None   # RAW only; None = compute dtype
+    raw_latents: bool               # True: latents already in VAE space
+    precision: str = "lossless"     # op set tier: "lossless" | "fast"
+    allow_non_finite: bool = False  # False: NaN/Inf latents are refused
+
+    @property
+    def time_dim(self) -> int:
+        return 1 if self.rgb8 else 2
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one call may ask of the server; `check_chunk` is the one validator."""
+
+    z_dim: int
+    scale_spatial: int
+    max_batch: int
+    max_latent_frames: int   # 0 = no limit
+    max_pixels: int          # 0 = no limit
+
+    def check_chunk(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        frames_before: int = 0,
+        first: tuple[tuple[int, int, int], torch.dtype] | None = None,
+    ) -> None:
+        """Raise InvalidInput unless a latent chunk fits the model, the limits and
+        its session (`frames_before` latent frames already accepted; `first` =
+        ((B, h, w), dtype) of the session's first chunk)."""
+        if dtype not in LATENT_DTYPES:
+            raise InvalidInput(f"latents dtype {dtype} is not accepted; send float16, bfloat16 or float32")
+        if len(shape) != 5:
+            raise InvalidInput(f"latents must be 5-D [B, z_dim, T, h, w]; got shape {list(shape)}")
+        b, z, t, h, w = shape
+        if z != self.z_dim:
+            raise InvalidInput(f"latents have z_dim {z} but the served model has z_dim {self.z_dim}")
+        if b < 1 or t < 1 or h < 1 or w < 1:
+            raise InvalidInput(f"latents shape {list(shape)} is empty: B, T, h and w must be at least 1")
+        if b > self.max_batch:
+            raise InvalidInput(f"batch {b} is over the server limit of {self.max_batch}")
+        height, width = h * self.scale_spatial, w * self.scale_spatial
+        if self.max_pixels and height * width > self.max_pixels:
+            raise InvalidInput(
+                f"output frame {height}x{width} ({height * width} pixels) is over "
+                f"the server limit of {self.max_pixels} pixels"
+            )
+        if self.max_latent_frames and frames_before + t > self.max_latent_frames:
+            raise InvalidInput(
+                f"{frames_before + t} latent frames in this call are over the server limit of "
+                f"{self.max_latent_frames}"
+            )
+        if first is not None:
+            (b0, h0, w0), dtype0 = first
+            if (b, h, w) != (b0, h0, w0):
+                raise InvalidInput(
+                    f"chunk has B, h, w = {(b, h, w)} but this session started with {(b0, h0, w0)}; "
+                    "every chunk of a session must share B, z_dim, h and w"
+                )
+            if dtype != dtype0:
+                raise InvalidInput(
+                    f"chunk has dtype {dtype} but this session started with {dtype0}; "
+                    "every chunk of a session must share its dtype"
+                )
+
+
+@dataclass(frozen=True)
+class HostGroup:
+    """The frames of one decoder call, in host memory, ready to serialize."""
+
+    chunk_index: int         # index of the latent frame (= decoder call) that made it
+    first_frame: int         # index in the whole video of its first frame
+    frames: torch.Tensor     # CPU tensor (pinned on CUDA), wire layout
+    device_seconds: float    # wall time from the start of its decode step to the host copy's end
+
+
+class _End:
+    """Put on the channel after the last group."""
+
+
+_END = _End()
+
+
+class FrameChannel:
+    """Device thread -> handler: one way to put a group, one way to end, one way to fail.
+
+    Thread-safe on the producer side; consumed by one asyncio task. A put after
+    the consumer's loop closed is dropped (the caller is gone).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[HostGroup | _End | BaseException] = asyncio.Queue()
+
+    def _put(self, value: HostGroup | _End | BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, value)
+        except RuntimeError:  # loop closed
+            pass
+
+    def put_group(self, group: HostGroup) -> None:
+        self._put(group)
+
+    def end(self) -> None:
+        self._put(_END)
+
+    def fail(self, exc: BaseException) -> None:
+        self._put(exc)
+
+    async def get(self) -> HostGroup | None:
+        """The next group; None after the last one; raises the call's failure."""
+        value = await self._queue.get()
+        if isinstance(value, _End):
+            return None
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+
+@dataclass
+class CallRecord:
+    """What the log line and the metrics of one call report (handler side only)."""
+
+    method: str
+    request_id: str
+    started: float = field(default_factory=time.perf_counter)
+    shape: list[int] | None = None   # B, z, T (summed over chunks), h, w
+    chunks_in: int = 0
+    groups_out: int = 0
+    frames_out: int = 0
+    device_seconds: float = 0.0
+    first_frame_at: float | None = None
+
+
+_ids = itertools.count()
+
+
+class Session:
+    """One Decode call or DecodeStream session (see the module docstring)."""
+
+    def __init__(
+        self,
+        record: CallRecord,
+        output: OutputSpec,
+        limits: Limits,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        credits: int,
+        max_backlog_frames: int,
+    ) -> None:
+        self.id = next(_ids)
+        self.record = record
+        self.output = output
+        self.limits = limits
+        self.channel = FrameChannel(loop)
+        self.state = SessionState.OPEN
+        self.lock: threading.Condition = threading.Condition()  # replaced by the worker's on attach
+        self.device: str | None = None
+        self.decode_state: Any = None    # the engine's DecodeState (cache + position), worker-owned
+        self.busy = False                # the worker is inside a step of this session
+        self._backlog: collections.deque[torch.Tensor] = collections.deque()  # CPU [B, z, 1, h, w]
+        self._credits = credits
+        self._max_backlog = max(1, max_backlog_frames)
+        self._loop = loop
+        self._loop_thread = threading.get_ident()  # sessions are built on the handler's loop
+        self._room = asyncio.Event()
+        self._room.set()
+        self._first: tuple[tuple[int, int, int], torch.dtype] | None = None
+        self._frames_in = 0
+
+    # -- handler side ----------------------------------------------------------
+
+    def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Check a chunk against the limits and the session's first chunk (before any copy)."""
+        self.limits.check_chunk(shape, dtype, frames_before=self._frames_in, first=self._first)
+
+    def accept(self, latents: torch.Tensor) -> None:
+        """Queue a validated CPU chunk [B, z, t, h, w] as t latent frames."""
+        self.validate(tuple(latents.shape), latents.dtype)
+        if not self.output.allow_non_finite and not bool(torch.isfinite(latents).all()):
+            raise InvalidInput(
+                f"latents of shape {list(latents.shape)} hold NaN or Inf values; "
+                "send finite latents (or set allow_non_finite to decode them as they are)"
+            )
+        b, z, t, h, w = latents.shape
+        if self._first is None:
+            self._first = ((b, h, w), latents.dtype)
+            self.record.shape = [b, z, 0, h, w]
+        assert self.record.shape is not None
+        self.record.shape[2] += t
+        self.record.chunks_in += 1
+        self._frames_in += t
+        with self.lock:
+            self._backlog.extend(latents[:, :, i : i + 1] for i in range(t))
+            self._update_room()
+            self.lock.notify_all()
+
+    def finish_input(self) -> None:
+        with self.lock:
+            if self.state is SessionState.OPEN:
+                self.state = SessionState.INPUT_DONE
+            self.lock.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The input was bad: stop decoding and end the call with `exc`."""
+        with self.lock:
+            if self.state in (SessionState.OPEN, SessionState.INPUT_DONE):
+                self.mark_failed(exc)
+                self.channel.fail(exc)
+            self.lock.notify_all()
+
+    async def wait_for_room(self) -> None:
+        """Return once the backlog holds fewer than max_backlog_frames latent frames."""
+        await self._room.wait()
+
+    async def next_group(self) -> HostGroup | None:
+        return await self.channel.get()
+
+    def group_sent(self) -> None:
+        """The handler sent a group's messages: return its credit."""
+        with self.lock:
+            self._credits += 1
+            self.lock.notify_all()
+
+    @property
+    def latent_frames_received(self) -> int:
+        return self._frames_in
+
+    # -- worker side (call with `lock` held) ------------------------------------------
+
+    @property
+    def backlog_frames(self) -> int:
+        return len(self._backlog)
+
+    def runnable(self) -> bool:
+        """A step can run now: a frame and a credit, or the end to deliver."""
+        if self.state is SessionState.INPUT_DONE and not self._backlog:
+            return True
+        return self.state in (SessionState.OPEN, SessionState.INPUT_DONE) and bool(self._backlog) and self._credits > 0
+
+    def take_frame(self) -> torch.Tensor | None:
+        """Pop the next latent frame and its credit; None when the step is the end."""
+        if not self._backlog:
+            return None
+        self._credits -= 1
+        frame = self._backlog.popleft()
+        self._update_room()
+        return frame
+
+    # The worker puts the end or the failure on the channel itself, behind the
+    # session's last group (see vaed.worker): these only move the state.
+    def mark_ended(self) -> None:
+        self.state = SessionState.ENDED
+
+    def mark_failed(self, exc: BaseException) -> None:
+        self.state = SessionState.FAILED
+        self._backlog.clear()
+        self._update_room()
+
+    def mark_closed(self) -> None:
+        self.state = SessionState.CLOSED
+        self._backlog.clear()
+
+    def _update_room(self) -> None:
+        """Re-evaluate backlog room on the handler's loop (now, when already on it)."""
+        if threading.get_ident() == self._loop_thread:
+            self._refresh_room()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._refresh_room)
+        except RuntimeError:  # loop closed: the caller is gone
+            pass
+
+    def _refresh_room(self) -> None:
+        # Reads the backlog when it runs, so scheduled refreshes never undo a later change.
+        with self.lock:
+            has_room = len(self._backlog) < self._max_backlog
+        (self._room.set if has_room else self._room.clear)()
