@@ -265,3 +265,66 @@ def test_docs_name_what_ships() -> None:
     assert "vaed_queued_chunks" not in doc
     for spec in MODELS.values():
         assert spec["repo"] in doc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_cpu_overlay_args_really_serve(tmp_path: Path) -> None:
+    """`vaed serve` with the cpu overlay's exact args (ports and bind address
+    swapped for local ones) reports SERVING, decodes, exports the HPA metric,
+    and exits 0 on SIGTERM: what a kind cluster would run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    import grpc
+    import numpy as np
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from vaed_client import VaeClient
+
+    (dep,) = decoders(rendered("cpu"))
+    port, metrics_port = _free_port(), _free_port()
+    swap = {"--port": str(port), "--metrics-port": str(metrics_port), "--host": "127.0.0.1"}
+    args = [f"{a.split('=')[0]}={swap[a.split('=')[0]]}" if a.split("=")[0] in swap else a
+            for a in container_args(dep)]
+    log = tmp_path / "serve.log"
+    out = log.open("w")  # a file, not a pipe: a full pipe would block the server
+    proc = subprocess.Popen([sys.executable, "-c", "from vaed.cli import main; raise SystemExit(main())", *args],
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 180  # a guard against hanging, not a speed check
+            status = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                except grpc.RpcError:
+                    status = None
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                time.sleep(0.5)
+            assert status == health_pb2.HealthCheckResponse.SERVING, log.read_text()
+        z_dim = 4  # random:wan2.1-tiny
+        latents = np.random.default_rng(0).standard_normal((1, z_dim, 2, 4, 6)).astype(np.float32)
+        with VaeClient(f"127.0.0.1:{port}", timeout=60) as vae:
+            video = vae.decode(latents)
+        assert video.shape == (1, 5, 32, 48, 3) and video.dtype == np.uint8
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert f"# TYPE {PENDING_METRIC} gauge" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=pod_spec(dep)["terminationGracePeriodSeconds"]) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
