@@ -88,6 +88,20 @@ def test_one_decoder_per_model(overlay: str, models: set[str]) -> None:
         assert model_label(hpa) == model_label(target)
 
 
+def test_prod_is_both_single_model_overlays() -> None:
+    """prod = wan21 + wan22 applied together: the same objects, so the docs'
+    single-model and two-model instructions never drift apart."""
+    def keyed(objs: tuple[Obj, ...]) -> dict[tuple[str, str], Obj]:
+        return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+    union = {**keyed(rendered("wan21")), **keyed(rendered("wan22"))}
+    shared = keyed(rendered("wan21")).keys() & keyed(rendered("wan22")).keys()
+    assert shared == {("Namespace", "vaed"), ("NetworkPolicy", "vaed")}
+    for key in shared:  # applying both overlays must not flip a shared object
+        assert keyed(rendered("wan21"))[key] == keyed(rendered("wan22"))[key]
+    assert keyed(rendered("prod")) == union
+
+
 @pytest.mark.parametrize("overlay", sorted(WEIGHT_OVERLAYS))
 def test_model_paths_consistent(overlay: str, fetch_weights: ModuleType) -> None:
     """--model, the init container's --dest, the Job's --dest and its repo all
