@@ -1,0 +1,236 @@
+"""The shared request/session core through both front-ends: output types
+(diffusers' np / pt / pil, exact over RAW, light over RGB8), option checks
+that stay local, the input rule, AsyncVaeClient outside a loop, TLS server
+name override and keepalive."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers.video_processor import VideoProcessor
+
+from harness import FakeDecoder, expected_video, fake_raw, latents_np, self_signed_pem, start_fake_server
+import vaed_client
+from vaed_client import channel as vchannel
+from vaed_client import errors
+from vaed_client import outputs
+
+
+@pytest.fixture()
+def fake() -> Iterator[tuple[FakeDecoder, str]]:
+    servicer = FakeDecoder()
+    server, port = start_fake_server(servicer)
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def diffusers_postprocess(raw: torch.Tensor, output_type: str) -> Any:
+    """What a Wan pipeline returns for decoder output `raw` [B, 3, T, H, W]."""
+    return VideoProcessor(vae_scale_factor=8).postprocess_video(raw, output_type=output_type)
+
+
+def assert_equal_output(got: Any, want: Any, output_type: str) -> None:
+    if output_type == "np":
+        assert isinstance(got, np.ndarray) and got.dtype == want.dtype == np.float32 and np.array_equal(got, want)
+    elif output_type == "pt":
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    else:
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
+# -- output types ----------------------------------------------------------------
+@pytest.mark.parametrize("output_type", ["np", "pt", "pil"])
+@pytest.mark.parametrize("raw_dtype", [None, "bfloat16", "float16"])
+def test_pipeline_outputs_equal_diffusers_postprocess(fake: tuple[FakeDecoder, str], output_type: str,
+                                                      raw_dtype: str | None) -> None:
+    servicer, target = fake
+    raw = torch.from_numpy(fake_raw(expected_video(2, 3, 2, 2)))
+    if raw_dtype:
+        raw = raw.to(getattr(torch, raw_dtype))  # a half-precision server: diffusers' arithmetic runs in that dtype
+    want = diffusers_postprocess(raw, output_type)
+    with vaed_client.VaeClient(target) as client:
+        got = client.decode(latents_np(b=2, t=3, h=2, w=2), output_type=output_type, raw_dtype=raw_dtype)
+        assert servicer.requests[-1].options.format == vaed_client.wire.pb.RAW  # exact path: RAW on the wire
+        assert_equal_output(got, want, output_type)
+        # Torch latents give the same (np stays numpy, pil stays PIL).
+        assert_equal_output(client.decode(torch.from_numpy(latents_np(b=2, t=3, h=2, w=2)), output_type=output_type,
+                                          raw_dtype=raw_dtype), want, output_type)
+
+
+@pytest.mark.parametrize("output_type", ["np", "pil"])
+def test_numpy_path_without_torch_is_exact_for_float32(output_type: str) -> None:
+    # Clients without torch postprocess fp32 RAW with numpy: the same two roundings as torch.
+    raw = np.random.default_rng(1).uniform(-1, 1, (2, 3, 5, 8, 8)).astype(np.float32)
+    raw[0, 0, 0, 0, :4] = [-1.0, 1.0, 0.0, 0.49999997]  # ends of the range and a rounding edge
+    assert_equal_output(outputs.from_raw(raw, output_type), diffusers_postprocess(torch.from_numpy(raw), output_type),
+                        output_type)
+
+
+def test_light_option_sends_rgb8(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    video = expected_video(1, 3, 2, 2)
+    with vaed_client.VaeClient(target) as client:
+        np_out = client.decode(latents_np(t=3, h=2, w=2), output_type="np", format="rgb8")
+        assert servicer.requests[-1].options.format == vaed_client.wire.pb.RGB8
+        assert np_out.dtype == np.float32 and np.array_equal(np_out, video.astype(np.float32) / 255)
+        pt_out = client.decode(latents_np(t=3, h=2, w=2), output_type="pt", format="rgb8")
+        assert pt_out.shape == (1, 9, 3, 16, 16) and torch.equal(pt_out.permute(0, 1, 3, 4, 2), torch.from_numpy(np_out))
+        pil = client.decode(latents_np(t=3, h=2, w=2), output_type="pil", format="rgb8")
+        assert len(pil) == 1 and len(pil[0]) == 9 and np.array_equal(np.asarray(pil[0][4]), video[0, 4])
+
+
+def test_uint8_and_raw_output_types_are_the_wire_formats(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    with vaed_client.VaeClient(target) as client:
+        latents = latents_np(t=2, h=2, w=2)
+        assert np.array_equal(client.decode(latents, output_type="uint8"), client.decode(latents))
+        assert np.array_equal(client.decode(latents, output_type="raw"), client.decode(latents, format="raw"))
+
+
+def test_stream_and_session_convert_each_chunk(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    latents = latents_np(t=3, h=2, w=2)
+    with vaed_client.VaeClient(target) as client:
+        whole = client.decode(latents, output_type="np")
+        chunks = list(client.stream(latents, output_type="np"))
+        assert all(c.frames.dtype == np.float32 and c.format == "np" for c in chunks)
+        assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), whole)
+        with client.session(output_type="pt") as session:
+            session.push(latents[:, :, :1])
+            session.push(latents[:, :, 1:])
+            pt = session.collect()
+        assert torch.equal(pt, diffusers_postprocess(torch.from_numpy(fake_raw(expected_video(1, 3, 2, 2))), "pt"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(output_type="gif"), "output_type"),
+        (dict(output_type="uint8", format="raw"), "cannot travel"),
+        (dict(output_type="raw", format="rgb8"), "cannot travel"),
+        (dict(output_type="uint8", raw_dtype="float16"), "raw_dtype"),
+        (dict(request_id="x" * 129), "128"),
+    ],
+)
+def test_bad_options_are_local_errors(fake: tuple[FakeDecoder, str], kwargs: dict[str, Any], message: str) -> None:
+    servicer, target = fake
+    with vaed_client.VaeClient(target) as client:
+        client.model_info()
+        calls = servicer.attempts
+        for call in (lambda: client.decode(latents_np(), **kwargs), lambda: client.session(**kwargs),
+                     lambda: list(client.stream(latents_np(), **kwargs))):
+            with pytest.raises(errors.LocalInputError, match=message) as info:
+                call()
+            assert info.value.code is None and not str(info.value).startswith("INVALID_ARGUMENT")
+        assert servicer.attempts == calls  # nothing reached the server
+
+
+# -- the input rule ------------------------------------------------------------------
+def test_float64_and_4d_latents(fake: tuple[FakeDecoder, str]) -> None:
+    servicer, target = fake
+    latents = np.random.default_rng(0).standard_normal((16, 2, 3, 3))  # float64, no batch axis
+    with vaed_client.VaeClient(target) as client:
+        video = client.decode(latents)
+        sent = servicer.requests[-1].latents
+        assert list(sent.shape) == [1, 16, 2, 3, 3] and sent.dtype == vaed_client.wire.pb.FLOAT32
+        assert sent.data == latents.astype(np.float32).tobytes()
+        assert np.array_equal(video, expected_video(1, 2, 3, 3))
+        t = client.decode(torch.from_numpy(latents))  # torch float64 too
+        assert isinstance(t, torch.Tensor) and np.array_equal(t.numpy(), video)
+        for bad in (np.zeros((16, 2, 3), np.float32), np.zeros((1, 1, 16, 2, 3, 3), np.float32)):
+            with pytest.raises(errors.LocalInputError, match=r"\[B, z_dim, T, h, w\] or \[z_dim, T, h, w\]"):
+                client.decode(bad)
+        with pytest.raises(errors.LocalInputError, match="int64"):
+            client.decode(np.zeros((1, 16, 1, 1, 1), np.int64))
+
+
+# -- asyncio -----------------------------------------------------------------------
+def test_async_client_built_outside_a_loop(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    client = vaed_client.AsyncVaeClient(target)  # no running loop here
+
+    async def use() -> Any:
+        return await client.decode(latents_np(t=2, h=2, w=2))
+
+    assert np.array_equal(asyncio.run(use()), expected_video(1, 2, 2, 2))
+    with pytest.raises(RuntimeError, match="one AsyncVaeClient per event loop"):
+        asyncio.run(use())  # the channel belongs to the first loop
+
+    shared = vaed_client.AsyncVaeClient(target)
+
+    async def use_and_close() -> Any:
+        async with shared:
+            return await shared.model_info()
+
+    assert asyncio.run(use_and_close()).z_dim == 16
+    assert asyncio.run(use_and_close()).z_dim == 16  # closed clients start over in the next loop
+
+
+def test_async_output_types(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    want = diffusers_postprocess(torch.from_numpy(fake_raw(expected_video(1, 3, 2, 2))), "np")
+
+    async def main() -> None:
+        async with vaed_client.AsyncVaeClient(target) as client:
+            assert_equal_output(await client.decode(latents_np(t=3, h=2, w=2), output_type="np"), want, "np")
+            chunks = [c async for c in client.stream(latents_np(t=3, h=2, w=2), output_type="np")]
+            assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), want)
+            with pytest.raises(errors.LocalInputError):
+                await client.decode(latents_np(), output_type="gif")
+
+    asyncio.run(main())
+
+
+# -- channel ----------------------------------------------------------------------
+def test_keepalive_options() -> None:
+    opts = dict(vchannel.channel_options())
+    assert opts["grpc.keepalive_time_ms"] == 60_000 and opts["grpc.keepalive_timeout_ms"] == 20_000
+    assert opts["grpc.keepalive_permit_without_calls"] == 0 and opts["grpc.http2.max_pings_without_data"] == 0
+    assert "grpc.ssl_target_name_override" not in opts
+    assert dict(vchannel.channel_options(tls_server_name="a.b"))["grpc.ssl_target_name_override"] == "a.b"
+
+
+def test_tls_server_name_override() -> None:
+    cert, key = self_signed_pem("vaed.test")  # valid for vaed.test and 127.0.0.1, not for "localhost"
+    servicer = FakeDecoder()
+    server, port = start_fake_server(servicer, grpc.ssl_server_credentials([(key, cert)]))
+    try:
+        with vaed_client.VaeClient(f"localhost:{port}", tls=cert, timeout=5) as client:
+            with pytest.raises(errors.UnavailableError):
+                client.model_info()  # name mismatch
+        with vaed_client.VaeClient(f"localhost:{port}", tls=cert, tls_server_name="vaed.test", timeout=5) as client:
+            assert client.model_info().model == "fake"
+
+        async def aio() -> str:
+            async with vaed_client.AsyncVaeClient(f"localhost:{port}", tls=cert, tls_server_name="vaed.test") as c:
+                return (await c.model_info()).model
+
+        assert asyncio.run(aio()) == "fake"
+    finally:
+        server.stop(0)
+    with pytest.raises(ValueError, match="TLS"):
+        vaed_client.VaeClient("localhost:1", tls_server_name="vaed.test")
+    with pytest.raises(ValueError, match="TLS"):
+        vaed_client.AsyncVaeClient("localhost:1", tls_server_name="vaed.test")
+
+
+def test_read_token(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "t").write_text(" tok\n")
+    assert vchannel.read_token(str(tmp_path / "t"), "VAED_AUTH_TOKEN") == "tok"
+    monkeypatch.setenv("VAED_AUTH_TOKEN", " env ")
+    assert vchannel.read_token(None, "VAED_AUTH_TOKEN") == "env"
+    monkeypatch.setenv("VAED_AUTH_TOKEN", " ")
+    with pytest.raises(ValueError, match="set but empty"):
+        vchannel.read_token(None, "VAED_AUTH_TOKEN")
+    (tmp_path / "e").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        vchannel.read_token(str(tmp_path / "e"))
+    monkeypatch.delenv("VAED_AUTH_TOKEN")
+    assert vchannel.read_token(None, "VAED_AUTH_TOKEN") is None
