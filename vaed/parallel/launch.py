@@ -51,6 +51,7 @@ class GroupConfig:
     timeout_s: float = 300.0          # data-group collectives (a dead rank surfaces after this)
     backend: str | None = None        # None: nccl for cuda devices, else gloo
     init_method: str | None = None    # None: tcp://127.0.0.1:<free port>
+    cpu_threads: int = 1              # torch threads of each CPU follower (CPU groups: tests, development)
     engine_options: dict[str, Any] = field(default_factory=dict)  # extra DecodeEngine options
 
     @property
@@ -94,6 +95,8 @@ def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
     device = cfg.devices[rank]
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    else:
+        torch.set_num_threads(cfg.cpu_threads)  # CPU ranks share the host's cores: no oversubscription
     control = _join_group(cfg, rank, init_method)
     try:
         base = _load_base(cfg, device)
