@@ -40,7 +40,7 @@ yaml = pytest.importorskip("yaml")
 
 GPU_OVERLAYS = [o for o in OVERLAYS if o != "cpu"]
 # Overlays that serve real weights from a PVC with auth on (the production shape).
-PROD_OVERLAYS = ["prod", "wan21", "wan22"]
+PROD_OVERLAYS = ["prod", "wan21", "wan22", "offline"]
 
 # Flags the manifests use that `vaed serve` gained for issue 10 / issue 8.
 # test_new_serve_flags_exist names the ones the server does not have yet.
@@ -65,7 +65,7 @@ def decoder(overlay: str, name: str) -> Obj:
 
 
 def test_overlays_exist() -> None:
-    assert {"dev", "prod", "wan21", "wan22", "cpu"} <= set(OVERLAYS)
+    assert {"dev", "prod", "wan21", "wan22", "cpu", "offline"} <= set(OVERLAYS)
 
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl not on PATH")
@@ -383,7 +383,10 @@ def test_namespace_enforces_restricted(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_image_is_set(overlay: str) -> None:
     objs = rendered(overlay)
-    images = {c["image"] for o in by_kind(objs, "Deployment") + by_kind(objs, "Job") for c in pod_containers(o)}
-    assert len(images) == 1, images  # decoder, init container and weights Job run one image
-    image = images.pop()
-    assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest")
+    images = {c["image"] for o in by_kind(objs, "Deployment") for c in pod_containers(o)}
+    assert len(images) == 1, images  # decoders and their init containers run one image
+    job_images = {c["image"] for o in by_kind(objs, "Job") for c in pod_containers(o)}
+    if overlay != "offline":  # offline copies from weights images
+        assert job_images <= images, job_images
+    for image in images | job_images:
+        assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest")

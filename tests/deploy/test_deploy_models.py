@@ -41,7 +41,8 @@ MODELS = {
     "wan2.1": dict(repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", z_dim=16, shapes="480x832,720x1280", rate=1 / 0.062),
     "wan2.2": dict(repo="Wan-AI/Wan2.2-TI2V-5B-Diffusers", z_dim=48, shapes="704x1280", rate=1 / 0.150),
 }
-WEIGHT_OVERLAYS = {"prod": {"wan2.1", "wan2.2"}, "wan21": {"wan2.1"}, "wan22": {"wan2.2"}}
+WEIGHT_OVERLAYS = {"prod": {"wan2.1", "wan2.2"}, "wan21": {"wan2.1"}, "wan22": {"wan2.2"},
+                   "offline": {"wan2.1", "wan2.2"}}
 FETCH_SCRIPT = "/opt/vaed/fetch_weights.py"
 
 
@@ -88,6 +89,19 @@ def test_one_decoder_per_model(overlay: str, models: set[str]) -> None:
         assert model_label(hpa) == model_label(target)
 
 
+def test_offline_differs_from_prod_only_in_weights_jobs() -> None:
+    def keyed(objs: tuple[Obj, ...]) -> dict[tuple[str, str], Obj]:
+        return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+    prod, offline = keyed(rendered("prod")), keyed(rendered("offline"))
+    assert prod.keys() == offline.keys()
+    differ = {k for k in prod if prod[k] != offline[k]}
+    assert differ == {k for k in prod if k[0] == "Job"}
+    for job in by_kind(rendered("offline"), "Job"):
+        args = container_args(job, "fetch")
+        assert not any(a.startswith("--repo") for a in args) and flag_value(args, "--from-dir")
+
+
 def test_prod_is_both_single_model_overlays() -> None:
     """prod = wan21 + wan22 applied together: the same objects, so the docs'
     single-model and two-model instructions never drift apart."""
@@ -126,7 +140,11 @@ def test_model_paths_consistent(overlay: str, fetch_weights: ModuleType) -> None
 
         (job,) = [j for j in jobs if model_label(j) == model_label(dep)]
         fetch = fetch_args(fetch_weights, container_args(job, "fetch"))
-        assert fetch.repo == spec["repo"] and str(fetch.dest) == model_dir
+        if fetch.from_dir is not None:  # offline: copied from a weights image, same folder name
+            assert fetch.from_dir.name == Path(model_dir).name
+        else:
+            assert fetch.repo == spec["repo"]
+        assert str(fetch.dest) == model_dir
         assert fetch.expect_z_dim == spec["z_dim"]
         assert claim(pod_spec(job), "/models", container(job, "fetch")) == pvc
         one(objs, "PersistentVolumeClaim", pvc)
@@ -158,6 +176,9 @@ def test_weights_job_and_pvc(overlay: str) -> None:
         assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/cache", "/tmp"}
         env = {e["name"]: e for e in c["env"]}
         assert "HF_HUB_OFFLINE" not in env
+        # The weights image of the offline overlay is built FROM the vaed image:
+        # the same script at the same path.
+        assert c["command"] == ["python", FETCH_SCRIPT]
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["optional"] is True
         # The xet chunk cache (10 GB by default) would overflow the /cache emptyDir.
         assert env["HF_XET_CHUNK_CACHE_SIZE_BYTES"]["value"] == "0"
