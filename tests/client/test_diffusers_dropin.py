@@ -20,27 +20,32 @@ pytest.importorskip("diffusers")
 # though these tests pass prompt embeddings: it must be installed to build one.
 pytest.importorskip("transformers")
 
-from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel  # noqa: E402
+from diffusers import (  # noqa: E402
+    FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel,
+)
 
 from harness import CUDA, make_config, serve_in_thread  # noqa: E402
 from vaed_client import RemoteAutoencoderKLWan, VaeClient  # noqa: E402
 
 TEXT_DIM = 32
-FRAMES, HEIGHT, WIDTH = 9, 32, 32  # 3 latent frames of 4x4 (tiny VAE: 8x spatial)
+FRAMES = 9  # 3 latent frames
+# Per model: (pixel size giving 4x4 latents, WanPipeline(expand_timesteps=...)): Wan2.1 is 8x spatial;
+# Wan2.2 (TI2V-5B layout: 2x2 patches, 16x spatial) runs WanPipeline with expand_timesteps=True.
+MODELS = {"random:wan2.1-tiny": (32, False), "random:wan2.2-tiny": (64, True)}
 
 
-def tiny_transformer(z_dim: int) -> Any:
+def tiny_transformer(z_dim: int, in_channels: int | None = None) -> Any:
     torch.manual_seed(0)
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels or z_dim,
         out_channels=z_dim, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
     ).eval()
 
 
-def make_pipe(vae: Any, device: str = "cpu") -> Any:
+def make_pipe(vae: Any, device: str = "cpu", expand_timesteps: bool = False) -> Any:
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                       transformer=tiny_transformer(vae.config.z_dim))
+                       transformer=tiny_transformer(vae.config.z_dim), expand_timesteps=expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
 
@@ -48,7 +53,8 @@ def make_pipe(vae: Any, device: str = "cpu") -> Any:
 def run(pipe: Any, output_type: str, device: str = "cpu") -> Any:
     g = torch.Generator("cpu").manual_seed(0)
     embeds = torch.randn(2, 8, TEXT_DIM, generator=g).to(device)  # batch of 2 prompts
-    out = pipe(prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds), height=HEIGHT, width=WIDTH,
+    size = 8 * pipe.vae_scale_factor_spatial // 2  # 4x4 latents
+    out = pipe(prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds), height=size, width=size,
                num_frames=FRAMES, num_inference_steps=2, guidance_scale=2.0,
                generator=torch.Generator("cpu").manual_seed(1), output_type=output_type)
     return out.frames
@@ -67,16 +73,17 @@ def assert_same(local: Any, remote: Any, output_type: str) -> None:
             assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Any]:
-    with serve_in_thread(make_config("random:wan2.1-tiny")) as running:
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request: pytest.FixtureRequest) -> Iterator[Any]:
+    with serve_in_thread(make_config(request.param)) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def pipes(served: Any) -> Iterator[tuple[Any, Any, Any]]:
+    expand = MODELS[served.config.model][1]
     remote = RemoteAutoencoderKLWan(served.target)
-    yield make_pipe(served.reference_vae()), make_pipe(remote), remote
+    yield make_pipe(served.reference_vae(), expand_timesteps=expand), make_pipe(remote, expand_timesteps=expand), remote
     remote.close()
 
 
@@ -87,14 +94,16 @@ def test_pipeline_outputs_equal_local_vae(pipes: tuple[Any, Any, Any], output_ty
     remote = run(remote_pipe, output_type)
     assert_same(local, remote, output_type)
     if output_type == "np":  # a real video, not a constant that any decoder would match
-        assert local.shape == (2, FRAMES, HEIGHT, WIDTH, 3) and local.std() > 0.01
+        size = MODELS[remote_pipe.vae.config.remote_model][0]
+        assert local.shape == (2, FRAMES, size, size, 3) and local.std() > 0.01
         assert not np.array_equal(local[0], local[1])
 
 
 def test_remote_vae_looks_like_the_local_one(served: Any, pipes: tuple[Any, Any, Any]) -> None:
     local_pipe, remote_pipe, remote = pipes
     local = served.reference_vae()
-    for key in ("z_dim", "scale_factor_temporal", "scale_factor_spatial"):
+    assert remote.config.remote_model == served.config.model
+    for key in ("z_dim", "scale_factor_temporal", "scale_factor_spatial", "patch_size"):
         assert remote.config[key] == getattr(remote.config, key) == local.config[key]
     # Pipelines build torch.tensor(latents_mean/std): the float32 values must match.
     for key in ("latents_mean", "latents_std"):
@@ -128,30 +137,97 @@ def test_decode_matches_local_decode_and_follows_dtype(served: Any, pipes: tuple
 
 def test_pipe_vae_assignment(served: Any) -> None:
     remote = RemoteAutoencoderKLWan(VaeClient(served.target))
-    pipe = make_pipe(served.reference_vae())
+    pipe = make_pipe(served.reference_vae(), expand_timesteps=MODELS[served.config.model][1])
     local = run(pipe, "np")
     pipe.vae = remote
     assert np.array_equal(run(pipe, "np"), local)
     remote.close()
 
 
+def test_image_to_video_pipeline_with_a_local_encoder(served: Any) -> None:
+    """WanImageToVideoPipeline encodes the first frame (vae.encode) and decodes
+    remotely: with `encoder=` the same weights, outputs equal the local VAE's."""
+    from PIL import Image
+
+    expand = MODELS[served.config.model][1]
+    remote = RemoteAutoencoderKLWan(served.target, encoder=served.reference_vae())
+    z = remote.config.z_dim
+    # Wan2.1 I2V concatenates [latents, 4 mask channels, image latents]; Wan2.2 TI2V blends instead.
+    in_channels = z if expand else 2 * z + remote.config.scale_factor_temporal
+
+    def make(vae: Any) -> Any:
+        pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, image_encoder=None,
+                                       image_processor=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                       transformer=tiny_transformer(z, in_channels), expand_timesteps=expand)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    size = 8 * remote.config.scale_factor_spatial // 2
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8))
+    embeds = torch.randn(1, 8, TEXT_DIM, generator=torch.Generator().manual_seed(0))
+
+    def run_i2v(pipe: Any) -> Any:
+        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds), height=size,
+                    width=size, num_frames=FRAMES, num_inference_steps=2, guidance_scale=2.0,
+                    generator=torch.Generator("cpu").manual_seed(1), output_type="np").frames
+
+    local = run_i2v(make(served.reference_vae()))
+    assert local.shape == (1, FRAMES, size, size, 3) and local.std() > 0.01
+    assert np.array_equal(run_i2v(make(remote)), local)
+    remote.close()
+
+
+def _served_layout(running: Any) -> str:
+    """The decoder layout the server runs ("channels_last" on CUDA by default)."""
+    server = running.server
+    engine = server.pool.engine if hasattr(server, "pool") else server.worker.engine
+    fast_paths = getattr(engine, "fast_paths", None)
+    return str(getattr(fast_paths, "layout", None) or getattr(engine, "layout", "contiguous"))
+
+
+def _same_layout_local_vae(running: Any) -> Any:
+    """Stock diffusers (no fused kernels) with the server's weight layout; its
+    decode takes channels_last_3d input like the served engine does."""
+    from vaed.install import prepare_decoder
+
+    vae = running.reference_vae()
+    layout = _served_layout(running)
+    prepare_decoder(vae, kernels="off", layout=layout)
+    if layout == "channels_last":
+        stock_decode = vae.decode
+
+        def decode(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return stock_decode(z.contiguous(memory_format=torch.channels_last_3d), *args, **kwargs)
+
+        vae.decode = decode
+    return vae
+
+
 @pytest.mark.cuda
-def test_pipeline_on_cuda_equals_local_vae_same_layout() -> None:
-    """On the GPU the server runs channels_last_3d (cl3d) weights and the fused
-    kernels, bit-identical to stock diffusers *with the same layout*, so the
-    reference local VAE is moved to channels_last_3d too."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_pipeline_on_cuda_equals_local_vae_same_layout(model: str, dtype: str) -> None:
+    """On the GPU the server runs channels_last_3d weights and the fused
+    kernels, bit-identical to stock diffusers *with the same layout*: the
+    reference local VAE gets that layout. The remote VAE takes the server's
+    dtype, like a local VAE loaded in it."""
     assert CUDA
-    with serve_in_thread(make_config("random:wan2.1-tiny", device="cuda:0", dtype="float32")) as running:
-        local_vae = running.reference_vae()
-        if running.server.worker.engine is not None and getattr(running.server.worker.engine, "layout", "") in (
-            "channels_last", "channels_last_3d"
-        ):
-            local_vae = local_vae.to(memory_format=torch.channels_last_3d)
+    expand = MODELS[model][1]
+    with serve_in_thread(make_config(model, device="cuda:0", dtype=dtype)) as running:
+        local_pipe = make_pipe(_same_layout_local_vae(running), "cuda", expand_timesteps=expand)
         remote = RemoteAutoencoderKLWan(running.target)
-        assert remote.dtype == torch.float32
-        local_pipe = make_pipe(local_vae, "cuda")
-        remote_pipe = make_pipe(remote, "cuda")
+        assert remote.dtype == getattr(torch, dtype)
+        remote_pipe = make_pipe(remote, "cuda", expand_timesteps=expand)
         assert remote.device.type == "cuda" and remote_pipe._execution_device.type == "cuda"
         for output_type in ("np", "pt", "pil", "latent"):
             assert_same(run(local_pipe, output_type, "cuda"), run(remote_pipe, output_type, "cuda"), output_type)
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            accelerate = None
+        if accelerate is not None:  # offload hooks move the (empty) module and set the execution device
+            want = run(local_pipe, "np", "cuda")
+            remote_pipe.enable_model_cpu_offload()
+            assert remote_pipe._execution_device.type == "cuda"
+            assert np.array_equal(run(remote_pipe, "np", "cuda"), want)
         remote.close()
