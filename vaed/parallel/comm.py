@@ -44,7 +44,9 @@ def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, ha
     """x with `halo` neighbour rows added on both sides of `dim` (zeros at the outer edges).
 
     Keeps x's memory format (channels_last_3d in, channels_last_3d out), so the
-    conv that follows sees the layout it would see unsharded.
+    conv that follows sees the layout it would see unsharded. Launches: two
+    boundary copies, one grouped P2P, one zero fill per outer edge and one
+    `cat` (the only full pass over x).
     """
     if halo < 1:
         return x
@@ -52,34 +54,26 @@ def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, ha
     if n < halo:
         raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
     rank, world = group_rank_world(group)
-    shape = list(x.shape)
-    shape[dim] = n + 2 * halo
-    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_memory_format(x))
-    out.narrow(dim, halo, n).copy_(x)
+    fmt = _memory_format(x)
     ops: list[dist.P2POp] = []
-    recvs: list[tuple[int, torch.Tensor]] = []
-    if rank > 0:
-        peer = _global(group, rank - 1)
-        send_lo = x.narrow(dim, 0, halo).contiguous()
-        recv_lo = torch.empty_like(send_lo)
-        ops += [dist.P2POp(dist.isend, send_lo, peer, group), dist.P2POp(dist.irecv, recv_lo, peer, group)]
-        recvs.append((0, recv_lo))
-    else:
-        out.narrow(dim, 0, halo).zero_()
-    if rank < world - 1:
-        peer = _global(group, rank + 1)
-        send_hi = x.narrow(dim, n - halo, halo).contiguous()
-        recv_hi = torch.empty_like(send_hi)
-        ops += [dist.P2POp(dist.isend, send_hi, peer, group), dist.P2POp(dist.irecv, recv_hi, peer, group)]
-        recvs.append((n + halo, recv_hi))
-    else:
-        out.narrow(dim, n + halo, halo).zero_()
+    parts: list[torch.Tensor] = []
+    for side, peer_rank, start in ((0, rank - 1, 0), (1, rank + 1, n - halo)):
+        edge = x.narrow(dim, start, halo)
+        if not 0 <= peer_rank < world:
+            parts.append(torch.zeros_like(edge))
+            continue
+        send = edge.contiguous()  # gloo (and NCCL) take dense row-major buffers
+        recv = torch.empty_like(send)
+        peer = _global(group, peer_rank)
+        ops += [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+        parts.append(recv)
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-        for start, buf in recvs:
-            out.narrow(dim, start, halo).copy_(buf)
-    return out
+    shape = list(x.shape)
+    shape[dim] = n + 2 * halo
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return torch.cat([parts[0], x, parts[1]], dim=dim, out=out)  # one pass, written in x's layout
 
 
 def _padded_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:

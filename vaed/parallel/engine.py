@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 # step descriptor: int64[HEADER_LEN] broadcast on the control group
 HEADER_LEN = 12
-OP_STOP, OP_FRAME, OP_FREE, OP_NOOP = 0, 1, 2, 3
+OP_STOP, OP_FRAME, OP_FREE, OP_NOOP, OP_STATS = 0, 1, 2, 3, 4
 # fields: op, sid, B, z, h, w, index, rgb8, raw dtype, axis, precision, reserved
 _RAW_DTYPES: list[torch.dtype | None] = [None, torch.float32, torch.float16, torch.bfloat16]
 _AXES = ("height", "width")
@@ -276,6 +276,12 @@ class ShardedEngine:
             self.free(state)
         return torch.cat(groups, dim=1 if output.rgb8 else 2)
 
+    def peak_memory(self, reset: bool = False) -> list[int]:
+        """Peak allocated bytes on each rank's device (rank order; 0 on CPU); `reset` starts a new window."""
+        self._check_healthy()
+        self._send_header([OP_STATS, int(reset)] + [0] * (HEADER_LEN - 2))
+        return _exchange_peak(self.base.device, self.control, reset)
+
     def keepalive(self) -> None:
         """A no-op step: call while idle more often than the control group's timeout (launch.py)."""
         self._check_healthy()
@@ -317,6 +323,17 @@ def _global0(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
+def _exchange_peak(device: torch.device, control: dist.ProcessGroup | None, reset: bool) -> list[int]:
+    """Every rank's peak allocated device bytes since the last reset (0 on CPU), on every rank."""
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    if reset and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    mine = torch.tensor([peak], dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(control))]
+    dist.all_gather(out, mine, group=control)
+    return [int(t.item()) for t in out]
+
+
 class Follower:
     """Ranks 1..: decode their shard of every step rank 0 announces, until OP_STOP."""
 
@@ -348,6 +365,9 @@ class Follower:
                 continue
             if op == OP_FREE:
                 self.states.pop(sid, None)
+                continue
+            if op == OP_STATS:
+                _exchange_peak(self.base.device, self.control, reset=bool(sid))
                 continue
             if op != OP_FRAME:
                 raise ShardGroupError(f"unknown step op {op}")
