@@ -27,3 +27,9 @@ from vaed_client.export import (  # noqa: F401
     make_writer,
     output_paths,
 )
+
+__all__ = [
+    "DEFAULT_INFO_TIMEOUT_S", "DEFAULT_SERVER", "CommandError", "add_connection_arguments", "add_info_arguments",
+    "connect", "load_latents", "run_info", "add_arguments", "run", "AvWriter", "FrameWriter", "Mp4Writer",
+    "PngWriter", "make_writer", "output_paths",
+]

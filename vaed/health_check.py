@@ -17,6 +17,9 @@ from vaed_client.cli import check_health as check  # noqa: F401
 from vaed_client.cli import run_health as run
 
 
+__all__ = ["DEFAULT_SERVER", "DEFAULT_TIMEOUT_S", "add_arguments", "check", "run", "main"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vaed health", description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)

@@ -27,7 +27,18 @@ import grpc.aio
 
 from . import wire
 from .channel import Metadata, TlsSpec, create_aio_channel, prepare_channel
-from .core import END, Assembly, CallSpec, ModelInfo, SessionState, call_spec, chunk_result, decode_request, prepare_latents
+from .core import (
+    END,
+    Assembly,
+    CallSpec,
+    ModelInfo,
+    SessionState,
+    SessionView,
+    call_spec,
+    chunk_result,
+    decode_request,
+    prepare_latents,
+)
 from .errors import CancelledError, from_rpc_error
 from .video import DecodedChunk, has_frames
 
@@ -161,7 +172,7 @@ class AsyncVaeClient:
         return AsyncDecodeSession(self, spec)
 
 
-class AsyncDecodeSession:
+class AsyncDecodeSession(SessionView):
     """A DecodeStream call: `await push()` latent chunks, `async for` frames.
 
     `push` waits on gRPC flow control (backpressure). Replies are read by a
@@ -175,14 +186,6 @@ class AsyncDecodeSession:
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._replies: asyncio.Queue[Any] | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    @property
-    def format(self) -> str:
-        return self._state.format
 
     def _start(self) -> Any:
         if self._call is None:

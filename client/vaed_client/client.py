@@ -31,6 +31,7 @@ from .core import (
     CallSpec,
     ModelInfo,
     SessionState,
+    SessionView,
     call_spec,
     chunk_result,
     decode_request,
@@ -178,7 +179,7 @@ def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool) -> Iterator[Decod
         call.cancel()  # no-op when the call already ended
 
 
-class DecodeSession:
+class DecodeSession(SessionView):
     """A DecodeStream call: `push()` latent chunks, iterate DecodedChunks.
 
     Pushes go through a bounded queue (`max_pending` messages) that gRPC
@@ -199,14 +200,6 @@ class DecodeSession:
         )
         self._reader = threading.Thread(target=self._read_replies, name="vaed-session-reader", daemon=True)
         self._reader.start()
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    @property
-    def format(self) -> str:
-        return self._state.format
 
     # -- request side ------------------------------------------------------
     def _request_iterator(self) -> Iterator[Any]:

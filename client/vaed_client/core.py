@@ -221,15 +221,30 @@ class Assembly:
 
 
 def _torch_available() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    # find_spec, not import: numpy-only callers of uint8/raw never pay torch's import.
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 # -- sessions ------------------------------------------------------------------
 END = object()  # end-of-replies marker in a session's reply queue
+
+
+class SessionView:
+    """What both session front-ends expose from their `SessionState`."""
+
+    _state: "SessionState"
+
+    @property
+    def request_id(self) -> str:
+        """The call's request id (the server's once its first reply arrived)."""
+        return self._state.request_id
+
+    @property
+    def format(self) -> str:
+        """The wire format, 'rgb8' or 'raw'."""
+        return self._state.format
 
 
 class SessionState:
@@ -328,6 +343,7 @@ __all__ = [
     "receive_as_torch",
     "Assembly",
     "SessionState",
+    "SessionView",
     "END",
     "InternalError",
 ]

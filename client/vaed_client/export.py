@@ -112,10 +112,10 @@ class AvWriter:
     groups; groups may arrive out of order (they wait in a reorder buffer)."""
 
     def __init__(self, out: pathlib.Path, fps: int, *, lossless: bool = False) -> None:
-        try:
-            import av  # noqa: F401
-        except ImportError:
-            raise ExportError("writing video needs PyAV: pip install 'vaed-client[video]'") from None
+        import importlib.util
+
+        if importlib.util.find_spec("av") is None:
+            raise ExportError("writing video needs PyAV: pip install 'vaed-client[video]'")
         self.out = out
         self.fps = fps
         self.mkv = out.suffix.lower() == ".mkv"

@@ -29,6 +29,12 @@ from .dtypes import (  # noqa: F401  (re-exported: the old public names of this 
 
 _is_torch = is_torch  # older internal name
 
+__all__ = [
+    "DTYPE_NAMES", "NUMPY_STORAGE", "WIRE_DTYPE_BY_NAME", "TensorFormatError", "dtype_name", "is_torch", "itemsize",
+    "torch_dtype", "wire_dtype", "validate", "to_message", "to_numpy", "to_torch", "storage_view",
+    "widen_bf16_bits", "storage_to_torch",
+]
+
 
 def validate(message: vaed_pb2.Tensor) -> tuple[int, ...]:
     """Check dtype, shape and byte count; return the shape.

@@ -193,3 +193,6 @@ def assemble(chunks: Iterable[DecodedChunk]) -> Any:
 
         return torch.cat(frames, dim=axis)
     return np.concatenate(frames, axis=axis)
+
+
+__all__ = ["RGB8", "RAW", "TIME_AXIS", "output_frames", "DecodedChunk", "has_frames", "to_chunk", "VideoAssembler", "assemble"]

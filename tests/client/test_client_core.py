@@ -6,7 +6,7 @@ name override and keepalive."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -21,12 +21,6 @@ from vaed_client import errors
 from vaed_client import outputs
 
 
-@pytest.fixture()
-def fake() -> Iterator[tuple[FakeDecoder, str]]:
-    servicer = FakeDecoder()
-    server, port = start_fake_server(servicer)
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
 
 
 def diffusers_postprocess(raw: torch.Tensor, output_type: str) -> Any:

@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -30,12 +30,6 @@ from vaed_client import errors, tensors
 from vaed_client._proto import vaed_pb2
 from vaed_client.video import assemble
 
-@pytest.fixture()
-def fake() -> Iterator[tuple[FakeDecoder, str]]:
-    servicer = FakeDecoder()
-    server, port = start_fake_server(servicer)
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
 
 
 # -- codec -------------------------------------------------------------------
