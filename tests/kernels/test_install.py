@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from vaed.patches import FastPathError, FastPathReport, prepare_decoder, remove_fast_paths, to_decoder_layout
+from vaed.patches import (
+    LOSSLESS_OPS,
+    REFERENCE_OPS,
+    FastPathError,
+    FastPathReport,
+    prepare_decoder,
+    remove_fast_paths,
+    to_decoder_layout,
+    using,
+)
 from vaed.models import build_random_vae
 
 CUDA = torch.cuda.is_available()
@@ -76,24 +85,32 @@ def test_to_decoder_layout() -> None:
 @pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_cpu_fallback_bit_identical_to_stock(arch: str, layout: str) -> None:
+    """The installed forwards' per-call fallbacks (REFERENCE_OPS, and LOSSLESS_OPS whose kernels decline
+    on a CPU) run on the CPU and equal stock diffusers' decode, which runs with nothing installed."""
     vae = _vae(arch)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
     with torch.no_grad():
-        prepare_decoder(vae, kernels="off", layout=layout)
+        rep = prepare_decoder(vae, kernels="off", layout=layout)
+        assert rep.ops == "stock" and not any("forward" in m.__dict__ for m in vae.modules())
         want = vae.decode(to_decoder_layout(z, layout), return_dict=False)[0]
-        prepare_decoder(vae, kernels="auto", layout=layout)
-        out, _ = _decode(vae, to_decoder_layout(z, layout))
+        rep = prepare_decoder(vae, kernels="off", layout=layout, ops=REFERENCE_OPS)
+        assert rep.ops == "reference"
+        assert any("forward" in m.__dict__ for m in vae.decoder.modules())
+        outs = [_decode(vae, to_decoder_layout(z, layout))[0]]
+        with using(LOSSLESS_OPS):
+            outs.append(_decode(vae, to_decoder_layout(z, layout))[0])
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-    if vae.config.patch_size is not None:
-        out = unpatchify(out, vae.config.patch_size)
-    assert torch.equal(out.clamp(-1, 1), want)
+    for out in outs:
+        if vae.config.patch_size is not None:
+            out = unpatchify(out, vae.config.patch_size)
+        assert torch.equal(out.clamp(-1, 1), want)
 
 
 INTERP = textwrap.dedent(
     """
     import torch
-    from vaed.patches import prepare_decoder, to_decoder_layout
+    from vaed.patches import LOSSLESS_OPS, REFERENCE_OPS, prepare_decoder, to_decoder_layout
     from vaed.models import build_random_vae
     for arch in ("wan2.1-tiny", "wan2.2-tiny"):
         vae = build_random_vae(arch).eval().requires_grad_(False)
@@ -102,10 +119,17 @@ INTERP = textwrap.dedent(
             prepare_decoder(vae, kernels="off", layout="channels_last")
             want = vae.decode(z, return_dict=False)[0]
             rep = prepare_decoder(vae, kernels="triton", layout="channels_last")
-            assert rep.kernels == "triton", rep
+            assert rep.kernels == "triton" and rep.ops == "lossless" and rep.disabled_ops == (), rep
+            assert rep.op_sets["lossless"] == LOSSLESS_OPS, rep
             got = vae.decode(z, return_dict=False)[0]
+            rep = prepare_decoder(vae, kernels="triton", layout="channels_last", disabled_ops={"norm_causal_pad"})
+            assert rep.disabled_ops == ("norm_causal_pad",), rep
+            assert rep.op_sets["lossless"].norm_causal_pad is REFERENCE_OPS.norm_causal_pad
+            got_no_norm = vae.decode(z, return_dict=False)[0]
         assert got.stride() == want.stride()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)  # interpreter exp is numpy's
+        # without the norm prologue (no exp in a kernel) the interpreter is exact
+        assert got_no_norm.stride() == want.stride() and torch.equal(got_no_norm, want)
     print("interp-ok")
     """
 )

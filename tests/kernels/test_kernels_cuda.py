@@ -35,7 +35,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["cl3d", "contiguous", "ntchw"])
 @pytest.mark.parametrize("cache_frames", [0, 1, 2])
-@pytest.mark.parametrize("pad", [(1, 1, 1, 1, 2, 0), (0, 0, 0, 0, 2, 0)])
+@pytest.mark.parametrize("pad", [(1, 1, 1, 1, 2, 0), (0, 0, 0, 0, 2, 0), (0, 1, 1, 1, 2, 0), (1, 1, 0, 1, 2, 0), (1, 0, 1, 0, 2, 0)])
 @pytest.mark.parametrize("frames", [1, 2, 4])
 @pytest.mark.parametrize("norm", [False, True])
 def test_causal_pad_exact(dtype, layout, cache_frames, pad, frames, norm) -> None:
@@ -74,7 +74,14 @@ def test_causal_pad_rep_marker(dtype, layout, frames) -> None:
 
 def test_causal_pad_declines_and_rejects() -> None:
     x = torch.randn(1, 4, 2, 5, 5, device="cuda", dtype=torch.bfloat16)
-    assert K.causal_pad(x, None, (1, 0, 1, 1, 2, 0)) is None  # asymmetric
+    # asymmetric spatial padding (a shard's interior edge) is handled, exactly
+    for pad in ((1, 0, 1, 1, 2, 0), (0, 1, 0, 1, 2, 0), (2, 0, 0, 3, 2, 0)):
+        got = K.causal_pad(x, None, pad)
+        assert got is not None
+        want = K.causal_pad_reference(x, None, pad)
+        _same(got[0], want[0])
+        _same(got[1], want[1])
+    assert K.causal_pad(x, None, (1, 1, -1, 1, 2, 0)) is None  # negative (cropping) padding
     assert K.causal_pad(x, None, (1, 1, 1, 1, 2, 1)) is None  # back padding in time
     assert K.causal_pad(x.double(), None, (1, 1, 1, 1, 2, 0)) is None  # dtype
     assert K.causal_pad(x, x.float(), (1, 1, 1, 1, 2, 0)) is None  # cache dtype mismatch

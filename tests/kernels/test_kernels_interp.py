@@ -48,11 +48,22 @@ SCRIPT = textwrap.dedent(
         for il in (False, True):
             xe = lay(torch.randn(1, 4, 2, 3, 5, dtype=dt), l)
             same(K.upsample_nearest2x(xe, il), K.upsample_nearest2x_reference(xe, il)); n += 1
-        if dt != torch.bfloat16 and pad[0] == 1:
+        if dt != torch.bfloat16 and pad[:4] == (1, 1, 1, 1):
             for ft, first in ((1, False), (2, False), (2, True)):
                 src = lay(torch.randn(1, 4, 2, 3, 4, dtype=dt), "cl3d")
                 m = lay(torch.randn(1, 2, 2 * ft - (ft - 1 if first else 0), 6, 8, dtype=dt), l)
                 same(K.dupup_add(m, src, ft, 2, first), K.dupup_add_reference(m, src, ft, 2, first)); n += 1
+    # one-sided spatial padding (a shard's interior edge), with and without the next-cache write
+    for dt, l, cf, pad in itertools.product(
+        (torch.bfloat16, torch.float32), ("cl3d", "contiguous"), (0, 2), ((0, 1, 1, 0, 2, 0), (2, 0, 0, 1, 2, 0))):
+        x = lay(torch.randn(1, 3, 2, 4, 5, dtype=dt), l)
+        c = lay(torch.randn(1, 3, 2, 4, 5, dtype=dt), l) if cf else None
+        want = K.causal_pad_reference(x, c, pad)
+        got = K.causal_pad(x, c, pad)
+        same(got[0], want[0]); same(got[1], want[1]); n += 1
+        got = K.causal_pad(x, c, pad, emit_cache=False)
+        assert got[1] is None
+        same(got[0], want[0]); n += 1
     # norm + SiLU prologue: same layout, values within the interpreter's exp error
     for dt, l in itertools.product((torch.float32, torch.bfloat16), ("cl3d", "contiguous")):
         x = lay(torch.randn(1, 6, 2, 4, 5, dtype=dt), l)
