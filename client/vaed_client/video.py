@@ -23,7 +23,11 @@ log = logging.getLogger(__name__)
 
 RGB8 = "rgb8"
 RAW = "raw"
-TIME_AXIS = {RGB8: 1, RAW: 2}
+# Time axis of a chunk's frames by format: the wire formats, then the output
+# types of `vaed_client.outputs` (np [B,T,H,W,3], pt [B,T,3,H,W]; pil is a
+# list per video of lists of images, its time axis the inner list).
+TIME_AXIS = {RGB8: 1, RAW: 2, "uint8": 1, "np": 1, "pt": 1}
+PIL = "pil"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class DecodedChunk:
 
     @property
     def num_frames(self) -> int:
+        if self.format == PIL:
+            return len(self.frames[0]) if self.frames else 0
         return int(self.frames.shape[TIME_AXIS[self.format]])
 
     @property
@@ -186,6 +192,8 @@ def assemble(chunks: Iterable[DecodedChunk]) -> Any:
         if chunk.first_frame != expected:
             raise ValueError(f"chunks do not tile the video: frame {expected} expected, got {chunk.first_frame}")
         expected = chunk.end_frame
+    if ordered[0].format == PIL:
+        return [sum((list(c.frames[b]) for c in ordered), []) for b in range(len(ordered[0].frames))]
     axis = TIME_AXIS[ordered[0].format]
     frames = [c.frames for c in ordered]
     if tensors._is_torch(frames[0]):

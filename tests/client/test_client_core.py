@@ -19,6 +19,7 @@ import vaed_client
 from vaed_client import channel as vchannel
 from vaed_client import errors
 from vaed_client import outputs
+from vaed_client.video import assemble
 
 
 
@@ -95,7 +96,15 @@ def test_stream_and_session_convert_each_chunk(fake: tuple[FakeDecoder, str]) ->
         whole = client.decode(latents, output_type="np")
         chunks = list(client.stream(latents, output_type="np"))
         assert all(c.frames.dtype == np.float32 and c.format == "np" for c in chunks)
+        assert [c.num_frames for c in chunks] == [1, 3, 1, 3, 1] and chunks[-1].end_frame == 9
         assert np.array_equal(np.concatenate([c.frames for c in chunks], axis=1), whole)
+        assert np.array_equal(assemble(reversed(chunks)), whole)
+        pt_chunks = list(client.stream(latents, output_type="pt"))
+        assert torch.equal(assemble(pt_chunks), client.decode(latents, output_type="pt"))
+        pil_chunks = list(client.stream(latents, output_type="pil"))
+        assert [c.num_frames for c in pil_chunks] == [1, 3, 1, 3, 1]
+        pil = assemble(pil_chunks)
+        assert_equal_output(pil, client.decode(latents, output_type="pil"), "pil")
         with client.session(output_type="pt") as session:
             session.push(latents[:, :, :1])
             session.push(latents[:, :, 1:])
