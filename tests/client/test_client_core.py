@@ -237,3 +237,24 @@ def test_read_token(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         vchannel.read_token(str(tmp_path / "e"))
     monkeypatch.delenv("VAED_AUTH_TOKEN")
     assert vchannel.read_token(None, "VAED_AUTH_TOKEN") is None
+
+
+# -- the drop-in VAE without diffusers ---------------------------------------------
+def test_remote_vae_works_without_diffusers(fake: tuple[FakeDecoder, str]) -> None:
+    import subprocess
+    import sys
+
+    _, target = fake
+    code = (
+        "import sys; sys.modules['diffusers'] = None\n"  # `import diffusers` fails
+        "import torch, vaed_client\n"
+        f"vae = vaed_client.RemoteAutoencoderKLWan({target!r})\n"
+        "assert vae.config.z_dim == 16 and vae.config['scale_factor_spatial'] == 8 and vae.dtype == torch.float32\n"
+        "out = vae.decode(torch.zeros(1, 16, 2, 2, 2))\n"
+        "assert tuple(out.sample.shape) == (1, 3, 5, 16, 16) and out[0] is out.sample\n"
+        "assert vae.decode(torch.zeros(1, 16, 1, 2, 2), return_dict=False)[0].shape[2] == 1\n"
+        "print(type(vae.config).__name__, type(out).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["_AttrDict", "_DecoderOutput"]
