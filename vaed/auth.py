@@ -7,15 +7,15 @@ reflection stays protected: it lists the whole API surface, and a tool such
 as grpcurl can send the header (``-H 'authorization: Bearer ...'``).
 
 A refused call is answered without receiving or parsing its payload. The
-interceptor decides on the metadata alone and returns ``refusing_handler``:
+interceptor decides on the metadata alone and returns a ``Refusals`` handler:
 registered as stream-request with no deserializer, so grpc.aio issues no read
 before (or after) the handler runs and nothing is parsed; the wire does not
 distinguish a unary request, so it fits every method. What the server holds
-for a refused call is what HTTP/2 flow control already let in for its stream
-(a few MiB on loopback), whatever the client sends: four concurrent
-unauthenticated 250 MiB Decode calls grew a `vaed serve` process by 2.7 GB
-RSS when the refusal still read the request, and now by 25 MB (four
-DecodeStream calls pushing 4 x 250 MiB each: 5 MB).
+for a refused call is what HTTP/2 flow control already let in for its stream,
+whatever the client sends: four concurrent unauthenticated 250 MiB Decode
+calls grew a `vaed serve` process by 2.7 GB RSS when the refusal still read
+the request, and now by 25 MB (four DecodeStream calls pushing 4 x 250 MiB
+each: 5 MB).
 
 Known, unknown and malformed calls get the same handler, so without a token
 every method answers alike (UNAUTHENTICATED, same delay): methods cannot be
@@ -37,8 +37,10 @@ way. Reading the stream to its half-close (what the old refusal did) also
 fixes it, but reads payload without bound; lingering reads nothing, lets the
 client's in-flight writes complete into the flow-control window, and costs
 each refused call 0.25 s (the same for every method, so the delay tells
-nothing either). A grpc.aio client that writes far past the flow-control
-window before it reads can still see INTERNAL.
+nothing either). A lingering stream holds its flow-control window, so at
+most MAX_LINGERING_REFUSALS linger at once and the rest answer at once. A
+grpc.aio client that writes far past the window before it reads, or is
+refused during a flood, can still see INTERNAL.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
 # table): 0.25 s let 6.4 MB of in-flight grpc.aio writes land in 40 of 40
 # calls on loopback; 0.1 s in 36 of 40.
 REFUSAL_LINGER_SECONDS = 0.25
+# At most this many refusals linger at once; the rest answer at once. A
+# lingering stream holds what flow control let in while it waits: with gRPC's
+# default BDP-probed windows 6-30 MiB a stream on loopback. 64 concurrent
+# refused DecodeStream calls pushing 4 x 16 MiB on one connection grew a
+# server by 759 MiB RSS with no cap, by 103-460 MiB with 16 (noisy), and by
+# 3 MiB answering at once; with the server options grpc.http2.bdp_probe=0 and
+# grpc.http2.lookahead_bytes=4 MiB, by 43-112 MiB with or without the cap.
+MAX_LINGERING_REFUSALS = 16
 
 # on_refused(method, code_name): method is the last part of the path
 # ("Decode"), code_name a grpc.StatusCode name ("UNAUTHENTICATED").
@@ -95,23 +105,48 @@ def _check(metadata: Any, expected: bytes) -> str | None:
     return None
 
 
-def refusing_handler(
-    code: grpc.StatusCode, message: str, linger: float = REFUSAL_LINGER_SECONDS
-) -> grpc.RpcMethodHandler:
-    """A handler for any method that answers ``code`` and never reads or parses the request.
+class Refusals:
+    """Makes handlers that refuse a call with a status, never reading or parsing its request.
 
-    Stream-request with no deserializer or serializer: grpc.aio hands the
-    handler an iterator it never advances, so no message is requested from
-    the transport. ``linger`` seconds pass first so a client's in-flight
-    writes complete (see the module docstring).
+    Each handler is stream-request with no deserializer or serializer: the
+    wire does not distinguish a unary request, so it fits any method, and
+    grpc.aio hands it an iterator it never advances, so no message is
+    requested from the transport. Before its status a refusal lingers
+    ``linger`` seconds so a client's in-flight writes complete (see the module
+    docstring), unless ``max_lingering`` refusals already linger: then it
+    answers at once, which bounds the memory a flood of refused calls holds.
+    Share one instance between interceptors so the cap is the server's.
+    Handlers run on the server's event loop: the counter needs no lock.
     """
 
-    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        if linger > 0:
-            await asyncio.sleep(linger)
-        await context.abort(code, message)
+    def __init__(
+        self, linger: float = REFUSAL_LINGER_SECONDS, max_lingering: int = MAX_LINGERING_REFUSALS
+    ) -> None:
+        if linger < 0:
+            raise ValueError(f"linger must be >= 0 seconds, got {linger}")
+        if max_lingering < 0:
+            raise ValueError(f"max_lingering must be >= 0, got {max_lingering}")
+        self.linger = linger
+        self.max_lingering = max_lingering
+        self.lingering = 0  # refusals waiting right now
 
-    return grpc.stream_stream_rpc_method_handler(refuse)
+    async def _wait(self) -> None:
+        if self.linger <= 0 or self.lingering >= self.max_lingering:
+            return
+        self.lingering += 1
+        try:
+            await asyncio.sleep(self.linger)
+        finally:
+            self.lingering -= 1
+
+    def handler(self, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+        """A handler for any method that answers ``code`` with ``message``, unread."""
+
+        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._wait()
+            await context.abort(code, message)
+
+        return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def _method_label(method: str) -> str:
@@ -132,16 +167,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self,
         token: str,
         on_refused: RefusedCallback | None = None,
-        linger: float = REFUSAL_LINGER_SECONDS,
+        refusals: Refusals | None = None,
     ) -> None:
         token = token.strip()
         if not token:
             raise ValueError("auth token must not be empty")
-        if linger < 0:
-            raise ValueError(f"linger must be >= 0 seconds, got {linger}")
         self._expected = token.encode("utf-8")
         self._on_refused = on_refused
-        self._linger = linger
+        self._refusals = refusals if refusals is not None else Refusals()
 
     async def intercept_service(
         self,
@@ -162,7 +195,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                 self._on_refused(_method_label(method), grpc.StatusCode.UNAUTHENTICATED.name)
             except Exception:
                 logger.warning("on_refused callback failed", exc_info=True)
-        return refusing_handler(grpc.StatusCode.UNAUTHENTICATED, problem, self._linger)
+        return self._refusals.handler(grpc.StatusCode.UNAUTHENTICATED, problem)
 
 
 def read_token(path: str | None, env_var: str | None = None) -> str | None:

@@ -25,9 +25,9 @@ from vaed import health_check
 from vaed.auth import (
     AUTH_TOKEN_ENV,
     REFUSAL_LINGER_SECONDS,
+    Refusals,
     BearerTokenInterceptor,
     read_token,
-    refusing_handler,
     server_credentials,
 )
 
@@ -276,7 +276,7 @@ def test_unknown_methods_and_malformed_payloads_answer_like_real_methods() -> No
 def test_grpc_aio_clients_still_writing_get_unauthenticated() -> None:
     """A streaming grpc.aio client that writes several chunks before reading.
 
-    With linger=0 (abort at once) this fails: 22-35 of 40 such calls got
+    With Refusals(linger=0) (abort at once) this fails: 22-35 of 40 such calls got
     INTERNAL on loopback (the client's failed write overwrites the status).
     The refusal's linger lets in-flight writes land first.
     """
@@ -300,7 +300,9 @@ def test_grpc_aio_clients_still_writing_get_unauthenticated() -> None:
     async def main() -> list[grpc.StatusCode]:
         # 2x the default linger: margin for a loaded CI machine (the
         # mechanism is under test here, not the default's value).
-        server, port = await _start_server(TOKEN, spies=spies, linger=2 * REFUSAL_LINGER_SECONDS)
+        server, port = await _start_server(
+            TOKEN, spies=spies, refusals=Refusals(linger=2 * REFUSAL_LINGER_SECONDS)
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 return [await one(ch) for _ in range(12)]
@@ -335,11 +337,56 @@ def test_on_refused_that_raises_still_refuses(caplog: pytest.LogCaptureFixture) 
     assert "on_refused callback failed" in caplog.text
 
 
-def test_refusing_handler_shape() -> None:
-    h = refusing_handler(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+def test_refusal_handler_shape() -> None:
+    h = Refusals().handler(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
     # Stream-request with no deserializer: grpc.aio reads nothing before the handler runs.
     assert h.request_streaming and h.response_streaming
     assert h.request_deserializer is None and h.response_serializer is None
+
+
+class _AbortRecorder:
+    """The part of a ServicerContext a refusal uses."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[grpc.StatusCode, str]] = []
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted.append((code, details))
+        raise grpc.RpcError()  # what grpc.aio's abort does: end the handler
+
+
+def test_at_most_max_lingering_refusals_linger_the_rest_answer_at_once() -> None:
+    refusals = Refusals(linger=30.0, max_lingering=2)
+    behaviour = refusals.handler(grpc.StatusCode.UNAUTHENTICATED, "no").stream_stream
+
+    async def never_read() -> AsyncIterator[bytes]:
+        raise AssertionError("a refusal must never read its request")
+        yield b""  # pragma: no cover
+
+    async def main() -> tuple[int, int, list[bool]]:
+        contexts = [_AbortRecorder() for _ in range(5)]
+        tasks = [asyncio.ensure_future(behaviour(never_read(), c)) for c in contexts]
+        for _ in range(3):
+            await asyncio.sleep(0)  # every task runs until it lingers or aborts
+        answered = [bool(c.aborted) for c in contexts]
+        lingering = refusals.lingering
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return lingering, refusals.lingering, answered
+
+    lingering, after_cancel, answered = _run(main())
+    # The first two linger (a 30 s linger: certainly still waiting); the other three answered at once.
+    assert answered == [False, False, True, True, True]
+    assert lingering == 2
+    assert after_cancel == 0  # a cancelled linger gives its place back
+
+
+def test_refusals_validate_arguments() -> None:
+    with pytest.raises(ValueError, match="linger"):
+        Refusals(linger=-1.0)
+    with pytest.raises(ValueError, match="max_lingering"):
+        Refusals(max_lingering=-1)
 
 
 def test_no_interceptor_means_open() -> None:
@@ -356,11 +403,9 @@ def test_no_interceptor_means_open() -> None:
         assert out[name] == want
 
 
-def test_bad_constructor_arguments() -> None:
+def test_empty_token_rejected() -> None:
     with pytest.raises(ValueError, match="empty"):
         BearerTokenInterceptor("  \n")
-    with pytest.raises(ValueError, match="linger"):
-        BearerTokenInterceptor(TOKEN, linger=-1.0)
 
 
 # ---------------------------------------------------------------- read_token
