@@ -30,15 +30,17 @@ def solo_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model", ["random:wan2.1-tiny", "random:wan2.2-tiny"])
-@pytest.mark.parametrize("axis", ["height", "width"])
-@pytest.mark.parametrize("kernels", ["off", "auto"])
+@pytest.fixture(scope="module", params=["random:wan2.1-tiny", "random:wan2.2-tiny"])
+def engine(request: pytest.FixtureRequest) -> DecodeEngine:
+    return DecodeEngine.load(request.param, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(("axis", "kernels"), [("height", "off"), ("width", "auto")])
 def test_shard_forward_on_one_rank_equals_the_one_gpu_decode(
-    solo_group: None, model: str, axis: str, kernels: str
+    solo_group: None, engine: DecodeEngine, axis: str, kernels: str
 ) -> None:
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-    engine = DecodeEngine.load(model, device="cpu", dtype="float32")
     check_shardable(engine.vae.decoder)
     z = torch.randn(1, engine.z_dim, 3, 3, 5, generator=torch.Generator().manual_seed(0))
     want = engine.decode_video(z, OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True))

@@ -16,7 +16,7 @@ import torch
 
 from vaed.engine import DecodeEngine
 from vaed.models import load_model
-from vaed.parallel import GroupConfig, ShardPlan, ShardedEngine, start_sharded_engine
+from vaed.parallel import GroupConfig, ShardGroupError, ShardPlan, ShardedEngine, start_sharded_engine
 from vaed.session import OutputSpec
 
 TOL = 2e-5
@@ -155,3 +155,24 @@ def test_session_shape_is_fixed(group: ShardedEngine) -> None:
             group.decode_frame(state, _latents(group, 1, group.world + 1, 2), RAW)
     finally:
         group.free(state)
+
+
+def test_group_reports_ranks_and_delegates_to_the_one_gpu_engine(group: ShardedEngine) -> None:
+    assert group.peak_memory(reset=True) == [0] * group.world  # CPU ranks: no device memory to report
+    assert group.z_dim == group.base.z_dim and group.scale_spatial == group.base.scale_spatial
+    assert group.output_frames(3) == 9
+    assert group.describe().startswith(f"spatial x{group.world}")
+
+
+def test_a_dead_follower_breaks_the_group_with_a_clear_error(group: ShardedEngine) -> None:
+    """Last test of each group (it breaks it): rank 0 raises ShardGroupError instead of hanging,
+    and new sessions of any size then decode on rank 0 alone (the server keeps serving)."""
+    victim = group._launched.procs[-1]
+    victim.kill()
+    victim.join(10)
+    with pytest.raises(ShardGroupError, match="sharded decode failed"):
+        group.decode_video(_latents(group, 1, 2 * group.world, 2), RAW)
+    assert not group.healthy
+    # new sessions of any size now decode on rank 0 alone, equal to the one-GPU engine
+    z = _latents(group, 2, 2 * group.world, 2, seed=31)
+    assert torch.equal(group.decode_video(z, RAW), group.base.decode_video(z, RAW))

@@ -31,6 +31,7 @@ broken (`healthy` False) and raises `ShardGroupError` for every later call.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -174,9 +175,21 @@ class ShardedEngine:
         self.control = control_group
         self.runner = _ShardRunner(base, data_group, kernels)
         self.healthy = True
+        self._broken = False
         self._launched = launched  # a launch.ShardGroup whose processes this engine stops
         self._sids = itertools.count(1)
         self._comm_device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else base.device
+
+    def __getattr__(self, name: str) -> Any:
+        # everything else a server reads from an engine (z_dim, scale factors, latents
+        # statistics, info, fast_paths, loaded...) is rank 0's one-GPU engine's
+        if name == "base":  # not set yet (construction failed): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def describe(self) -> str:
+        """For ModelInfo / logs: "spatial x2 (axis auto, shard from 0 px)"."""
+        return f"spatial x{self.world} (axis {self.axis}, shard from {self.min_pixels} px)"
 
     # -- the engine interface -------------------------------------------------------------
 
@@ -207,18 +220,26 @@ class ShardedEngine:
     def new_state(self) -> ShardedState:
         return ShardedState(sid=next(self._sids))
 
-    @torch.inference_mode()
     def decode_frame(self, state: ShardedState, latent_frame: torch.Tensor, output: Any) -> Any:
-        """Decode one latent frame [B, z, 1, h, w]; returns the engine's DecodedGroup on rank 0."""
+        """Decode one latent frame [B, z, 1, h, w]; returns the engine's DecodedGroup on rank 0.
+
+        Callable from any thread (the server's device worker): NCCL takes the
+        current CUDA device of the calling thread, so it is set here.
+        """
+        with _device_scope(self.base.device):
+            return self._decode_frame(state, latent_frame, output)
+
+    @torch.inference_mode()
+    def _decode_frame(self, state: ShardedState, latent_frame: torch.Tensor, output: Any) -> Any:
         from vaed.engine import DecodedGroup
 
-        self._check_healthy()
         b, z, t, h, w = latent_frame.shape
         if t != 1:
             raise ValueError(f"decode_frame takes one latent frame, got T={t}")
         if state.shape is None:
             state.shape = (b, h, w)
-            state.plan = self.plan_for(h, w)
+            # a broken group degrades to one GPU for new sessions: rank 0 keeps serving
+            state.plan = self.plan_for(h, w) if self.healthy else None
             if state.plan is None:
                 state.local = self.base.new_state()
                 log.debug("session %d: %dx%d latent decodes on one GPU", state.sid, h, w)
@@ -232,6 +253,7 @@ class ShardedEngine:
             state.next_latent_frame = state.local.next_latent_frame
             state.next_output_frame = state.local.next_output_frame
             return group
+        self._check_healthy()
         plan = state.plan
         assert plan is not None
         x = latent_frame.to(self.base.device, non_blocking=True).to(self.base.dtype)
@@ -296,7 +318,8 @@ class ShardedEngine:
                 log.warning("could not stop the followers cleanly: %s", exc)
             self.healthy = False
         if self._launched is not None:
-            self._launched.join()
+            # followers of a broken group may sit in a collective forever: do not wait for them
+            self._launched.join(timeout=60.0 if not self._broken else 0.0)
             self._launched = None
 
     # -- internals ------------------------------------------------------------------------
@@ -308,6 +331,7 @@ class ShardedEngine:
     def _fail(self, exc: BaseException) -> None:
         log.error("sharded group broken: %s", exc)
         self.healthy = False
+        self._broken = True
 
     def _send_header(self, header: list[int]) -> None:
         t = torch.tensor(header, dtype=torch.int64)
@@ -317,6 +341,10 @@ class ShardedEngine:
         buf = x.to(self._comm_device)
         dist.broadcast(buf, src=_global0(self.runner.group), group=self.runner.group)
         return x
+
+
+def _device_scope(device: torch.device) -> Any:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _global0(group: dist.ProcessGroup | None) -> int:

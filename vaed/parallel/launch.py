@@ -103,8 +103,13 @@ def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
         follower = Follower(base, control_group=control, kernels=cfg.kernels)
         dist.barrier(group=control)  # ready: rank 0 waits here for every model
         follower.run()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # die at once: rank 0's next collective then fails (gloo) or times out (NCCL)
+        # instead of this rank waiting in a collective the others never join
+        log.exception("rank %d failed; leaving the group", rank)
+        logging.shutdown()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 class ShardGroup:
@@ -115,7 +120,7 @@ class ShardGroup:
 
     def join(self, timeout: float = 60.0) -> None:
         for p in self.procs:
-            p.join(timeout)
+            p.join(max(timeout, 0.1))
             if p.is_alive():
                 log.warning("follower pid %s did not stop; terminating it", p.pid)
                 p.terminate()
@@ -135,6 +140,9 @@ def start_sharded_engine(cfg: GroupConfig, base: Any = None) -> ShardedEngine:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    # a dead follower must fail rank 0's collective with an error, not kill the server process
+    # (torch's default, 3, tears the process down after the watchdog timeout); 2 = clean up only
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     init_method = cfg.init_method or f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_follower_main, args=(r, cfg, init_method), daemon=True) for r in range(1, cfg.world)]
