@@ -17,6 +17,7 @@ import textwrap
 import pytest
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # the interpreter runs every launch in numpy
 
 SCRIPT = textwrap.dedent(
     """

@@ -7,6 +7,7 @@ reference beside it. Triton is imported on first use only.
 
 from vaed.kernels._runtime import interpreter_active, triton_available
 from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference
+from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.dupup import dupup_add, dupup_add_reference
 from vaed.kernels.rms_silu import RmsSiluArgs, norm_denominator, rms_silu_reference
 from vaed.kernels.upsample import upsample_nearest2x, upsample_nearest2x_reference
@@ -15,6 +16,7 @@ __all__ = [
     "CACHE_T",
     "RmsSiluArgs",
     "causal_pad",
+    "causal_pad_cl",
     "causal_pad_reference",
     "dupup_add",
     "dupup_add_reference",

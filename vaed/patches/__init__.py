@@ -5,6 +5,7 @@ Layers (Liger-Kernel style: op / module / patch):
 * ``vaed.kernels`` -- Triton ops, each beside its plain-torch reference;
 * :mod:`.ops` -- :class:`OpSet` bundles: ``REFERENCE_OPS`` (plain torch, what
   stock diffusers runs), ``LOSSLESS_OPS`` (the bit-exact kernels);
+  :mod:`.fast` -- ``FAST_OPS`` (the lossy fast tier) and ``LOSSLESS_TILED_OPS``;
 * :mod:`.forwards` -- diffusers' decoder forwards written over an op set;
 * :mod:`.table` -- which diffusers class gets which forward, using which ops;
 * :mod:`.context` -- the op set of the current call (``using``), so tiers
@@ -14,12 +15,13 @@ Layers (Liger-Kernel style: op / module / patch):
 
 Typical use (the engine)::
 
-    report = prepare_decoder(vae, kernels="auto", layout="auto")
-    with using(report.ops_for("lossless")):
+    report = prepare_decoder(vae, kernels="auto", layout="auto", tiers=("lossless", "fast"))
+    with using(report.ops_for("fast")):  # this call only; other sessions keep theirs
         out = vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first)
 """
 
 from vaed.patches.context import current_ops, using
+from vaed.patches.fast import FAST_OPS, LOSSLESS_TILED_OPS
 from vaed.patches.installer import (
     KERNEL_CHOICES,
     FastPathError,
@@ -34,9 +36,11 @@ from vaed.patches.table import PATCH_TABLE
 from vaed.patches.versions import VERIFIED_DIFFUSERS, diffusers_unverified_reason
 
 # tier name -> op set; the first is the default tier
-OP_SETS: dict[str, OpSet] = {"lossless": LOSSLESS_OPS}
+OP_SETS: dict[str, OpSet] = {"lossless": LOSSLESS_OPS, "fast": FAST_OPS}
 
 __all__ = [
+    "FAST_OPS",
+    "LOSSLESS_TILED_OPS",
     "KERNEL_CHOICES",
     "LAYOUT_CHOICES",
     "LOSSLESS_OPS",

@@ -1,0 +1,102 @@
+"""The fast tier on the CPU under TRITON_INTERPRET=1 (in a subprocess, like test_kernels_interp).
+
+The channels-last tile kernel is pure data movement without the norm, so it is
+held bit-exact; the fast norm+SiLU prologue and whole FAST_OPS decodes are held
+within a tolerance of the reference (the interpreter's exp is numpy's and its
+bf16 cast truncates, so the GPU tests set the real quality bar).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # ~70 s of CPU under the interpreter
+
+SCRIPT = textwrap.dedent(
+    """
+    import itertools, torch
+    from vaed import kernels as K
+    from vaed import patches as P
+    from vaed.models import build_random_vae
+    from vaed.patches.checks import check_op_set
+    assert K.interpreter_active()
+    CL = torch.channels_last_3d
+    def lay(t, l):
+        if l == "cl3d": return t.contiguous(memory_format=CL)
+        if l == "ntchw": return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+        return t.contiguous()
+    torch.manual_seed(0)
+    n = 0
+    for dt, cf, pad, fr in itertools.product(
+        (torch.bfloat16, torch.float32), (0, 1, 2),
+        ((1, 1, 1, 1, 2, 0), (0, 1, 1, 0, 2, 0), (0, 0, 0, 0, 2, 0)), (1, 3)):
+        x = lay(torch.randn(1, 5, fr + 1, 4, 6, dtype=dt), "cl3d")[:, :, 1:]
+        c = lay(torch.randn(1, 5, 3, 4, 6, dtype=dt), "cl3d")[:, :, 3 - cf:] if cf else None
+        for emit in (True, False):
+            got = K.causal_pad_cl(x, c, pad, emit_cache=emit)
+            want = K.causal_pad_reference(x, c, pad, emit_cache=emit)
+            assert got is not None
+            for a, b in zip(got, want):
+                if b is None:
+                    assert a is None
+                    continue
+                assert a.stride() == b.stride(), (a.stride(), b.stride())
+                assert torch.equal(a, b), (dt, cf, pad, fr, emit)
+            n += 1
+        if cf == 0:
+            got = K.causal_pad_cl(x, None, (0, 0, 0, 0, 2, 0), zero_history=True)
+            want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), zero_history=True)
+            assert all(a.stride() == b.stride() and torch.equal(a, b) for a, b in zip(got, want))
+            n += 1
+        g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
+        got = K.causal_pad_cl(x, c, pad, norm_cl=(g, 5 ** 0.5, 0.0))
+        want = K.causal_pad_reference(x, c, pad, norm=(g, 5 ** 0.5, 0.0))
+        for a, b in zip(got, want):
+            assert a.stride() == b.stride()
+            torch.testing.assert_close(a, b, atol=1e-5 if dt == torch.float32 else 2e-2, rtol=1e-4 if dt == torch.float32 else 2e-2)
+        n += 1
+    # layouts the aten chain writes contiguous are left to the 1-D kernel
+    xc = torch.randn(1, 5, 2, 4, 6)
+    assert K.causal_pad_cl(xc, None, (1, 1, 1, 1, 2, 0)) is None
+    for dt in (torch.float32, torch.bfloat16):
+        assert check_op_set(P.FAST_OPS, torch.device("cpu"), dt) == {}, dt
+    # whole tiny decodes: fast within tolerance of stock; the tiled lossless ops exactly stock (with
+    # the norm prologue and the bf16 DupUp3D add off: the interpreter's exp and bf16 cast are not CUDA's)
+    for arch, dt in (("wan2.1-tiny", torch.float32), ("wan2.2-tiny", torch.bfloat16)):
+        if True:
+            vae = build_random_vae(arch).to(dtype=dt).eval().requires_grad_(False)
+            z = P.to_decoder_layout(torch.randn(1, vae.config.z_dim, 3, 2, 3, dtype=dt), "channels_last")
+            with torch.no_grad():
+                P.prepare_decoder(vae, kernels="off", layout="channels_last")
+                want = vae.decode(z, return_dict=False)[0]
+                rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
+                assert set(rep.op_sets) == {"lossless", "fast"} and rep.ops == "lossless", rep
+                assert rep.op_sets["fast"] == P.FAST_OPS, rep
+                with P.using(rep.ops_for("fast")):
+                    fast = vae.decode(z, return_dict=False)[0]
+                with P.using(P.LOSSLESS_TILED_OPS.without({"norm_causal_pad", "dupup_add"})):
+                    tiled = vae.decode(z, return_dict=False)[0]
+            assert fast.stride() == want.stride() and tiled.stride() == want.stride()
+            assert torch.equal(tiled, want), (arch, dt)
+            if dt == torch.float32:
+                torch.testing.assert_close(fast, want, atol=1e-4, rtol=1e-3)
+            else:
+                err = (fast.float() - want.float()).abs()
+                assert err.max() < 0.1 and err.mean() < 0.01, (arch, err.max(), err.mean())
+            n += 1
+    print("checked", n)
+    """
+)
+
+
+def test_fast_tier_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "checked" in r.stdout

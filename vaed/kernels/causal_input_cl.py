@@ -1,0 +1,176 @@
+"""Causal conv input for channels_last_3d as 2-D (pixels x channels) tiles; optional one-pass RMS-norm+SiLU.
+
+Same job as :mod:`vaed.kernels.causal_input` ([zero frames | cache | new
+frames] + spatial zero pad, and the next chunk's cache in the same pass), for
+the layout the GPU decoder runs in (channels innermost). Each program owns
+``BLOCK_W`` padded pixels of one (b, t, h) row with all their channels, so
+there is no per-element div/mod and every load/store of a pixel's channels
+is one contiguous run.
+
+``norm_cl=None``: pure data movement, bit-exact against
+``causal_pad_reference`` (checked like the other kernels).
+
+``norm_cl=(gamma, scale, bias)`` is the *lossy* fast-tier prologue (the
+SGLang channels-last RMSNorm+SiLU way): the per-pixel L2 norm over channels
+is reduced in fp32 inside the tile, and normalize * scale * gamma + bias and
+SiLU run in fp32 with one rounding at the end. Stock rounds to the activation
+dtype after every op and reduces the norm in a separate fp32 pass over a
+float copy; this drops those two passes and the intermediate roundings
+(values differ from stock by about one bf16 ulp; accuracy against an fp32
+decode is no worse). The exact lossless norm stays in ``causal_input``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vaed.kernels import _runtime as rt
+from vaed.kernels.causal_input import CACHE_T, _stock_layouts
+
+tl = None  # filled in by rt.jit_lazy
+triton = None
+libdevice = None
+
+_TILE = 4096  # elements per program: BLOCK_W * BLOCK_C
+_MAX_C = 4096
+NORM_EPS = 1e-12  # F.normalize's eps
+
+
+def _causal_pad_cl_kernel(
+    x_ptr, c_ptr, p_ptr, n_ptr, g_ptr,
+    C, H, W, TP, HP, WP,
+    Z, HIST, K, PH, PW,
+    sxb, sxc, sxt, sxh, sxw,
+    scb, scc, sct, sch, scw,
+    snb, snc, snt, snh, snw,
+    scale, bias, eps,
+    NORM: tl.constexpr, EMIT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # (b, tp, hp) of the padded output
+    hp = row % HP
+    tp = (row // HP) % TP
+    b = row // (HP * TP)
+    wp = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)[:, None]
+    c = tl.arange(0, BLOCK_C).to(tl.int64)[None, :]
+    cm = c < C
+    live = (wp < WP) & cm
+    h = hp - PH
+    w = wp - PW
+    inside = live & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+    f = tp - Z  # frame index in [cache..., x...]
+    from_x = inside & (f >= HIST)
+    from_c = inside & (f >= 0) & (f < HIST)
+    xt = f - HIST
+    xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=from_x, other=0.0)
+    if NORM:
+        v = xv.to(tl.float32)
+        ss = tl.sum(v * v, axis=1)  # per pixel, over channels
+        inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
+        g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        v = v * (inv[:, None] * scale) * g + bias
+        v = v / (1.0 + tl.exp(-v))
+        xv = v.to(xv.dtype)
+    cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=from_c, other=0.0)
+    val = tl.where(from_x, xv, tl.where(from_c, cv, tl.zeros_like(xv)))
+    tl.store(p_ptr + row * (WP * C) + wp * C + c, val, mask=live)
+    if EMIT:
+        kk = tp - (TP - K)  # next-cache frame this row feeds, if >= 0
+        tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside & (kk >= 0))
+
+
+_kernel = rt.jit_lazy(_causal_pad_cl_kernel, globals())
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def causal_pad_cl(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: tuple[int, int, int, int, int, int],
+    *,
+    zero_history: bool = False,
+    cache_t: int = CACHE_T,
+    norm_cl: tuple[torch.Tensor, float, float] | None = None,
+    emit_cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Channels-last causal conv input; None when not handled (caller falls back).
+
+    Handles what ``causal_input.causal_pad`` handles whose padded output is
+    channels_last_3d in the aten chain, with ``C <= 4096``. Output layouts
+    are aten's (the same oracle), so the conv sees what it would see on the
+    lossless path.
+    """
+    if zero_history and cache is not None:
+        raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
+    if len(pad) != 6:
+        raise ValueError(f"pad must have 6 entries, got {pad!r}")
+    if not _eligible(x, cache, pad, zero_history, cache_t, norm_cl):
+        return None
+    use_cache = cache is not None and pad[4] > 0
+    c_meta = (tuple(cache.shape), tuple(cache.stride())) if use_cache else (None, None)  # type: ignore[union-attr]
+    p_shape, p_stride, n_shape, n_stride = _stock_layouts(
+        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, norm_cl is not None, x.dtype
+    )
+    if not rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D):
+        return None
+    B, C, T, H, W = x.shape
+    _, _, TP, HP, WP = p_shape
+    if C > _MAX_C or B * TP * HP >= 2**31:
+        return None
+    padded = rt.empty_with_strides(p_shape, p_stride, x)
+    nxt = rt.empty_with_strides(n_shape, n_stride, x) if emit_cache else None
+    hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
+    src_c = cache if use_cache else x
+    if norm_cl is not None:
+        g, scale, bias = norm_cl[0], float(norm_cl[1]), float(norm_cl[2])
+    else:
+        g, scale, bias = x, 1.0, 0.0
+    block_c = _pow2(C)
+    block_w = max(1, min(_pow2(WP), _TILE // block_c))
+    grid = (B * TP * HP, -(-WP // block_w))
+    _kernel()[grid](  # type: ignore[index]
+        x, src_c, padded, padded if nxt is None else nxt, g,
+        C, H, W, TP, HP, WP,
+        pad[4] - hist, hist, n_shape[2] if emit_cache else 0, pad[2], pad[0],
+        *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5),
+        scale, bias, NORM_EPS,
+        NORM=norm_cl is not None, EMIT=nxt is not None, BLOCK_W=block_w, BLOCK_C=block_c,
+        num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(x),
+    )
+    return padded, nxt
+
+
+def _eligible(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: tuple[int, ...],
+    zero_history: bool,
+    cache_t: int,
+    norm_cl: tuple[torch.Tensor, float, float] | None,
+) -> bool:
+    if not rt.triton_available() or x.dim() != 5 or x.dtype not in rt.SUPPORTED_DTYPES:
+        return False
+    if not rt.device_ok(x) or x.numel() == 0 or cache_t < 1:
+        return False
+    if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        return False
+    if pad[5] != 0 or min(pad) < 0:
+        return False
+    B, C, T, H, W = x.shape
+    if cache is not None:
+        if pad[4] == 0 or cache.dim() != 5 or cache.device != x.device or cache.dtype != x.dtype:
+            return False
+        cb, cc, ct, ch, cw = cache.shape
+        if (cb, cc, ch, cw) != (B, C, H, W) or ct < 1 or ct > pad[4]:
+            return False
+    if zero_history and pad[4] + T < cache_t:
+        return False
+    if norm_cl is not None:
+        g = norm_cl[0]
+        if g.device != x.device or g.numel() != C or not g.is_contiguous():
+            return False
+        if not isinstance(norm_cl[2], float):
+            return False
+    return True
