@@ -13,6 +13,29 @@ Layers (each its own module):
 - `engine`: `ShardedEngine` (rank 0, the one-GPU engine interface) and
   `Follower` (ranks 1..), driven by small step descriptors;
 - `launch`: rank 0 in the calling process, followers spawned, NCCL or gloo.
+
+Server integration (`vaed serve --gpu 0,1 --parallel spatial --spatial-axis auto`):
+
+1. before the gRPC server starts (main thread), build GPU 0's `DecodeEngine` as
+   today, then `engine = start_sharded_engine(GroupConfig(model, ("cuda:0",
+   "cuda:1"), dtype=..., kernels=..., layout=..., axis=..., min_pixels=...),
+   base=gpu0_engine)`: it spawns one process per other GPU and returns when
+   every rank has its model;
+2. hand `engine` to GPU 0's device worker in place of the one-GPU engine: it
+   has the same interface (`new_state`, `decode_frame`, `free`, `output_frames`,
+   `decode_video`, and every other attribute read through to GPU 0's engine),
+   so sessions interleave per latent frame exactly as before. Sessions whose
+   latent is too small for the group, or whose frame is below `min_pixels`,
+   decode on GPU 0 alone, bit-identical to the one-GPU engine;
+3. health/metrics: `engine.healthy` (False once a rank died: new sessions then
+   run on GPU 0 alone), `engine.peak_memory()` (per-rank peak bytes),
+   `engine.describe()` for ModelInfo.parallel; `engine.keepalive()` when idle
+   for weeks (the control group's 24-day timeout); `engine.close()` on drain.
+
+Trade-off of this first design: GPUs 1.. only ever work on sharded sessions,
+so with mostly small requests the other GPUs idle (the pool of one-GPU
+workers is the better mode there); `min_pixels` is the knob (see
+scripts/bench_sharded.py --min-size for where sharding starts to win).
 """
 
 from .engine import Follower, ShardedEngine, ShardedState, ShardGroupError
