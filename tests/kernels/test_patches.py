@@ -162,9 +162,8 @@ def test_using_is_per_call_and_per_thread() -> None:
     assert seen == [None]
     assert sum(o_calls.values()) == n_default and sum(d_calls.values()) == n_default
     _same(got, want)
-    with pytest.raises(TypeError):
-        with P.using("lossless"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(TypeError), P.using("lossless"):  # type: ignore[arg-type]
+        pass
 
 
 # --- per-op switch-offs and start-up checks -------------------------------------------
@@ -187,7 +186,7 @@ def _broken(ops: P.OpSet) -> P.OpSet:
 
 def test_failed_check_disables_that_op_only() -> None:
     vae = _vae("wan2.1-tiny")
-    counted, calls = _counting(P.REFERENCE_OPS)
+    counted, _ = _counting(P.REFERENCE_OPS)
     ops = dataclasses.replace(_broken(counted))
     rep = P.prepare_decoder(vae, layout="contiguous", ops=ops)
     assert rep.disabled_ops == ("residual_add",)

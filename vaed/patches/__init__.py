@@ -31,7 +31,14 @@ from vaed.patches.installer import (
     remove_fast_paths,
 )
 from vaed.patches.layout import LAYOUT_CHOICES, to_decoder_layout
-from vaed.patches.ops import LOSSLESS_OPS, OP_NAMES, REFERENCE_OPS, FusedOp, NormSilu, OpSet
+from vaed.patches.ops import (
+    LOSSLESS_OPS,
+    OP_NAMES,
+    REFERENCE_OPS,
+    FusedOp,
+    NormSilu,
+    OpSet,
+)
 from vaed.patches.table import PATCH_TABLE
 from vaed.patches.versions import VERIFIED_DIFFUSERS, diffusers_unverified_reason
 
@@ -40,10 +47,10 @@ OP_SETS: dict[str, OpSet] = {"lossless": LOSSLESS_OPS, "fast": FAST_OPS}
 
 __all__ = [
     "FAST_OPS",
-    "LOSSLESS_TILED_OPS",
     "KERNEL_CHOICES",
     "LAYOUT_CHOICES",
     "LOSSLESS_OPS",
+    "LOSSLESS_TILED_OPS",
     "OP_NAMES",
     "OP_SETS",
     "PATCH_TABLE",

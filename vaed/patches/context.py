@@ -13,8 +13,9 @@ sees its own value.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any
 
 from vaed.patches.ops import OpSet
 

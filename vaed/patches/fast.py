@@ -25,7 +25,15 @@ import dataclasses
 import torch
 
 from vaed.kernels.causal_input_cl import causal_pad_cl
-from vaed.patches.ops import LOSSLESS_OPS, FusedOp, NormSilu, OpSet, PadTuple, reference_causal_pad, triton_causal_pad
+from vaed.patches.ops import (
+    LOSSLESS_OPS,
+    FusedOp,
+    NormSilu,
+    OpSet,
+    PadTuple,
+    reference_causal_pad,
+    triton_causal_pad,
+)
 
 
 def tiled_causal_pad(

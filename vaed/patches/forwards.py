@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
-from vaed.kernels import CACHE_T
 from vaed.patches.context import ops_for
 from vaed.patches.ops import NormSilu, OpSet
 

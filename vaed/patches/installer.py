@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from vaed.kernels import _runtime as rt
 from vaed.patches.checks import check_op_set
@@ -96,7 +97,9 @@ def _resolve_tiers(
 ) -> list[tuple[str, OpSet]]:
     if ops is not None:
         return [(ops.name, ops)]
-    from vaed.patches import OP_SETS  # the registry lives in the package (fast tier included)
+    from vaed.patches import (
+        OP_SETS,  # the registry lives in the package (fast tier included)
+    )
 
     out = []
     for t in tiers:
@@ -109,7 +112,7 @@ def _resolve_tiers(
 
 
 def prepare_decoder(
-    vae: "AutoencoderKLWan",
+    vae: AutoencoderKLWan,
     *,
     kernels: str = "auto",
     layout: str = "auto",

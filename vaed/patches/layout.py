@@ -9,7 +9,7 @@ chosen once per decoder and applied to weights here and to inputs by
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
 

@@ -38,11 +38,12 @@ falls back to its reference per call (bit-identical: every kernel is exact).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from vaed import kernels as K
 from vaed.kernels import _runtime as rt
@@ -220,7 +221,7 @@ class OpSet:
     def upsample2x(self, x: torch.Tensor, interleave: bool) -> torch.Tensor:
         return self.upsample_interleave(x, True) if interleave else self.upsample(x, False)
 
-    def without(self, names: frozenset[str] | set[str] | tuple[str, ...]) -> "OpSet":
+    def without(self, names: frozenset[str] | set[str] | tuple[str, ...]) -> OpSet:
         """This op set with ``names`` switched to their plain-torch references."""
         unknown = set(names) - set(OP_NAMES)
         if unknown:

@@ -9,10 +9,11 @@ op means adding a row here, not editing the installer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 from vaed.patches import forwards as fw
 
