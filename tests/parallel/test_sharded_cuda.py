@@ -68,3 +68,14 @@ def test_two_gpu_shards_match_one_gpu(gpu_group: ShardedEngine, axis: str, h: in
         assert _psnr(rgb, gpu_group.base.decode_video(z, RGB8)) >= 40.0
     peaks = gpu_group.peak_memory()
     assert len(peaks) == 2 and all(p > 0 for p in peaks)
+
+
+def test_fast_tier_runs_sharded_with_its_own_ops(gpu_group: ShardedEngine) -> None:
+    if gpu_group.dtype != torch.bfloat16 or "fast" not in getattr(gpu_group.base.fast_paths, "op_sets", {}):
+        pytest.skip("the fast tier is prepared for bf16 only")
+    fast = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=False, precision="fast")
+    z = torch.randn(1, 16, 3, 30, 52, generator=torch.Generator().manual_seed(1))
+    sharded = gpu_group.decode_video(z, fast)
+    one_gpu = gpu_group.base.decode_video(z, fast)
+    assert sharded.shape == one_gpu.shape
+    assert _psnr(sharded, one_gpu) >= 40.0

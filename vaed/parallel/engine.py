@@ -84,14 +84,14 @@ class ShardedState:
     ops: dict[str, InnerOps] = field(default_factory=dict)
 
 
-def _inner_ops(kernels: str, precision: str) -> InnerOps:
-    """The op bundle for a precision tier: the lossless set, or the fast set where one exists."""
-    if precision == "fast" and kernels != "off":
+def _inner_ops(base: Any, kernels: str, precision: str) -> InnerOps:
+    """The op bundle of a precision tier: the one the wrapped engine prepared for it (its
+    start-up checks and per-op switches included), else the lossless set, else plain torch."""
+    report = getattr(base, "fast_paths", None)
+    if kernels != "off" and hasattr(report, "ops_for"):
         try:
-            from vaed.patches.ops import OP_SETS  # type: ignore[attr-defined]
-
-            return OP_SETS["fast"]  # type: ignore[no-any-return]
-        except (ImportError, KeyError):
+            return report.ops_for(precision)  # type: ignore[no-any-return, union-attr]
+        except KeyError:  # tier not prepared (e.g. kernels off on this device)
             pass
     return resolve_inner_ops(kernels)
 
@@ -110,7 +110,7 @@ class _ShardRunner:
 
     def ops(self, precision: str) -> InnerOps:
         if precision not in self._ops:
-            self._ops[precision] = _inner_ops(self.kernels, precision)
+            self._ops[precision] = _inner_ops(self.base, self.kernels, precision)
         return self._ops[precision]
 
     def to_layout(self, x: torch.Tensor) -> torch.Tensor:
