@@ -251,15 +251,20 @@ class ServerMetrics:
     ) -> int:
         """Serve GET /metrics from one daemon thread; returns the bound port (0 = ephemeral).
 
-        ``host`` may be an IPv4 or IPv6 address (brackets allowed). Raises
-        OSError when the address cannot be bound.
+        ``host`` is an IPv4 or IPv6 address (brackets allowed). Raises
+        OSError when the address cannot be bound, ValueError when it is empty.
         """
         if self._http is not None:
             raise RuntimeError("metrics HTTP server already running")
+        address = host.strip("[]")
+        if not address:
+            # asyncio would bind every interface, each on its own ephemeral port.
+            raise ValueError("metrics host must be an address such as 0.0.0.0, :: or 127.0.0.1")
         http = _MetricsHttpServer(self.exposition, timeout=timeout)
-        bound = http.start(host.strip("[]"), port)
+        bound = http.start(address, port)
         self._http = http
-        logger.info("metrics on http://%s:%d%s", host, bound, METRICS_PATH)
+        shown = f"[{address}]" if ":" in address else address
+        logger.info("metrics on http://%s:%d%s", shown, bound, METRICS_PATH)
         return bound
 
     def stop_http_server(self) -> None:

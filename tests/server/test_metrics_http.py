@@ -178,6 +178,13 @@ def test_start_twice_stop_idempotent_and_port_released() -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
+def test_empty_host_is_refused() -> None:
+    m = ServerMetrics()
+    with pytest.raises(ValueError, match="metrics host"):
+        m.start_http_server(0, host="")
+    m.stop_http_server()
+
+
 def test_port_in_use_raises_oserror() -> None:
     a, b = ServerMetrics(), ServerMetrics()
     port = a.start_http_server(0, host="127.0.0.1")
