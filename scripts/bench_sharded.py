@@ -119,11 +119,11 @@ def run_cases(args, torch, cases: list[Case]) -> list[dict]:
                 plan = engine.plan_for(z.shape[3], z.shape[4])
                 # one GPU (vaed lossless), then sharded; outputs leave the GPU at once so peaks compare
                 _peak(torch, dev0, reset=True)
-                t1, out1 = _timed(torch, lambda: base.decode_video(z, rgb8), args.repeats, dev0)
+                t1, out1 = _timed(torch, lambda b=base, z=z: b.decode_video(z, rgb8), args.repeats, dev0)
                 peak1 = _peak(torch, dev0)
                 out1 = out1.cpu()
                 engine.peak_memory(reset=True)
-                ts, outs = _timed(torch, lambda: engine.decode_video(z, rgb8), args.repeats, dev0)
+                ts, outs = _timed(torch, lambda e=engine, z=z: e.decode_video(z, rgb8), args.repeats, dev0)
                 peaks = engine.peak_memory(reset=True)
                 outs = outs.cpu()
                 # quality: RAW bf16 sharded vs one GPU, and RGB8 of both vs an fp32 one-GPU decode
@@ -137,12 +137,12 @@ def run_cases(args, torch, cases: list[Case]) -> list[dict]:
                 del ref
                 if dev0.type == "cuda":
                     torch.cuda.empty_cache()
-                rows.append(dict(
-                    case=case.name, plan=f"{plan.axis} {plan.sizes}" if plan else "one GPU (too small)",
-                    t1=t1, ts=ts, peak1=peak1, peaks=peaks,
-                    psnr1=_psnr(torch, out1, out32), psnrs=_psnr(torch, outs, out32),
-                    max_abs=max_abs, identical=identical,
-                ))  # fmt: skip
+                rows.append({
+                    "case": case.name, "plan": f"{plan.axis} {plan.sizes}" if plan else "one GPU (too small)",
+                    "t1": t1, "ts": ts, "peak1": peak1, "peaks": peaks,
+                    "psnr1": _psnr(torch, out1, out32), "psnrs": _psnr(torch, outs, out32),
+                    "max_abs": max_abs, "identical": identical,
+                })  # fmt: skip
                 log.info("%s done: %s", case.name, rows[-1])
         finally:
             engine.close()
@@ -164,9 +164,9 @@ def probe_min_size(args, torch) -> list[dict]:
         for h, w in sizes:
             case = Case(f"{h}x{w}", model, h, w, 21)
             z = _latents(torch, engine.base, case)
-            t1, _ = _timed(torch, lambda: engine.base.decode_video(z, rgb8), args.repeats, dev0)
-            ts, _ = _timed(torch, lambda: engine.decode_video(z, rgb8), args.repeats, dev0)
-            rows.append(dict(size=case.name, t1=t1, ts=ts))
+            t1, _ = _timed(torch, lambda z=z: engine.base.decode_video(z, rgb8), args.repeats, dev0)
+            ts, _ = _timed(torch, lambda z=z: engine.decode_video(z, rgb8), args.repeats, dev0)
+            rows.append({"size": case.name, "t1": t1, "ts": ts})
             log.info("probe %s: one GPU %.3f s, sharded %.3f s", case.name, t1, ts)
     finally:
         engine.close()
@@ -187,7 +187,7 @@ def print_cases(rows: list[dict], gpus: int, dtype: str) -> None:
         print(
             f"{r['case']:<13} {r['plan']:<22} {r['t1']:>8.3f} {r['ts']:>8.3f} {r['t1'] / r['ts']:>6.2f}x "
             f"{r['peak1'] / GiB:>9.2f} {per:<26} {ratio:>9.2f} {r['psnr1']:>7.2f} {r['psnrs']:>7.2f} "
-            f"{r['max_abs']:>8.1e} {str(r['identical']):>9}"
+            f"{r['max_abs']:>8.1e} {r['identical']!s:>9}"
         )
     print("PSNR: RGB8 vs an fp32 one-GPU decode of the same latents (dB); max|d|: RAW sharded vs one GPU;")
     print("mem ratio: the largest per-GPU sharded peak / the one-GPU peak (peak allocated during the decode)")

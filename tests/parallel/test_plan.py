@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from vaed.parallel.plan import ShardPlan, choose_axis, min_latent_extent, plan_shards, split_sizes
+from vaed.parallel.plan import (
+    ShardPlan,
+    choose_axis,
+    min_latent_extent,
+    plan_shards,
+    split_sizes,
+)
 
 
 def test_auto_axis_is_the_longer_latent_axis_width_on_ties() -> None:

@@ -9,14 +9,21 @@ sessions too small for the group must equal it exactly.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from vaed.engine import DecodeEngine
 from vaed.models import load_model
-from vaed.parallel import GroupConfig, ShardGroupError, ShardPlan, ShardedEngine, start_sharded_engine
+from vaed.parallel import (
+    GroupConfig,
+    ShardedEngine,
+    ShardGroupError,
+    ShardPlan,
+    start_sharded_engine,
+)
 from vaed.session import OutputSpec
 
 TOL = 2e-5
@@ -162,6 +169,9 @@ def test_group_reports_ranks_and_delegates_to_the_one_gpu_engine(group: ShardedE
     assert group.z_dim == group.base.z_dim and group.scale_spatial == group.base.scale_spatial
     assert group.output_frames(3) == 9
     assert group.describe().startswith(f"spatial x{group.world}")
+    group.keepalive()  # a no-op step every rank takes; the group keeps working after it
+    z = _latents(group, 1, 2 * group.world, 2)
+    assert _max_diff(_decode(group, z, "height"), group.base.decode_video(z, RAW)) <= TOL
 
 
 def test_a_dead_follower_breaks_the_group_with_a_clear_error(group: ShardedEngine) -> None:

@@ -40,7 +40,14 @@ scripts/bench_sharded.py --min-size for where sharding starts to win).
 
 from .engine import Follower, ShardedEngine, ShardedState, ShardGroupError
 from .launch import GroupConfig, start_sharded_engine
-from .plan import AXIS_CHOICES, ShardPlan, choose_axis, min_latent_extent, plan_shards, split_sizes
+from .plan import (
+    AXIS_CHOICES,
+    ShardPlan,
+    choose_axis,
+    min_latent_extent,
+    plan_shards,
+    split_sizes,
+)
 
 __all__ = [
     "AXIS_CHOICES",

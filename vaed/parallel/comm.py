@@ -18,7 +18,7 @@ tensors, and a halo row of a [B, C, T, H, W] tensor is strided along W or H.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

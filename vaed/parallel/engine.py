@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,7 +81,6 @@ class ShardedState:
     shape: tuple[int, int, int] | None = None  # (B, h, w) of the first frame
     next_latent_frame: int = 0
     next_output_frame: int = 0
-    ops: dict[str, InnerOps] = field(default_factory=dict)
 
 
 def _inner_ops(base: Any, kernels: str, precision: str) -> InnerOps:
@@ -286,7 +285,7 @@ class ShardedEngine:
             if self.healthy:
                 try:
                     self._send_header([OP_FREE, state.sid] + [0] * (HEADER_LEN - 2))
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 (the group is gone; the state is freed anyway)
                     self._fail(exc)
 
     def decode_video(self, latents: torch.Tensor, output: Any) -> torch.Tensor:
@@ -314,7 +313,7 @@ class ShardedEngine:
         if self.healthy:
             try:
                 self._send_header([OP_STOP] + [0] * (HEADER_LEN - 1))
-            except Exception as exc:  # already broken: nothing to tell
+            except Exception as exc:  # noqa: BLE001 (already broken: nothing to tell)
                 log.warning("could not stop the followers cleanly: %s", exc)
             self.healthy = False
         if self._launched is not None:

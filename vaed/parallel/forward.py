@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from .comm import all_gather_along, exchange_halo
 from .inner_ops import InnerOps, NormArgs
@@ -199,17 +199,17 @@ def decoder_forward(
 
 
 def check_shardable(decoder: nn.Module) -> None:
-    """Raise ValueError unless every module of `decoder` is one this forward mirrors exactly."""
+    """Raise TypeError/ValueError unless every module of `decoder` is one this forward mirrors exactly."""
     from diffusers.models.autoencoders import autoencoder_kl_wan as W
 
     if not isinstance(decoder, W.WanDecoder3d):
-        raise ValueError(f"spatial sharding needs a WanDecoder3d, got {type(decoder).__name__}")
+        raise TypeError(f"spatial sharding needs a WanDecoder3d, got {type(decoder).__name__}")
     if not isinstance(decoder.nonlinearity, nn.SiLU):
-        raise ValueError("spatial sharding needs SiLU activations")
+        raise TypeError("spatial sharding needs SiLU activations")
     for name, m in decoder.named_modules():
         if isinstance(m, W.WanCausalConv3d):
             pw0, pw1, ph0, ph1, _, _ = m._padding
-            kt, kh, kw = m.kernel_size
+            _, kh, kw = m.kernel_size
             if (pw0, pw1) != ((kw - 1) // 2,) * 2 or (ph0, ph1) != ((kh - 1) // 2,) * 2 or m.stride[1:] != (1, 1):
                 raise ValueError(f"{name}: causal conv {m.kernel_size} with padding {m._padding} is not 'same' spatially")
         elif isinstance(m, W.WanResample):
@@ -225,6 +225,5 @@ def check_shardable(decoder: nn.Module) -> None:
         elif isinstance(m, W.WanRMS_norm):
             if not m.channel_first or not isinstance(m.bias, float) or m.bias != 0.0:
                 raise ValueError(f"{name}: RMS norm must be channel-first without bias (zero halo rows stay zero)")
-        elif isinstance(m, W.WanResidualBlock):
-            if m.dropout.training and m.dropout.p > 0:
-                raise ValueError(f"{name}: dropout is active; put the model in eval mode")
+        elif isinstance(m, W.WanResidualBlock) and m.dropout.training and m.dropout.p > 0:
+            raise ValueError(f"{name}: dropout is active; put the model in eval mode")

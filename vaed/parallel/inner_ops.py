@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 log = logging.getLogger(__name__)
 
