@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .engine import Follower, ShardedEngine
+from .engine import Follower, ShardedEngine, ShardGroupError
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,12 @@ def start_sharded_engine(cfg: GroupConfig, base: Any = None) -> ShardedEngine:
         if base is None:
             base = _load_base(cfg, cfg.devices[0])
         dist.barrier(group=control)
-    except BaseException:
+    except BaseException as exc:
         for p in procs:
             p.terminate()
         group.join(5)
+        if isinstance(exc, Exception):
+            raise ShardGroupError(f"the sharded group did not start: {exc}") from exc
         raise
     log.info("sharded group ready: %d ranks on %s (%s)", cfg.world, ", ".join(cfg.devices), cfg.resolved_backend())
     return ShardedEngine(
