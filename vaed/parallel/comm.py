@@ -19,6 +19,7 @@ tensors, and a halo row of a [B, C, T, H, W] tensor is strided along W or H.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,22 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     return torch.contiguous_format
+
+
+_ZEROS: dict[tuple[Any, ...], torch.Tensor] = {}
+_ZEROS_MAX = 256  # distinct edge shapes kept (a decode uses ~20: one per level, dtype and T)
+
+
+def _zero_edge(like: torch.Tensor) -> torch.Tensor:
+    """A read-only zero block shaped like an edge slice, reused across calls: the outer edges
+    of the first and last shard then cost no launch (every rank of a 2-GPU group has one)."""
+    key = (tuple(like.shape), like.dtype, like.device)
+    z = _ZEROS.get(key)
+    if z is None:
+        if len(_ZEROS) >= _ZEROS_MAX:
+            _ZEROS.clear()
+        z = _ZEROS[key] = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+    return z
 
 
 def group_rank_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -60,7 +77,7 @@ def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, ha
     for side, peer_rank, start in ((0, rank - 1, 0), (1, rank + 1, n - halo)):
         edge = x.narrow(dim, start, halo)
         if not 0 <= peer_rank < world:
-            parts.append(torch.zeros_like(edge))
+            parts.append(_zero_edge(edge))
             continue
         send = edge.contiguous()  # gloo (and NCCL) take dense row-major buffers
         recv = torch.empty_like(send)
