@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
+def memory_format_of(x: torch.Tensor) -> torch.memory_format:
+    """channels_last(_3d) when x is dense in it (and not also plain contiguous), else contiguous."""
     if x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
         return torch.channels_last_3d
     if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
@@ -71,7 +72,7 @@ def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, ha
     if n < halo:
         raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
     rank, world = group_rank_world(group)
-    fmt = _memory_format(x)
+    fmt = memory_format_of(x)
     ops: list[dist.P2POp] = []
     parts: list[torch.Tensor] = []
     for side, peer_rank, start in ((0, rank - 1, 0), (1, rank + 1, n - halo)):
@@ -117,7 +118,7 @@ def all_gather_along(
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
     full = torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
-    return full.contiguous(memory_format=_memory_format(x))
+    return full.contiguous(memory_format=memory_format_of(x))
 
 
 def gather_along(

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import all_gather_along, exchange_halo
+from .comm import all_gather_along, exchange_halo, memory_format_of
 from .inner_ops import InnerOps, NormArgs
 from .plan import ShardPlan
 
@@ -117,7 +117,9 @@ def attention(ctx: ShardContext, attn: nn.Module, x: torch.Tensor) -> torch.Tens
     full = all_gather_along(x, ctx.dim, sizes, ctx.group)
     y = attn(full)
     start = sum(sizes[: ctx.rank])
-    return y.narrow(ctx.dim, start, sizes[ctx.rank])
+    # dense again in x's layout: a narrowed channels_last tensor is neither layout, and the
+    # convs after it would fall back to contiguous (latent-level size: a cheap copy)
+    return y.narrow(ctx.dim, start, sizes[ctx.rank]).contiguous(memory_format=memory_format_of(x))
 
 
 # --- the module tree --------------------------------------------------------------------
@@ -167,7 +169,7 @@ def up_block(
     ctx: ShardContext, up: Any, x: torch.Tensor, cache: list[Any], idx: list[int], first_chunk: bool
 ) -> torch.Tensor:
     if hasattr(up, "avg_shortcut"):  # WanResidualUpBlock (Wan2.2)
-        x_copy = x.clone()
+        x_copy = x  # diffusers clones; nothing below writes into x, so the copy is saved
         for rb in up.resnets:
             x = residual_block(ctx, rb, x, cache, idx)
         if up.upsampler is not None:
