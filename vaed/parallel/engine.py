@@ -260,8 +260,8 @@ class ShardedEngine:
             x = x / self.base._inv_std + self.base._mean
         index = state.next_latent_frame
         header = [
-            OP_FRAME, state.sid, b, z, h, w, index, int(output.rgb8), _RAW_DTYPES.index(output.raw_dtype),
-            _AXES.index(plan.axis), _PRECISIONS.index(getattr(output, "precision", "lossless")), 0,
+            OP_FRAME, state.sid, b, z, h, w, index, int(output.rgb8), _code(_RAW_DTYPES, output.raw_dtype, "raw dtype"),
+            _AXES.index(plan.axis), _code(_PRECISIONS, getattr(output, "precision", "lossless"), "precision"), 0,
         ]  # fmt: skip
         try:
             self._send_header(header)
@@ -340,6 +340,13 @@ class ShardedEngine:
         buf = x.to(self._comm_device)
         dist.broadcast(buf, src=_global0(self.runner.group), group=self.runner.group)
         return x
+
+
+def _code(table: Any, value: Any, what: str) -> int:
+    """A descriptor field's code; refused before anything is sent, so the group stays in step."""
+    if value not in table:
+        raise ValueError(f"{what} {value!r} cannot be decoded sharded; known: {list(table)}")
+    return int(table.index(value))
 
 
 def _device_scope(device: torch.device) -> Any:
