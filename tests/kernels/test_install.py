@@ -135,6 +135,7 @@ INTERP = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("vaed.kernels").kernels.triton_available(), reason="triton missing")
 def test_installed_paths_under_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
