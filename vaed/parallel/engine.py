@@ -177,6 +177,8 @@ class ShardedEngine:
         self._broken = False
         self._launched = launched  # a launch.ShardGroup whose processes this engine stops
         self._sids = itertools.count(1)
+        self.sharded_frames = 0  # latent frames decoded by the whole group (metrics, tests)
+        self.local_frames = 0  # latent frames decoded on rank 0 alone (too small, or group broken)
         self._comm_device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else base.device
 
     def __getattr__(self, name: str) -> Any:
@@ -249,6 +251,7 @@ class ShardedEngine:
             raise ValueError(f"frame has B, h, w = {(b, h, w)} but the session started with {state.shape}")
         if state.local is not None:
             group = self.base.decode_frame(state.local, latent_frame, output)
+            self.local_frames += 1
             state.next_latent_frame = state.local.next_latent_frame
             state.next_output_frame = state.local.next_output_frame
             return group
@@ -271,6 +274,7 @@ class ShardedEngine:
             self._fail(exc)
             raise ShardGroupError(f"sharded decode failed on the group: {exc}") from exc
         assert frames is not None
+        self.sharded_frames += 1
         group = DecodedGroup(chunk_index=index, first_frame=state.next_output_frame, frames=frames)
         state.next_output_frame += frames.shape[1 if output.rgb8 else 2]  # RGB8 [B, t, ...], RAW [B, 3, t, ...]
         return group
