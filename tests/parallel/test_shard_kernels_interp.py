@@ -56,5 +56,7 @@ SCRIPT = textwrap.dedent(
 
 def test_lossless_kernels_take_every_shard_conv_input() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], check=False, capture_output=True, text=True, env=env, timeout=900
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
