@@ -102,14 +102,18 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_lossless_ops_fall_back_per_call_on_cpu(arch: str) -> None:
-    """LOSSLESS_OPS on a CPU tensor: each FusedOp's kernel declines and its reference runs, bit-identical."""
+@pytest.mark.parametrize("tier", ["lossless", "lossless-tiled", "fast"])
+def test_triton_op_sets_fall_back_per_call_on_cpu(arch: str, tier: str) -> None:
+    """Triton op sets on CPU tensors (no interpreter): each FusedOp's kernel declines and its reference
+    runs, bit-identical to stock -- the fast tier included, as its fallbacks are the exact chains."""
+    ops = {"lossless": P.LOSSLESS_OPS, "lossless-tiled": P.LOSSLESS_TILED_OPS, "fast": P.FAST_OPS}[tier]
+    assert P.OP_SETS.get(tier, ops) is ops
     vae = _vae(arch)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
     with torch.no_grad():
         want, want_cache = _chunked(vae, z)
         P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
-        with P.using(P.LOSSLESS_OPS):
+        with P.using(ops):
             got, got_cache = _chunked(vae, z)
     _same(got, want)
     _same_cache(got_cache, want_cache)
