@@ -45,36 +45,19 @@ refused during a flood, can still see INTERNAL.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
-logger = logging.getLogger(__name__)
+from .interceptors import Refusals, method_name
 
-# Name of the environment variable holding the token. It is read only when
-# the server starts (read_token), never at import.
-AUTH_TOKEN_ENV = "VAED_AUTH_TOKEN"
+logger = logging.getLogger(__name__)
 
 # Methods under this prefix are reachable without a token.
 OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
-
-# How long a refused call waits before its status (see the module docstring's
-# table): 0.25 s let 6.4 MB of in-flight grpc.aio writes land in 40 of 40
-# calls on loopback; 0.1 s in 36 of 40.
-REFUSAL_LINGER_SECONDS = 0.25
-# At most this many refusals linger at once; the rest answer at once. A
-# lingering stream holds what flow control let in while it waits: with gRPC's
-# default BDP-probed windows 6-30 MiB a stream on loopback. 64 concurrent
-# refused DecodeStream calls pushing 4 x 16 MiB on one connection grew a
-# server by 759 MiB RSS with no cap, by 103-460 MiB with 16 (noisy), and by
-# 3 MiB answering at once; with the server options grpc.http2.bdp_probe=0 and
-# grpc.http2.lookahead_bytes=4 MiB, by 43-112 MiB with or without the cap.
-MAX_LINGERING_REFUSALS = 16
 
 # on_refused(method, code_name): method is the last part of the path
 # ("Decode"), code_name a grpc.StatusCode name ("UNAUTHENTICATED").
@@ -103,55 +86,6 @@ def _check(metadata: Any, expected: bytes) -> str | None:
     if not hmac.compare_digest(token.encode("utf-8"), expected):
         return _WRONG
     return None
-
-
-class Refusals:
-    """Makes handlers that refuse a call with a status, never reading or parsing its request.
-
-    Each handler is stream-request with no deserializer or serializer: the
-    wire does not distinguish a unary request, so it fits any method, and
-    grpc.aio hands it an iterator it never advances, so no message is
-    requested from the transport. Before its status a refusal lingers
-    ``linger`` seconds so a client's in-flight writes complete (see the module
-    docstring), unless ``max_lingering`` refusals already linger: then it
-    answers at once, which bounds the memory a flood of refused calls holds.
-    Share one instance between interceptors so the cap is the server's.
-    Handlers run on the server's event loop: the counter needs no lock.
-    """
-
-    def __init__(
-        self, linger: float = REFUSAL_LINGER_SECONDS, max_lingering: int = MAX_LINGERING_REFUSALS
-    ) -> None:
-        if linger < 0:
-            raise ValueError(f"linger must be >= 0 seconds, got {linger}")
-        if max_lingering < 0:
-            raise ValueError(f"max_lingering must be >= 0, got {max_lingering}")
-        self.linger = linger
-        self.max_lingering = max_lingering
-        self.lingering = 0  # refusals waiting right now
-
-    async def _wait(self) -> None:
-        if self.linger <= 0 or self.lingering >= self.max_lingering:
-            return
-        self.lingering += 1
-        try:
-            await asyncio.sleep(self.linger)
-        finally:
-            self.lingering -= 1
-
-    def handler(self, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-        """A handler for any method that answers ``code`` with ``message``, unread."""
-
-        async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            await self._wait()
-            await context.abort(code, message)
-
-        return grpc.stream_stream_rpc_method_handler(refuse)
-
-
-def _method_label(method: str) -> str:
-    """'/vaed.v1.VaeDecoder/Decode' -> 'Decode'. The metrics bound the label set further."""
-    return method.rsplit("/", 1)[-1] or method
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -192,38 +126,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         logger.info("refused %r: %s", method, problem)
         if self._on_refused is not None:
             try:
-                self._on_refused(_method_label(method), grpc.StatusCode.UNAUTHENTICATED.name)
+                self._on_refused(method_name(method), grpc.StatusCode.UNAUTHENTICATED.name)
             except Exception:
                 logger.warning("on_refused callback failed", exc_info=True)
         return self._refusals.handler(grpc.StatusCode.UNAUTHENTICATED, problem)
-
-
-def read_token(path: str | None, env_var: str | None = None) -> str | None:
-    """The auth token from ``path`` or, when no path is given, from ``env_var``.
-
-    Returns None when neither is configured (auth off). Surrounding whitespace
-    (the trailing newline of ``echo`` or a Secret file) is stripped. An empty
-    file or an empty-but-set variable raises ValueError: an operator who asked
-    for auth must not silently get an open server.
-    """
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ValueError(f"cannot read auth token file {path!r}: {exc.strerror or exc}") from exc
-        if not token:
-            raise ValueError(f"auth token file {path!r} is empty")
-        return token
-    if env_var:
-        raw = os.environ.get(env_var)
-        if raw is None:
-            return None
-        token = raw.strip()
-        if not token:
-            raise ValueError(f"environment variable {env_var} is set but empty")
-        return token
-    return None
 
 
 def _read_bytes(path: str, what: str) -> bytes:

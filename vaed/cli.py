@@ -15,9 +15,12 @@ log = logging.getLogger("vaed")
 
 # Subcommands implemented elsewhere: name -> (module, add-arguments fn, run fn, help)
 _DELEGATED = {
-    "decode": ("vaed.decode_command", "add_arguments", "run", "decode a latents file through a server to .mp4 or PNGs"),
-    "info": ("vaed.decode_command", "add_info_arguments", "run_info", "print a server's model info"),
-    "health": ("vaed.health_check", "add_arguments", "run", "ask a server's grpc.health.v1 status (exit 0 if SERVING)"),
+    # The client commands live in the client package (`vaed-client` has the same ones).
+    "decode": ("vaed_client.cli", "add_decode_arguments", "run_decode",
+               "decode a latents file through a server to .mp4, .mkv (lossless) or PNGs"),
+    "info": ("vaed_client.cli", "add_info_arguments", "run_info", "print a server's model info"),
+    "health": ("vaed_client.cli", "add_health_arguments", "run_health",
+               "ask a server's grpc.health.v1 status (exit 0 if SERVING)"),
     "bench": ("vaed.bench", "add_arguments", "run", "benchmark stock diffusers against vaed's decode path"),
 }
 
@@ -77,6 +80,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spatial: a large request is decoded by all --gpu devices together (default %(default)s)")
     parser.add_argument("--spatial-axis", choices=["auto", "height", "width"], default=defaults.spatial_axis,
                         help="axis split by --parallel spatial; auto = the longer one (default %(default)s)")
+    parser.add_argument("--spatial-min-pixels", type=int, default=defaults.spatial_min_pixels,
+                        help="--parallel spatial shards output frames of at least this many pixels; smaller "
+                             "ones decode on the first GPU (default %(default)s = 480x832)")
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions,
                         help="concurrent decode calls; more get RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--max-concurrent-rpcs", type=int, default=None,
@@ -149,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_latent_frames=args.max_latent_frames, max_pixels=args.max_pixels, queue_chunks=args.queue_chunks,
         max_backlog_frames=args.max_backlog_frames, grace=args.grace, kernels=args.kernels,
         disabled_ops=tuple(args.disabled_ops), layout=args.layout, precision=args.precision,
-        parallel=args.parallel, spatial_axis=args.spatial_axis, warmup=args.warmup, warmup_shapes=args.warmup_shapes,
+        parallel=args.parallel, spatial_axis=args.spatial_axis, spatial_min_pixels=args.spatial_min_pixels, warmup=args.warmup, warmup_shapes=args.warmup_shapes,
         keepalive_time=args.keepalive_time, keepalive_timeout=args.keepalive_timeout,
         min_ping_interval=args.min_ping_interval, max_connection_age=args.max_connection_age,
         max_connection_age_grace=args.max_connection_age_grace, metrics_port=args.metrics_port,

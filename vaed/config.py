@@ -24,6 +24,11 @@ DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
 
 PRECISIONS = ("lossless", "fast")
 
+# --parallel spatial shards a session only from this output frame size (H*W):
+# below it the halo exchanges cost more than the split saves (measured with
+# scripts/bench_sharded.py --min-size on two H200s; see the README).
+SPATIAL_MIN_PIXELS = 480 * 832
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -48,6 +53,7 @@ class ServerConfig:
     precision: str = "lossless"         # default tier of requests that do not ask
     parallel: str = "off"               # off | spatial (one request over all devices)
     spatial_axis: str = "auto"          # auto | height | width
+    spatial_min_pixels: int = SPATIAL_MIN_PIXELS  # smaller output frames decode on one GPU
     warmup: bool = True                 # warm-up decodes before reporting SERVING
     warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: DEFAULT_WARMUP_SHAPES by z_dim
     keepalive_time: float = 60.0        # server pings an idle connection every N s

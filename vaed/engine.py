@@ -23,6 +23,7 @@ prepared.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +102,11 @@ class DecodeEngine:
         shape = (1, self.z_dim, 1, 1, 1)
         self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
         self._inv_std = (1.0 / torch.tensor(cfg.latents_std).view(shape)).to(self.device, self.dtype)
+        # Both tiers are prepared on the one copy of the weights; each decoder call
+        # picks its session's op set (`patches.using`). Off CUDA only lossless is usable.
         self.fast_paths = patches.prepare_decoder(
-            self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops)
+            self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
+            tiers=("lossless", "fast"),
         )
         log.info("decoder ready on %s: %s", self.device, self.fast_paths.summary)
 
@@ -122,7 +126,13 @@ class DecodeEngine:
             kernels=self.fast_paths.kernels,
             layout=self.fast_paths.layout,
             fast_paths_note=self.fast_paths.stock_reason or "",
+            precisions=self.precisions,
         )
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Tiers this engine decodes: lossless always (the stock chain is lossless), fast when its ops passed."""
+        return ("lossless",) + (("fast",) if "fast" in self.fast_paths.op_sets else ())
 
     def output_frames(self, latent_frames: int) -> int:
         return 1 + self.scale_temporal * (latent_frames - 1) if latent_frames else 0
@@ -142,8 +152,10 @@ class DecodeEngine:
             x = x / self._inv_std + self._mean
         x = patches.to_decoder_layout(x, self.fast_paths.layout)
         index = state.next_latent_frame
-        x = self.vae.post_quant_conv(x)
-        out = self.vae.decoder(x, feat_cache=state.cache, feat_idx=[0], first_chunk=(index == 0))
+        ops = self.fast_paths.op_sets.get(output.precision)
+        with patches.using(ops) if ops is not None else contextlib.nullcontext():
+            x = self.vae.post_quant_conv(x)
+            out = self.vae.decoder(x, feat_cache=state.cache, feat_idx=[0], first_chunk=(index == 0))
         if self.patch_size is not None:
             out = unpatchify(out, patch_size=self.patch_size)
         out = torch.clamp(out, min=-1.0, max=1.0)
@@ -163,6 +175,13 @@ class DecodeEngine:
     @staticmethod
     def free(state: DecodeState) -> None:
         state.cache = None
+
+    def close(self) -> None:
+        """Nothing to release (the weights go with the process); a sharded engine stops its group here."""
+
+    def describe(self) -> str:
+        """ModelInfo.parallel: "off" for one device (a sharded engine names its group)."""
+        return "off"
 
     def decode_video(self, latents: torch.Tensor, output: OutputSpec) -> torch.Tensor:
         """Whole-video decode in this process (warm-up, benchmarks, tests): the served loop, concatenated."""

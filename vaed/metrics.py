@@ -160,10 +160,10 @@ class _LoadCollector(Collector):
             families["sessions"].add_metric([d.device], d.active_sessions)
             families["pending"].add_metric([d.device], d.pending_latent_frames)
             families["healthy"].add_metric([d.device], 1.0 if d.healthy else 0.0)
-            if d.device.startswith("cuda"):
-                allocated, peak = _cuda_memory(d.device)
-                families["allocated"].add_metric([d.device], allocated)
-                families["peak"].add_metric([d.device], peak)
+            # A CPU device reports 0, so dashboards and alerts see a value, not a gap.
+            allocated, peak = _cuda_memory(d.device) if d.device.startswith("cuda") else (0.0, 0.0)
+            families["allocated"].add_metric([d.device], allocated)
+            families["peak"].add_metric([d.device], peak)
         yield from families.values()
 
     def describe(self) -> Iterator[GaugeMetricFamily]:

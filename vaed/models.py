@@ -116,6 +116,10 @@ def _local_vae_folder(path: pathlib.Path) -> pathlib.Path | None:
 def _load_pretrained(spec: str) -> Any:
     from diffusers import AutoencoderKLWan
 
+    # low_cpu_mem_usage=False: without `accelerate` diffusers would warn on every
+    # load that it cannot use the low-memory path; the VAE is 0.5-2.8 GB, so the
+    # plain path costs nothing that matters.
+    options = dict(low_cpu_mem_usage=False)
     path = pathlib.Path(spec).expanduser()
     if path.exists():
         folder = _local_vae_folder(path)
@@ -123,15 +127,23 @@ def _load_pretrained(spec: str) -> Any:
             raise ModelLoadError(
                 f"{spec} holds no diffusers VAE: expected {path}/vae/config.json or {path}/config.json"
             )
-        return AutoencoderKLWan.from_pretrained(str(folder))
+        return AutoencoderKLWan.from_pretrained(str(folder), **options)
+    try:  # the local hub cache first: no network round trips when the weights are there
+        return AutoencoderKLWan.from_pretrained(spec, subfolder="vae", local_files_only=True, **options)
+    except Exception as exc:  # not cached (hub errors come in many types)
+        cached_error = exc
+    from huggingface_hub import constants as hub_constants
+
     try:
-        return AutoencoderKLWan.from_pretrained(spec, subfolder="vae")
-    except Exception as exc:  # hub errors come in many types; all mean "not here"
+        if hub_constants.HF_HUB_OFFLINE:  # honoured: no download attempts and their retries
+            raise cached_error
+        return AutoencoderKLWan.from_pretrained(spec, subfolder="vae", **options)
+    except Exception as exc:
         raise ModelLoadError(
             f"could not load VAE weights for {spec!r} ({type(exc).__name__}: {exc}). "
             "Pass a local diffusers folder (`--model /path/to/Wan2.1-T2V-1.3B-Diffusers` or its vae/ folder), "
             "or serve seeded random weights with the same architecture (`--model random:wan2.1` or `random:wan2.2`)."
-        ) from exc
+        ) from None
 
 
 def load_model(

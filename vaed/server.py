@@ -15,11 +15,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from vaed_client import wire
+from vaed_client.channel import read_token
 
-from .auth import BearerTokenInterceptor, read_token, server_credentials
+from .auth import BearerTokenInterceptor, server_credentials
 from .config import ServerConfig
 from .engine import DecodeEngine
-from .interceptors import RpcLimitInterceptor
+from .interceptors import Refusals, RpcLimitInterceptor
 from .metrics import ServerMetrics
 from .parallel.pool import WorkerPool
 from .service import Lifecycle, VaeDecoderService
@@ -35,15 +36,34 @@ class StartupError(RuntimeError):
 
 
 def engine_factory(config: ServerConfig) -> EngineFactory:
-    """How each device worker builds its engine from the config."""
+    """How each device worker builds its engine from the config. With
+    --parallel spatial the one worker's engine drives a group of all devices
+    (`vaed.parallel`): large sessions are sharded, small ones stay on GPU 0."""
 
     def build(device: str) -> DecodeEngine:
-        return DecodeEngine.load(
+        engine = DecodeEngine.load(
             config.model, device=device, dtype=config.compute_dtype_name,
             kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
         )
+        if config.parallel != "spatial":
+            return engine
+        from .parallel import GroupConfig, start_sharded_engine
+
+        group = GroupConfig(
+            config.model, config.devices, dtype=config.compute_dtype_name, kernels=config.kernels,
+            layout=config.layout, axis=config.spatial_axis, min_pixels=config.spatial_min_pixels,
+            engine_options={"disabled_ops": config.disabled_ops},
+        )
+        sharded = start_sharded_engine(group, base=engine)
+        log.info("sharded decode ready: %s", sharded.describe())
+        return sharded
 
     return build
+
+
+def worker_devices(config: ServerConfig) -> tuple[str, ...]:
+    """One worker per device, or one worker whose engine spans every device (spatial)."""
+    return config.devices[:1] if config.parallel == "spatial" else config.devices
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -77,7 +97,7 @@ class VaedServer:
         build = build_engine or engine_factory(config)
         self.pool = WorkerPool(
             [DeviceWorker(device, build, warmup=config.warmup, warmup_shapes=config.warmup_shapes)
-             for device in config.devices],
+             for device in worker_devices(config)],
             max_sessions=config.max_sessions,
         )
         self.metrics = ServerMetrics(load=self.pool) if config.metrics_port is not None else None
@@ -90,17 +110,18 @@ class VaedServer:
 
     def _refused(self, method: str, code: str) -> None:
         if self.metrics is not None:
-            self.metrics.request_finished(method, code, 0.0)
+            self.metrics.request_refused(method, code)
 
     async def start(self) -> int:
         """Bind, start serving NOT_SERVING, and load the model in the background. Returns the port."""
         cfg = self.config
         # Auth first: an unauthenticated call is refused before it takes an RPC slot.
         interceptors: list[grpc.aio.ServerInterceptor] = []
+        refusals = Refusals()  # one cap on lingering refusals for the whole server
         token = read_token(cfg.auth_token_file, wire.AUTH_TOKEN_ENV)
         if token is not None:
-            interceptors.append(BearerTokenInterceptor(token, on_refused=self._refused))
-        interceptors.append(RpcLimitInterceptor(cfg.rpc_limit, on_refused=self._refused))
+            interceptors.append(BearerTokenInterceptor(token, on_refused=self._refused, refusals=refusals))
+        interceptors.append(RpcLimitInterceptor(cfg.rpc_limit, on_refused=self._refused, refusals=refusals))
         server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
         service = VaeDecoderService(cfg, self.pool, self.lifecycle, self.metrics)
         server.add_generic_rpc_handlers((service.rpc_handlers(),))

@@ -39,7 +39,7 @@ from .config import PRECISIONS, ServerConfig
 from .engine import DTYPES
 from .errors import InvalidInput, NotReady, status_for
 from .parallel.pool import SessionSlot, WorkerPool
-from .rpc_streams import drain_requests
+from .interceptors import REFUSAL_LINGER_SECONDS
 from .session import CallRecord, HostGroup, Limits, OutputSpec, Session
 
 log = logging.getLogger(__name__)
@@ -189,11 +189,12 @@ class VaeDecoderService:
         context: grpc.aio.ServicerContext,
         record: CallRecord,
         messages: AsyncIterator[Any],
-        requests: AsyncIterator[bytes],
+        client_streaming: bool,
     ) -> AsyncIterator[Any]:
         """Run one streaming call: its errors become status codes, it is logged and counted
-        once, and its session is closed however it ends. A failing call drains the client's
-        in-flight messages before its status (grpc.aio clients still writing otherwise see INTERNAL)."""
+        once, and its session is closed however it ends. A failing client-streaming call
+        lingers briefly, reading nothing, before its status: a grpc.aio client still writing
+        otherwise sees INTERNAL instead of it (see vaed.interceptors)."""
         try:
             async for message in messages:
                 yield message
@@ -201,8 +202,9 @@ class VaeDecoderService:
             self._finish(record, self._cancel_code(context))
             raise
         except Exception as exc:
-            await messages.aclose()  # frees the session and stops its reader before draining
-            await drain_requests(requests)
+            await messages.aclose()  # frees the session and stops its reader
+            if client_streaming:
+                await asyncio.sleep(REFUSAL_LINGER_SECONDS)
             await self._abort(context, record, exc)
         else:
             self._finish(record, grpc.StatusCode.OK)
@@ -225,12 +227,12 @@ class VaeDecoderService:
     def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         record = CallRecord("Decode", "-")
         requests = requests.__aiter__()
-        return self._translated(context, record, self._decode(requests, record), requests)
+        return self._translated(context, record, self._decode(requests, record), client_streaming=False)
 
     def DecodeStream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         record = CallRecord("DecodeStream", "-")
         requests = requests.__aiter__()
-        return self._translated(context, record, self._decode_stream(requests, record), requests)
+        return self._translated(context, record, self._decode_stream(requests, record), client_streaming=True)
 
     # -- the calls -----------------------------------------------------------------------
 
@@ -273,7 +275,7 @@ class VaeDecoderService:
             fast_paths_note=info.fast_paths_note,
             precisions=[_PRECISION_VALUES[p] for p in self._offered],
             devices=[w.device for w in self.pool.healthy_workers],
-            parallel=cfg.parallel,
+            parallel=engine.describe(),
         )
 
     def _limits(self) -> Limits:
@@ -368,7 +370,7 @@ class VaeDecoderService:
             finally:
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await reader  # the request stream is free for draining once it returns
+                    await reader
                 worker.detach(session)
 
     async def _read_rest(self, requests: AsyncIterator[bytes], session: Session) -> None:

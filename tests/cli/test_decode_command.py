@@ -1,5 +1,5 @@
 """`vaed decode` / `vaed info` (the client package's `vaed_client.cli`, re-exported
-by `vaed.decode_command`): latents readers, mp4/mkv/PNG writers, and the
+by `vaed_client.cli`): latents readers, mp4/mkv/PNG writers, and the
 commands end to end against the fake server and against the real in-process
 server."""
 
@@ -17,7 +17,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from harness import FakeDecoder, expected_video, fake_video, start_fake_server
-from vaed import decode_command as dc
+from vaed_client import cli as dc
+from vaed_client import export
 
 
 # -- readers -----------------------------------------------------------------
@@ -71,7 +72,7 @@ def _mp4_frames(path: pathlib.Path) -> list[np.ndarray]:
 
 def test_mp4_writer_in_and_out_of_order(tmp_path: pathlib.Path) -> None:
     video = fake_video(1, 9, 64, 96)
-    writer = dc.make_writer(tmp_path / "v.mp4", fps=16)
+    writer = export.make_writer(tmp_path / "v.mp4", fps=16)
     for first, end in [(0, 1), (5, 9), (1, 5)]:  # a late chunk waits for its predecessor
         writer.write(first, video[:, first:end])
     assert writer.close() == [tmp_path / "v.mp4"]
@@ -81,7 +82,7 @@ def test_mp4_writer_in_and_out_of_order(tmp_path: pathlib.Path) -> None:
 
 def test_mp4_writer_batch_and_odd_size(tmp_path: pathlib.Path) -> None:
     video = fake_video(2, 5, 33, 47)
-    writer = dc.make_writer(tmp_path / "v.mp4", fps=8)
+    writer = export.make_writer(tmp_path / "v.mp4", fps=8)
     writer.write(0, video)
     paths = writer.close()
     assert paths == [tmp_path / "v_b0.mp4", tmp_path / "v_b1.mp4"]
@@ -92,7 +93,7 @@ def test_mp4_writer_batch_and_odd_size(tmp_path: pathlib.Path) -> None:
 
 def test_png_writer(tmp_path: pathlib.Path) -> None:
     video = fake_video(2, 5, 16, 24)
-    writer = dc.make_writer(tmp_path / "frames", fps=16)
+    writer = export.make_writer(tmp_path / "frames", fps=16)
     writer.write(1, video[:, 1:])
     writer.write(0, video[:, :1])
     dirs = writer.close()
@@ -124,9 +125,9 @@ def test_decode_command_mp4_and_png(
     servicer, target = fake_target
     np.save(tmp_path / "lat.npy", np.zeros((1, 16, 3, 4, 6), np.float32))
     (tmp_path / "token").write_text("tok\n")
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "v.mp4"),
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "v.mp4"),
                                      "--quiet", "--token-file", str(tmp_path / "token"), "--raw-latents"])
-    assert dc.run(args) == 0
+    assert dc.run_decode(args) == 0
     assert len(_mp4_frames(tmp_path / "v.mp4")) == 9
     out = capsys.readouterr().out
     for key in ("frames:", "first frame:", "total:", "received:", "wrote:"):
@@ -135,8 +136,8 @@ def test_decode_command_mp4_and_png(
     assert servicer.metadata[-1]["authorization"] == "Bearer tok"
     assert servicer.requests[-1].options.raw_latents
 
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png")])
-    assert dc.run(args) == 0
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png")])
+    assert dc.run_decode(args) == 0
     files = sorted((tmp_path / "png").glob("*.png"))
     assert len(files) == 9
     want = expected_video(1, 3, 4, 6)
@@ -150,18 +151,18 @@ def test_decode_command_errors(
     np.save(tmp_path / "lat.npy", np.zeros((1, 16, 2, 2, 2), np.float32))
     out = str(tmp_path / "v.mp4")
     # Missing file: exit 2, one line, no traceback.
-    assert dc.run(_parse(dc.add_arguments, [str(tmp_path / "none.npy"), "--server", target, "-o", out])) == 2
+    assert dc.run_decode(_parse(dc.add_decode_arguments, [str(tmp_path / "none.npy"), "--server", target, "-o", out])) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no such file" in err and "Traceback" not in err
     # Nobody listening: UNAVAILABLE after the retries.
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", "127.0.0.1:1", "-o", out, "--timeout", "5"])
-    assert dc.run(args) == 1
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", "127.0.0.1:1", "-o", out, "--timeout", "5"])
+    assert dc.run_decode(args) == 1
     err = capsys.readouterr().err
     assert err.startswith("vaed decode: error: 127.0.0.1:1: UNAVAILABLE") and err.count("\n") == 1
     # Unreadable token file: a usage error.
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", out,
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", out,
                                      "--token-file", str(tmp_path / "missing-token")])
-    assert dc.run(args) == 2
+    assert dc.run_decode(args) == 2
     assert "cannot read auth token file" in capsys.readouterr().err
 
 
@@ -183,9 +184,9 @@ def test_decode_command_against_real_server(tiny_server: Any, tmp_path: pathlib.
     z_dim = tiny_server.vae.config.z_dim
     latents = torch.randn(1, z_dim, 3, 4, 6, generator=torch.Generator().manual_seed(0))
     torch.save({"latents": latents}, tmp_path / "lat.pt")
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.pt"), "--server", tiny_server.target,
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.pt"), "--server", tiny_server.target,
                                      "-o", str(tmp_path / "png"), "--quiet"])
-    assert dc.run(args) == 0
+    assert dc.run_decode(args) == 0
     with VaeClient(tiny_server.target) as client:
         video = client.decode(latents).numpy()
     files = sorted((tmp_path / "png").glob("*.png"))
@@ -199,11 +200,11 @@ def test_unknown_output_suffix_is_an_error_listing_supported(tmp_path: pathlib.P
     from vaed_client.export import ExportError
 
     with pytest.raises(ExportError) as info:
-        dc.make_writer(tmp_path / "x.gif", fps=16)
+        export.make_writer(tmp_path / "x.gif", fps=16)
     for supported in (".mp4", ".mkv", "PNG"):
         assert supported in str(info.value)
     assert not (tmp_path / "x.gif").exists()  # no directory named x.gif any more
-    assert isinstance(dc.make_writer(str(tmp_path / "frames.d") + "/", fps=16), dc.PngWriter)  # explicit folder
+    assert isinstance(export.make_writer(str(tmp_path / "frames.d") + "/", fps=16), export.PngWriter)  # explicit folder
 
 
 def test_decode_command_unknown_suffix_exits_2(
@@ -211,8 +212,8 @@ def test_decode_command_unknown_suffix_exits_2(
 ) -> None:
     _, target = fake_target
     np.save(tmp_path / "lat.npy", np.zeros((1, 16, 2, 2, 2), np.float32))
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "x.gif")])
-    assert dc.run(args) == 2
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "x.gif")])
+    assert dc.run_decode(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ".mkv" in err and not (tmp_path / "x.gif").exists()
 
@@ -223,9 +224,9 @@ def test_decode_command_lossless_video(
 ) -> None:
     _, target = fake_target
     np.save(tmp_path / "lat.npy", np.zeros((2, 16, 3, 4, 6), np.float32))
-    args = _parse(dc.add_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / name),
+    args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / name),
                                      "--quiet", *flags])
-    assert dc.run(args) == 0
+    assert dc.run_decode(args) == 0
     want = expected_video(2, 3, 4, 6)
     stem, suffix = name.split(".")
     for b in range(2):
@@ -236,7 +237,7 @@ def test_decode_command_lossless_video(
 
 def test_lossy_mp4_is_not_claimed_lossless(tmp_path: pathlib.Path) -> None:
     video = fake_video(1, 5, 32, 48)
-    writer = dc.make_writer(tmp_path / "v.mp4", fps=16)
+    writer = export.make_writer(tmp_path / "v.mp4", fps=16)
     writer.write(0, video)
     writer.close()
     frames = _mp4_frames(tmp_path / "v.mp4")

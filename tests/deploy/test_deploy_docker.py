@@ -143,14 +143,14 @@ def test_json_entrypoint_and_cmd_run_vaed_serve() -> None:
 
 
 def test_healthcheck_uses_vaed_health() -> None:
-    from vaed import health_check
+    from vaed_client import cli as client_cli
 
     hc = _last("HEALTHCHECK")
     opts, _, cmd = hc.partition("CMD")
     argv = json.loads(cmd)
     assert argv[:2] == ["vaed", "health"]
     p = argparse.ArgumentParser(allow_abbrev=False)
-    health_check.add_arguments(p)
+    client_cli.add_health_arguments(p)
     args = p.parse_args(argv[2:])
     port = _serve_parser().parse_args(json.loads(_last("CMD"))[1:]).port
     assert args.server.endswith(f":{port}")

@@ -1,4 +1,4 @@
-"""Tests of vaed.auth and vaed.health_check against a tiny in-process grpc.aio server.
+"""Tests of vaed.auth and the `health` command against a tiny in-process grpc.aio server.
 
 The server serves the standard health service plus a generic echo service
 with all three call shapes the decoder uses (unary-unary, unary-stream,
@@ -21,15 +21,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from harness import write_self_signed
-from vaed import health_check
-from vaed.auth import (
-    AUTH_TOKEN_ENV,
-    REFUSAL_LINGER_SECONDS,
-    Refusals,
-    BearerTokenInterceptor,
-    read_token,
-    server_credentials,
-)
+from vaed_client import cli as client_cli
+from vaed.auth import BearerTokenInterceptor, server_credentials
+from vaed.interceptors import REFUSAL_LINGER_SECONDS, Refusals
+from vaed_client.channel import read_token
+from vaed_client.wire import AUTH_TOKEN_ENV
 
 TOKEN = "s3cret-token-0123456789abcdef"  # header values must be printable ASCII
 SERVICE = "test.Echo"
@@ -494,7 +490,7 @@ def test_server_credentials_errors(tmp_path: Path, tls_files: tuple[Path, Path])
 
 def _health_args(**kw: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    health_check.add_arguments(parser)
+    client_cli.add_health_arguments(parser)
     ns = parser.parse_args([])
     for k, v in kw.items():
         setattr(ns, k, v)
@@ -521,13 +517,13 @@ def _in_thread_loop(coro_factory):  # type: ignore[no-untyped-def]
 def test_health_command_serving_and_not(capsys: pytest.CaptureFixture[str]) -> None:
     (server, port), stop = _in_thread_loop(lambda: _start_server(TOKEN))
     try:
-        assert health_check.run(_health_args(server=f"127.0.0.1:{port}")) == 0
+        assert client_cli.run_health(_health_args(server=f"127.0.0.1:{port}")) == 0
         assert capsys.readouterr().out.strip() == "SERVING"
-        assert health_check.run(_health_args(server=f"127.0.0.1:{port}", service="nope")) == 1
+        assert client_cli.run_health(_health_args(server=f"127.0.0.1:{port}", service="nope")) == 1
         assert capsys.readouterr().out.strip() == "SERVICE_UNKNOWN"
     finally:
         stop(server)
-    assert health_check.run(_health_args(server=f"127.0.0.1:{port}", timeout=1.0)) == 1
+    assert client_cli.run_health(_health_args(server=f"127.0.0.1:{port}", timeout=1.0)) == 1
     assert capsys.readouterr().out.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
 
 
@@ -543,7 +539,7 @@ def test_health_command_not_serving(capsys: pytest.CaptureFixture[str]) -> None:
 
     (server, port), stop = _in_thread_loop(start)
     try:
-        assert health_check.run(_health_args(server=f"127.0.0.1:{port}")) == 1
+        assert client_cli.run_health(_health_args(server=f"127.0.0.1:{port}")) == 1
         assert capsys.readouterr().out.strip() == "NOT_SERVING"
     finally:
         stop(server)
@@ -556,10 +552,10 @@ def test_health_command_tls(tls_files: tuple[Path, Path], capsys: pytest.Capture
     try:
         args = _health_args(server=f"127.0.0.1:{port}", tls=True, ca_cert=str(cert),
                             tls_server_name="localhost")
-        assert health_check.run(args) == 0
+        assert client_cli.run_health(args) == 0
         assert capsys.readouterr().out.strip() == "SERVING"
         # Without the CA (system roots) the self-signed cert is refused.
-        assert health_check.run(_health_args(server=f"localhost:{port}", tls=True, timeout=2.0)) == 1
+        assert client_cli.run_health(_health_args(server=f"localhost:{port}", tls=True, timeout=2.0)) == 1
         assert capsys.readouterr().out.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
     finally:
         stop(server)
@@ -567,7 +563,7 @@ def test_health_command_tls(tls_files: tuple[Path, Path], capsys: pytest.Capture
 
 def test_health_main_parses_flags(capsys: pytest.CaptureFixture[str]) -> None:
     # Nothing listens on port 1: a quick non-zero exit, not a hang.
-    assert health_check.main(["--server", "127.0.0.1:1", "--timeout", "1"]) == 1
+    assert client_cli.main(["health", "--server", "127.0.0.1:1", "--timeout", "1"]) == 1
     assert capsys.readouterr().out.strip()
 
 

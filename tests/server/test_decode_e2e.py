@@ -181,7 +181,7 @@ def test_async_client_decode_stream_and_session(tiny_server, ref21):
 
 def test_random_wan21_at_a_small_size():
     """The real Wan2.1 architecture (random weights) at 16x24 output pixels."""
-    from conftest import serve_in_thread, make_config
+    from harness import make_config, serve_in_thread
 
     with serve_in_thread(make_config("random:wan2.1", warmup=False)) as server:
         ref = server.reference_vae()

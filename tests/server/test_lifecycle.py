@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import threading
+import time
 
 import grpc
 import pytest
@@ -81,6 +83,17 @@ def test_port_already_in_use_fails_startup(tiny_server):
         asyncio.run(start_second())
 
 
+def _read_until(proc: subprocess.Popen, text: str) -> list[str]:
+    """The server's output lines up to the first one holding `text`."""
+    lines = []
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"the server exited before logging {text!r}: {lines}"
+        lines.append(line.rstrip())
+        if text in line:
+            return lines
+
+
 def test_vaed_serve_process_answers_and_drains_on_sigterm():
     """SIGTERM while a session waits on its client: new calls are refused, the session
     still pushes, half-closes and gets every frame, then the process exits 0. The grace
@@ -98,7 +111,9 @@ def test_vaed_serve_process_answers_and_drains_on_sigterm():
             frames = iter(session)
             first = next(frames)
             proc.send_signal(signal.SIGTERM)
-            # New calls are refused once draining (or the port is closed).
+            output += _read_until(proc, "draining")
+            # New calls are refused once draining (the port is closed): a call racing
+            # the start of the drain could see CANCELLED, hence the wait for the log line.
             with pytest.raises(UnavailableError):
                 with VaeClient(target, timeout=5) as late:
                     late.decode(torch.randn(1, 4, 1, 5, 7))
@@ -108,7 +123,7 @@ def test_vaed_serve_process_answers_and_drains_on_sigterm():
             assert first.first_frame == 0
             assert rest[-1].first_frame + rest[-1].num_frames == 45
         proc.wait(120)
-        output = proc.stdout.read().splitlines()
+        output += proc.stdout.read().splitlines()
         assert proc.returncode == 0, output
         assert any("draining" in line for line in output)
     finally:
@@ -126,11 +141,7 @@ def test_second_sigterm_exits_at_once_with_a_non_zero_code():
             session.push(torch.randn(1, 4, 1, 5, 7))
             next(iter(session))
             proc.send_signal(signal.SIGTERM)
-            while True:
-                line = proc.stdout.readline()
-                assert line, "the server exited before draining"
-                if "draining" in line:
-                    break
+            _read_until(proc, "draining")
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
             assert proc.returncode == FORCED_EXIT_CODE
@@ -154,3 +165,76 @@ def test_explicit_triton_kernels_that_cannot_run_fail_startup():
 
     with pytest.raises(StartupError, match="(?i)triton|cuda|cpu"):
         asyncio.run(start())
+
+
+class _SwitchingForwarder:
+    """A TCP forwarder whose backend can be switched: a stand-in for a DNS name
+    whose answer changes when the autoscaler adds a replica. Existing connections
+    keep their backend; new ones go to the current one."""
+
+    def __init__(self, backend_port: int) -> None:
+        import socket
+
+        self.backend_port = backend_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.backend_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        import socket
+
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+
+@pytest.mark.parametrize("max_age, reaches_new", [(0.0, False), (1.0, True)])
+def test_connection_age_lets_an_existing_client_reach_a_replica_added_later(max_age, reaches_new):
+    """With --max-connection-age the server closes connections (after a grace), the
+    client reconnects and so re-resolves; without it the client stays on the first
+    replica for good. The client keeps one channel throughout."""
+    from harness import serve_in_thread
+
+    first = make_config("random:wan2.1-tiny", max_connection_age=max_age, max_connection_age_grace=0.5)
+    added = make_config("random:wan2.1-tiny?seed=1", max_connection_age=max_age, max_connection_age_grace=0.5)
+    with serve_in_thread(first) as a, serve_in_thread(added) as b:
+        forwarder = _SwitchingForwarder(a.server.port)
+        try:
+            target = f"127.0.0.1:{forwarder.port}"
+            with VaeClient(target, timeout=5) as client:
+                assert client.model_info().model == "random:wan2.1-tiny"
+                forwarder.backend_port = b.server.port  # the replica the HPA added
+                seen: set[str] = set()
+                deadline = time.monotonic() + 6
+                while time.monotonic() < deadline and len(seen) < 2:
+                    seen.add(client.model_info().model)
+                    time.sleep(0.05)
+            assert ("random:wan2.1-tiny?seed=1" in seen) == reaches_new, seen
+        finally:
+            forwarder.close()

@@ -158,13 +158,15 @@ def test_failing_load_source_does_not_fail_the_scrape() -> None:
     assert _value(m, PENDING_LATENT_FRAMES_METRIC, device="cpu") is None
 
 
-def test_gpu_memory_only_for_cuda_devices_and_zero_without_cuda() -> None:
-    # This machine has no initialised CUDA: cuda devices read exactly 0, CPU devices get no series.
+def test_gpu_memory_reads_zero_on_cpu_and_without_cuda() -> None:
+    # This machine has no initialised CUDA: cuda devices read exactly 0; a CPU device
+    # reports 0 too, so dashboards and alerts see a value, not a gap.
     load = FakeLoad([DeviceLoad("cpu", True, 0, 0), DeviceLoad("cuda:0", True, 0, 0)])
     m = ServerMetrics(load)
     assert _value(m, "vaed_gpu_memory_allocated_bytes", device="cuda:0") == 0
     assert _value(m, "vaed_gpu_memory_peak_bytes", device="cuda:0") == 0
-    assert _value(m, "vaed_gpu_memory_allocated_bytes", device="cpu") is None
+    assert _value(m, "vaed_gpu_memory_allocated_bytes", device="cpu") == 0
+    assert _value(m, "vaed_gpu_memory_peak_bytes", device="cpu") == 0
 
 
 def test_gpu_memory_read_from_torch_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
