@@ -64,6 +64,49 @@ def test_causal_pad_cl_exact(dtype, layout, cache_frames, pad, frames, channels)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["cl3d", "ntchw"])
+@pytest.mark.parametrize("cache_frames", [0, 2])
+@pytest.mark.parametrize("pad", [(1, 1, 1, 1, 2, 0), (0, 1, 1, 0, 2, 0)])
+@pytest.mark.parametrize("frames", [1, 4])
+@pytest.mark.parametrize("channels", [24, 384])
+def test_causal_pad_cl_exact_norm(dtype, layout, cache_frames, pad, frames, channels) -> None:
+    """The exact norm+SiLU prologue in the tile kernel equals the aten chain (and the 1-D kernel)."""
+    g = torch.Generator(device="cuda").manual_seed(cache_frames * 10 + frames + channels)
+    x = _lay(torch.randn(2, channels, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g) * 2, layout)[:, :, 1:]
+    cache = None
+    if cache_frames:
+        cache = _lay(torch.randn(2, channels, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
+    gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
+    args = K.RmsSiluArgs(gamma, channels**0.5, 0.0, K.norm_denominator(x))
+    want = K.causal_pad_reference(x, cache, pad, norm=(gamma, channels**0.5, 0.0))
+    got = K.causal_pad_cl(x, cache, pad, norm=args)
+    if layout == "cl3d":
+        assert got is not None
+    if got is None:
+        return
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cl_silu_chain_exhaustive(dtype) -> None:
+    """The tile kernel's exact norm+SiLU rounding over every bf16/fp16 bit pattern (fp32: 2^20 samples)."""
+    if dtype == torch.float32:
+        v = torch.randn(1 << 20, device="cuda") * 8
+    else:
+        v = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32).to(torch.int16).view(dtype)
+        v = v[torch.isfinite(v)]
+    n = v.numel() - v.numel() % 64
+    x = v[:n].reshape(1, 4, 1, -1, 16).contiguous(memory_format=CL)
+    gamma = torch.tensor([1.0, 0.5, -2.0, 1.25], device="cuda").to(dtype).reshape(4, 1, 1, 1)
+    args = K.RmsSiluArgs(gamma, 2.0, 0.0, K.norm_denominator(x))
+    got = K.causal_pad_cl(x, None, (0, 0, 0, 0, 2, 0), norm=args)
+    want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=(gamma, 2.0, 0.0))
+    assert got is not None
+    _same(got[0], want[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_causal_pad_cl_rep_marker(dtype) -> None:
     for frames in (1, 2):
         x = _lay(torch.randn(1, 16, frames, 5, 7, device="cuda", dtype=dtype), "cl3d")

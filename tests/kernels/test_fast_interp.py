@@ -55,12 +55,14 @@ SCRIPT = textwrap.dedent(
             assert all(a.stride() == b.stride() and torch.equal(a, b) for a, b in zip(got, want))
             n += 1
         g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
-        got = K.causal_pad_cl(x, c, pad, norm_cl=(g, 5 ** 0.5, 0.0))
         want = K.causal_pad_reference(x, c, pad, norm=(g, 5 ** 0.5, 0.0))
-        for a, b in zip(got, want):
-            assert a.stride() == b.stride()
-            torch.testing.assert_close(a, b, atol=1e-5 if dt == torch.float32 else 2e-2, rtol=1e-4 if dt == torch.float32 else 2e-2)
-        n += 1
+        exact = K.RmsSiluArgs(g, 5 ** 0.5, 0.0, K.norm_denominator(x))
+        for kw in ({"norm_cl": (g, 5 ** 0.5, 0.0)}, {"norm": exact}):
+            got = K.causal_pad_cl(x, c, pad, **kw)
+            for a, b in zip(got, want):
+                assert a.stride() == b.stride()
+                torch.testing.assert_close(a, b, atol=1e-5 if dt == torch.float32 else 2e-2, rtol=1e-4 if dt == torch.float32 else 2e-2)
+            n += 1
     # layouts the aten chain writes contiguous are left to the 1-D kernel
     xc = torch.randn(1, 5, 2, 4, 6)
     assert K.causal_pad_cl(xc, None, (1, 1, 1, 1, 2, 0)) is None

@@ -7,8 +7,10 @@ the layout the GPU decoder runs in (channels innermost). Each program owns
 there is no per-element div/mod and every load/store of a pixel's channels
 is one contiguous run.
 
-``norm_cl=None``: pure data movement, bit-exact against
-``causal_pad_reference`` (checked like the other kernels).
+Without a norm: pure data movement, bit-exact against
+``causal_pad_reference`` (checked like the other kernels). ``norm`` (an
+``RmsSiluArgs`` with aten's fp32 denominator): the exact WanRMS_norm + SiLU
+prologue, the same arithmetic as ``causal_input``'s, bit-exact too.
 
 ``norm_cl=(gamma, scale, bias)`` is the *lossy* fast-tier prologue (the
 SGLang channels-last RMSNorm+SiLU way): the per-pixel L2 norm over channels
@@ -26,6 +28,7 @@ import torch
 
 from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input import CACHE_T, _stock_layouts
+from vaed.kernels.rms_silu import RmsSiluArgs, low_precision
 
 tl = None  # filled in by rt.jit_lazy
 triton = None
@@ -37,14 +40,15 @@ NORM_EPS = 1e-12  # F.normalize's eps
 
 
 def _causal_pad_cl_kernel(
-    x_ptr, c_ptr, p_ptr, n_ptr, g_ptr,
+    x_ptr, c_ptr, p_ptr, n_ptr, g_ptr, d_ptr,
     C, H, W, TP, HP, WP,
     Z, HIST, K, PH, PW,
     sxb, sxc, sxt, sxh, sxw,
     scb, scc, sct, sch, scw,
     snb, snc, snt, snh, snw,
+    sdb, sdt, sdh, sdw,
     scale, bias, eps,
-    NORM: tl.constexpr, EMIT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    NORM: tl.constexpr, LOWP: tl.constexpr, EMIT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # (b, tp, hp) of the padded output
     hp = row % HP
@@ -62,7 +66,28 @@ def _causal_pad_cl_kernel(
     from_c = inside & (f >= 0) & (f < HIST)
     xt = f - HIST
     xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=from_x, other=0.0)
-    if NORM:
+    if NORM == 1:
+        # exact: the aten chain op for op, as in causal_input's prologue (denominator from aten)
+        px = (wp < WP) & (h >= 0) & (h < H) & (w >= 0) & (w < W) & (f >= HIST)  # [BLOCK_W, 1]
+        d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=px, other=1.0)
+        d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
+        v = tl.math.div_rn(xv.to(tl.float32), d)
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        v = v * scale
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        v = v * g
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        v = v + bias
+        if LOWP:
+            v = v.to(xv.dtype).to(tl.float32)
+        v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
+        xv = v.to(xv.dtype)
+    if NORM == 2:
+        # lossy fast tier: channel norm reduced in the tile, fp32 throughout, one rounding
         v = xv.to(tl.float32)
         ss = tl.sum(v * v, axis=1)  # per pixel, over channels
         inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
@@ -92,6 +117,7 @@ def causal_pad_cl(
     *,
     zero_history: bool = False,
     cache_t: int = CACHE_T,
+    norm: RmsSiluArgs | None = None,
     norm_cl: tuple[torch.Tensor, float, float] | None = None,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -100,18 +126,23 @@ def causal_pad_cl(
     Handles what ``causal_input.causal_pad`` handles whose padded output is
     channels_last_3d in the aten chain, with ``C <= 4096``. Output layouts
     are aten's (the same oracle), so the conv sees what it would see on the
-    lossless path.
+    lossless path. ``norm`` is the exact prologue (as in ``causal_pad``,
+    aten's denominator passed in); ``norm_cl`` = (gamma, scale, bias) the
+    lossy one-pass prologue. At most one of them.
     """
     if zero_history and cache is not None:
         raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
+    if norm is not None and norm_cl is not None:
+        raise ValueError("norm (exact) and norm_cl (fast) are exclusive")
     if len(pad) != 6:
         raise ValueError(f"pad must have 6 entries, got {pad!r}")
-    if not _eligible(x, cache, pad, zero_history, cache_t, norm_cl):
+    if not _eligible(x, cache, pad, zero_history, cache_t, norm, norm_cl):
         return None
     use_cache = cache is not None and pad[4] > 0
     c_meta = (tuple(cache.shape), tuple(cache.stride())) if use_cache else (None, None)  # type: ignore[union-attr]
     p_shape, p_stride, n_shape, n_stride = _stock_layouts(
-        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, norm_cl is not None, x.dtype
+        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t,
+        norm is not None or norm_cl is not None, x.dtype,
     )
     if not rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D):
         return None
@@ -123,20 +154,25 @@ def causal_pad_cl(
     nxt = rt.empty_with_strides(n_shape, n_stride, x) if emit_cache else None
     hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
     src_c = cache if use_cache else x
-    if norm_cl is not None:
-        g, scale, bias = norm_cl[0], float(norm_cl[1]), float(norm_cl[2])
+    d, sd = x, (0, 0, 0, 0)
+    if norm is not None:
+        mode, g, scale, bias = 1, norm.gamma, float(norm.scale), float(norm.bias)
+        d = norm.denom
+        sd = (d.stride(0), d.stride(2), d.stride(3), d.stride(4))
+    elif norm_cl is not None:
+        mode, g, scale, bias = 2, norm_cl[0], float(norm_cl[1]), float(norm_cl[2])
     else:
-        g, scale, bias = x, 1.0, 0.0
+        mode, g, scale, bias = 0, x, 1.0, 0.0
     block_c = _pow2(C)
     block_w = max(1, min(_pow2(WP), _TILE // block_c))
     grid = (B * TP * HP, -(-WP // block_w))
     _kernel()[grid](  # type: ignore[index]
-        x, src_c, padded, padded if nxt is None else nxt, g,
+        x, src_c, padded, padded if nxt is None else nxt, g, d,
         C, H, W, TP, HP, WP,
         pad[4] - hist, hist, n_shape[2] if emit_cache else 0, pad[2], pad[0],
-        *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5),
+        *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5), *sd,
         scale, bias, NORM_EPS,
-        NORM=norm_cl is not None, EMIT=nxt is not None, BLOCK_W=block_w, BLOCK_C=block_c,
+        NORM=mode, LOWP=low_precision(x.dtype), EMIT=nxt is not None, BLOCK_W=block_w, BLOCK_C=block_c,
         num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(x),
     )
     return padded, nxt
@@ -148,6 +184,7 @@ def _eligible(
     pad: tuple[int, ...],
     zero_history: bool,
     cache_t: int,
+    norm: RmsSiluArgs | None,
     norm_cl: tuple[torch.Tensor, float, float] | None,
 ) -> bool:
     if not rt.triton_available() or x.dim() != 5 or x.dtype not in rt.SUPPORTED_DTYPES:
@@ -167,6 +204,14 @@ def _eligible(
             return False
     if zero_history and pad[4] + T < cache_t:
         return False
+    if norm is not None:
+        d, g = norm.denom, norm.gamma
+        if d.dtype != torch.float32 or d.device != x.device or tuple(d.shape) != (B, 1, T, H, W):
+            return False
+        if g.device != x.device or g.numel() != C or g.dtype != x.dtype or not g.is_contiguous():
+            return False
+        if not isinstance(norm.bias, float) or (torch.is_grad_enabled() and g.requires_grad):
+            return False
     if norm_cl is not None:
         g = norm_cl[0]
         if g.device != x.device or g.numel() != C or not g.is_contiguous():

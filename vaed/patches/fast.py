@@ -10,8 +10,12 @@ scripts/profile_fast.py shows it pays on the H200):
   fewer full passes per norm site (2 per residual block + the head). Not
   bit-exact: ~1 bf16 ulp from stock, and no further from an fp32 decode.
 * ``causal_pad``: the same 2-D channels-last tile kernel without the norm --
-  pure data movement, bit-exact; ``LOSSLESS_TILED_OPS`` is the lossless tier
-  with it, a candidate to replace the 1-D kernel there once measured.
+  pure data movement, bit-exact.
+
+``LOSSLESS_TILED_OPS`` is the lossless tier with the tile kernel at every
+causal-input site, the exact norm prologue included (aten's denominator, the
+1-D kernel's arithmetic): bit-exact, a candidate to replace the 1-D kernel
+(26 % of a steady 480p chunk, ~350 us a call) once measured.
 
 Everything else (upsample gathers, DupUp3D add, cuDNN convs) is the lossless
 ops. Each fast op falls back per call to the lossless op, then to the
@@ -24,6 +28,8 @@ import dataclasses
 
 import torch
 
+from vaed import kernels as K
+from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.patches.ops import (
     LOSSLESS_OPS,
@@ -48,11 +54,15 @@ def tiled_causal_pad(
     """Exact: the channels-last tile kernel, else the lossless kernel (None: reference)."""
     if norm is None and not emit_cache and not any(pad):
         return triton_causal_pad(x, cache, pad, emit_cache=False)  # the aliasing 1x1 shortcut
-    if norm is None:
-        r = causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache)
-        if r is not None:
-            return r
-    return triton_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
+    if not rt.triton_available() or not rt.device_ok(x):
+        return None  # decided before the fp32 norm pass below is paid for
+    args = None
+    if norm is not None:
+        args = K.RmsSiluArgs(norm.gamma, float(norm.scale), float(norm.bias), K.norm_denominator(x))
+    r = causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args)
+    if r is not None:
+        return r
+    return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)  # type: ignore[arg-type]
 
 
 def fast_norm_causal_pad(
@@ -79,6 +89,7 @@ LOSSLESS_TILED_OPS: OpSet = dataclasses.replace(
     LOSSLESS_OPS,
     name="lossless-tiled",
     causal_pad=FusedOp("causal_pad", tiled_causal_pad, reference_causal_pad),
+    norm_causal_pad=FusedOp("norm_causal_pad", tiled_causal_pad, reference_causal_pad),
 )
 
 FAST_OPS: OpSet = dataclasses.replace(
