@@ -1,8 +1,10 @@
-"""Bit-exact fused Triton ops for the Wan causal decoder.
+"""Fused Triton ops for the Wan causal decoder.
 
 One op per module, each with a launcher that returns None for inputs it does
 not handle (the caller then runs the stock aten chain) and a plain-torch
-reference beside it. Triton is imported on first use only.
+reference beside it. Triton is imported on first use only. Every op is
+bit-exact against its reference except ``causal_pad_cl``'s ``norm_cl``
+prologue, the fast tier's one-pass RMS-norm+SiLU (see causal_input_cl).
 """
 
 from vaed.kernels._runtime import interpreter_active, triton_available
