@@ -162,6 +162,9 @@ def test_session_shape_is_fixed(group: ShardedEngine) -> None:
             group.decode_frame(state, _latents(group, 1, group.world + 1, 2), RAW)
     finally:
         group.free(state)
+    with pytest.raises(ValueError, match="was freed"):  # misuse is refused; the group stays in step
+        group.decode_frame(state, _latents(group, 1, group.world, 2), RAW)
+    assert group.healthy
 
 
 def test_group_reports_ranks_and_delegates_to_the_one_gpu_engine(group: ShardedEngine) -> None:

@@ -255,6 +255,8 @@ class ShardedEngine:
             state.next_latent_frame = state.local.next_latent_frame
             state.next_output_frame = state.local.next_output_frame
             return group
+        if state.cache is None:
+            raise ValueError(f"session {state.sid} was freed")  # refused before the group hears of it
         self._check_healthy()
         plan = state.plan
         assert plan is not None
