@@ -1,7 +1,7 @@
 """Is the 1x1x1 post_quant_conv chunk-invariant on this GPU? (per-chunk vs whole-T)."""
 import torch
 from vaed.models import load_model
-from vaed.install import prepare_decoder, to_decoder_layout
+from vaed.patches import prepare_decoder, to_decoder_layout
 for spec, shape in [("random:wan2.1", (1, 16, 21, 60, 104)), ("random:wan2.2", (1, 48, 31, 44, 80))]:
     for layout in ("contiguous", "channels_last"):
         vae = load_model(spec, "cuda", torch.bfloat16).vae

@@ -6,6 +6,12 @@ Variants per case:
 * ``stock-cl3d``   -- the same with channels_last_3d Conv3d weights and latents
 * ``vaed-lossless``-- the server's decode: per-latent-frame decoder calls on a
   session-owned cache, fused kernels installed, channels_last_3d, clamp
+* ``vaed-fast``    -- the same engine and weights, the fast tier's op set
+
+``--psnr`` adds the quality gate of the fast tier: PSNR of RGB8 frames and max
+abs RAW error of each variant against an fp32 stock decode of the same latents
+and weights (one extra fp32 decode per case). TFLOP/s uses the Wan2.1
+decoder's ~3.44 TFLOP per 480x832 frame, scaled by pixels (n/a for others).
 
 Seconds are the min over ``--reps`` after one short warm-up decode (Triton
 compiles, cuDNN plans); peak is ``torch.cuda.max_memory_allocated`` during the
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import sys
 import time
@@ -29,7 +36,9 @@ import torch
 log = logging.getLogger(__name__)
 
 DEFAULT_CASES = ("wan2.1:480x832x81", "wan2.1:720x1280x81", "wan2.2:704x1280x121")
-VARIANTS = ("stock", "stock-cl3d", "vaed-lossless")
+VARIANTS = ("stock", "stock-cl3d", "vaed-lossless", "vaed-fast")
+# Wan2.1 decoder FLOPs per output pixel (279 TFLOP for 81 frames of 480x832).
+WAN21_FLOP_PER_PIXEL = 3.44e12 / (480 * 832)
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 _CASE_RE = re.compile(r"^(?:(?P<arch>[\w.\-]+):)?(?P<h>\d+)x(?P<w>\d+)x(?P<f>\d+)$")
@@ -56,6 +65,9 @@ class Row:
     peak_gib: float
     bit_identical: str  # "ref", "yes", "no"
     reference: str
+    tflops: float = float("nan")
+    psnr_db: float = float("nan")       # RGB8 vs an fp32 stock decode (--psnr)
+    max_abs_raw: float = float("nan")   # RAW vs the same fp32 decode (--psnr)
 
 
 def parse_case(text: str) -> Case:
@@ -79,6 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "off"),
                         help="fused kernels for vaed-lossless")
     parser.add_argument("--seed", type=int, default=0, help="latents seed")
+    parser.add_argument("--psnr", action="store_true", help="PSNR / max abs error against an fp32 stock decode")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write rows as JSON")
 
 
@@ -101,7 +114,7 @@ def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
     return vae.decode(z, return_dict=False)[0]
 
 
-def vaed_decoder(vae: Any, spec: str, kernels: str) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str) -> Callable[[Any, torch.Tensor], torch.Tensor] | None:
     """The server's own decode path (DecodeEngine: session-owned cache, one
     decoder call per latent frame, fast paths installed, clamp), as a decode function."""
     from vaed.engine import DecodeEngine
@@ -110,9 +123,34 @@ def vaed_decoder(vae: Any, spec: str, kernels: str) -> Callable[[Any, torch.Tens
 
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
                           kernels=kernels, layout="channels_last")
-    log.info("vaed-lossless: %s", engine.fast_paths.summary)
-    raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True)
+    if precision not in engine.precisions:
+        log.warning("vaed-%s skipped: tier not available here (%s)", precision, engine.fast_paths.summary)
+        return None
+    log.info("vaed-%s: %s", precision, engine.fast_paths.summary)
+    raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True, precision=precision)
     return lambda _vae, z: engine.decode_video(z, raw)
+
+
+def _rgb8(x: torch.Tensor) -> torch.Tensor:
+    return ((x.float() * 0.5 + 0.5).clamp(0, 1) * 255).round()
+
+
+def quality(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(PSNR in dB of RGB8 frames, max abs difference of RAW) against a reference decode."""
+    mse = float(((_rgb8(out) - _rgb8(ref)) ** 2).mean())
+    psnr = float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+    return psnr, float((out.float() - ref.float()).abs().max())
+
+
+def fp32_reference(spec: str, z: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Stock diffusers in float32, contiguous, same weights (seeded) and latents."""
+    vae = _load(spec, device, torch.float32)
+    with torch.inference_mode():
+        out = stock_decode(vae, z.float().contiguous()).clamp(-1, 1).cpu()
+    del vae
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
@@ -147,6 +185,7 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
     rows: list[Row] = []
     refs: dict[str, torch.Tensor] = {}
     base: float | None = None
+    fp32 = fp32_reference(spec, z, device) if args.psnr else None
     for variant in variants:
         if variant == "stock":
             prepare_decoder(vae, kernels="off", layout="contiguous")
@@ -155,8 +194,10 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             prepare_decoder(vae, kernels="off", layout="channels_last")
             zi, fn, ref_key = to_decoder_layout(z, "channels_last"), stock_decode, "stock-cl3d"
         else:
-            fn = vaed_decoder(vae, spec, args.kernels)
-            zi, ref_key = to_decoder_layout(z, "channels_last"), "stock-cl3d"
+            engine_fn = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"))
+            if engine_fn is None:
+                continue
+            fn, zi, ref_key = engine_fn, to_decoder_layout(z, "channels_last"), "stock-cl3d"
         with torch.inference_mode():
             fn(vae, zi[:, :, :2])  # warm-up on 2 latent frames: Triton compiles, cuDNN plans
             secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)
@@ -173,9 +214,14 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             base = secs
         speed = (base / secs) if base else float("nan")
         row = Row(case.name, variant, secs, speed, peak, ident, ref_key)
+        if case.arch == "wan2.1" and args.model is None:
+            row.tflops = WAN21_FLOP_PER_PIXEL * case.height * case.width * case.frames / secs / 1e12
+        if fp32 is not None:
+            row.psnr_db, row.max_abs_raw = quality(out_cpu, fp32)
         rows.append(row)
         print(f"[bench] {case.name:<24} {variant:<14} {secs:7.3f} s  x{speed:5.2f}  "
-              f"peak {peak:6.2f} GiB  bit-identical={ident}", flush=True)
+              f"peak {peak:6.2f} GiB  bit-identical={ident}  {row.tflops:5.0f} TFLOP/s  "
+              f"PSNR {row.psnr_db:5.2f} dB  max|RAW| {row.max_abs_raw:.4f}", flush=True)
         del out_cpu
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -187,11 +233,13 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
 
 
 def format_table(rows: list[Row]) -> str:
-    head = f"{'case':<24} {'variant':<14} {'seconds':>8} {'speedup':>8} {'peak GiB':>9}  bit-identical"
+    head = (f"{'case':<24} {'variant':<14} {'seconds':>8} {'speedup':>8} {'peak GiB':>9} {'TFLOP/s':>8} "
+            f"{'PSNR dB':>8} {'max|RAW|':>9}  bit-identical")
     lines = [head, "-" * len(head)]
     for r in rows:
         ident = r.bit_identical if r.bit_identical == "ref" else f"{r.bit_identical} (vs {r.reference})"
-        lines.append(f"{r.case:<24} {r.variant:<14} {r.seconds:8.3f} {r.speedup:7.2f}x {r.peak_gib:9.2f}  {ident}")
+        lines.append(f"{r.case:<24} {r.variant:<14} {r.seconds:8.3f} {r.speedup:7.2f}x {r.peak_gib:9.2f} "
+                     f"{r.tflops:8.0f} {r.psnr_db:8.2f} {r.max_abs_raw:9.4f}  {ident}")
     return "\n".join(lines)
 
 

@@ -28,7 +28,8 @@ def test_bench_cpu_tiny(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert "[bench]" in text and "vaed-lossless" in text
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    # every variant but the fast tier, whose Triton op set needs CUDA (skipped with a warning)
+    assert [r["variant"] for r in rows] == [v for v in bench.VARIANTS if v != "vaed-fast"]
     assert rows[2]["bit_identical"] == "yes"
 
 

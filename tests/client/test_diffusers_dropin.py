@@ -190,7 +190,7 @@ def _served_layout(running: Any) -> str:
 def _same_layout_local_vae(running: Any) -> Any:
     """Stock diffusers (no fused kernels) with the server's weight layout; its
     decode takes channels_last_3d input like the served engine does."""
-    from vaed.install import prepare_decoder
+    from vaed.patches import prepare_decoder
 
     vae = running.reference_vae()
     layout = _served_layout(running)

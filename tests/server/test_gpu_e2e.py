@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vaed.install import prepare_decoder
+from vaed.patches import prepare_decoder
 from vaed_client import VaeClient
 
 from harness import make_config, serve_in_thread
