@@ -30,7 +30,8 @@ from typing import Callable
 import torch
 
 from .engine import DecodedGroup, DecodeEngine
-from .errors import CapacityExhausted, VaedServerError
+from .errors import CapacityExhausted, NotReady, VaedServerError
+from .parallel.engine import ShardGroupError
 from .metrics import DeviceLoad
 from .session import HostGroup, OutputSpec, Session, SessionState, check_finite
 
@@ -252,6 +253,11 @@ class DeviceWorker:
                 "the GPU ran out of memory for this request; retry with fewer frames or a smaller batch"))
         except VaedServerError as exc:
             self._fail(session, exc)
+        except ShardGroupError as exc:
+            # The spatial group broke (a follower died); the engine already runs new
+            # sessions on this GPU alone, so the worker stays in rotation.
+            log.error("spatial group failed in session %d on %s: %s", session.id, self.device, exc)
+            self._fail(session, NotReady("the multi-GPU decode group failed; retry (the server continues on one GPU)"))
         except Exception as exc:  # never let one call take the worker down
             log.exception("decode step failed in session %d on %s", session.id, self.device)
             if is_device_fault(exc):
