@@ -59,11 +59,14 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(config: ServerConfig, ready_timeout: float = 300) -> Iterator[RunningServer]:
+def serve_in_thread(
+    config: ServerConfig, ready_timeout: float = 300, build_engine: Any = None
+) -> Iterator[RunningServer]:
+    """A VaedServer on its own event loop thread, SERVING; `build_engine(device)` replaces the real engine factory."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
     thread.start()
-    server = VaedServer(config)
+    server = VaedServer(config, build_engine)
     try:
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
         asyncio.run_coroutine_threadsafe(server.wait_ready(ready_timeout), loop).result(ready_timeout + 5)

@@ -48,6 +48,10 @@ class ModelInfo:
     max_pixels: int = 0
     kernels: str = ""
     layout: str = ""
+    fast_paths_note: str = ""                                   # why the stock decoder serves, if it does
+    precisions: list[str] = field(default_factory=list)        # tiers offered, the default first
+    devices: list[str] = field(default_factory=list)           # devices serving requests
+    parallel: str = ""                                         # "off" or the spatial group
 
     @classmethod
     def from_proto(cls, message: Any) -> "ModelInfo":
@@ -66,6 +70,10 @@ class ModelInfo:
             max_pixels=message.max_pixels,
             kernels=message.kernels,
             layout=message.layout,
+            fast_paths_note=message.fast_paths_note,
+            precisions=[wire.pb.Precision.Name(p).lower() for p in message.precisions],
+            devices=list(message.devices),
+            parallel=message.parallel,
         )
 
     def output_frames(self, latent_frames: int) -> int:

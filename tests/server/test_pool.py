@@ -1,0 +1,98 @@
+"""The device pool behind one port: least-loaded routing, workers that fail to
+start or fault later leave rotation, and the server keeps serving on the rest.
+Two CPU workers stand in for two GPUs (the same code path as `--gpu 0,1`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vaed.server import engine_factory
+from vaed_client import VaeClient
+from vaed_client.errors import InternalError
+
+from harness import make_config, serve_in_thread
+
+Z = 4
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@pytest.fixture()
+def two_workers():
+    with serve_in_thread(make_config(devices=("cpu", "cpu"))) as running:
+        yield running
+
+
+def test_model_info_reports_tiers_devices_and_parallel(two_workers):
+    with VaeClient(two_workers.target) as client:
+        info = client.model_info()
+    assert info.precisions == ["lossless"]  # the fast tier needs CUDA
+    assert info.devices == ["cpu", "cpu"]
+    assert info.parallel == "off"
+
+
+def test_new_sessions_go_to_the_least_loaded_worker(two_workers):
+    pool = two_workers.server.pool
+    with VaeClient(two_workers.target) as client:
+        sessions = [client.session() for _ in range(2)]
+        try:
+            for s in sessions:
+                s.push(torch.randn(1, Z, 1, 5, 7))
+                next(iter(s))  # admitted and decoding: it holds its worker
+            assert [load.active_sessions for load in pool.device_loads()] == [1, 1]
+        finally:
+            for s in sessions:
+                s.cancel()
+    _wait_for(lambda: pool.active_sessions == 0)
+
+
+def test_a_worker_that_fails_to_start_leaves_rotation():
+    config = make_config(devices=("cpu", "cpu"))
+    build = engine_factory(config)
+    calls = []
+    lock = threading.Lock()
+
+    def flaky(device: str):
+        with lock:
+            calls.append(device)
+            second = len(calls) == 2
+        if second:
+            raise RuntimeError("device lost while loading")
+        return build(device)
+
+    with serve_in_thread(config, build_engine=flaky) as running:
+        pool = running.server.pool
+        assert [w.healthy for w in pool.workers].count(True) == 1
+        with VaeClient(running.target) as client:
+            assert client.model_info().devices == ["cpu"]
+            for _ in range(3):
+                assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
+        assert [load.healthy for load in pool.device_loads()].count(False) == 1
+
+
+def test_a_device_fault_takes_its_worker_out_and_the_server_keeps_serving(two_workers, monkeypatch):
+    pool = two_workers.server.pool
+    faulty = pool.workers[0]
+
+    def fault(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(faulty.engine, "decode_frame", fault)
+    with VaeClient(two_workers.target) as client:
+        with pytest.raises(InternalError):
+            client.decode(torch.randn(1, Z, 2, 5, 7))  # the first session goes to worker 0
+        assert not faulty.healthy
+        for _ in range(3):
+            assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
+        assert client.model_info().devices == ["cpu"]
+    loads = pool.device_loads()
+    assert [load.healthy for load in loads] == [False, True]
