@@ -33,9 +33,11 @@ SCRIPT = textwrap.dedent(
         return t.contiguous()
     torch.manual_seed(0)
     n = 0
+    # cache frames 0 and 2 (1 is the same code path as 2 with one frame fewer), the full and the
+    # one-sided pad, 1 and 3 new frames: every branch of the kernel, in half the interpreter time
     for dt, cf, pad, fr in itertools.product(
-        (torch.bfloat16, torch.float32), (0, 1, 2),
-        ((1, 1, 1, 1, 2, 0), (0, 1, 1, 0, 2, 0), (0, 0, 0, 0, 2, 0)), (1, 3)):
+        (torch.bfloat16, torch.float32), (0, 2),
+        ((1, 1, 1, 1, 2, 0), (0, 1, 1, 0, 2, 0)), (1, 3)):
         x = lay(torch.randn(1, 5, fr + 1, 4, 6, dtype=dt), "cl3d")[:, :, 1:]
         c = lay(torch.randn(1, 5, 3, 4, 6, dtype=dt), "cl3d")[:, :, 3 - cf:] if cf else None
         for emit in (True, False):

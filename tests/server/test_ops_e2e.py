@@ -19,7 +19,7 @@ from vaed_client import cli as client_cli
 from vaed_client.wire import AUTH_TOKEN_ENV
 from vaed.config import ServerConfig
 from vaed_client import VaeClient
-from vaed_client.errors import UnauthenticatedError
+from vaed_client.errors import InvalidArgumentError, UnauthenticatedError, UnavailableError
 
 TOKEN = "e2e-token-5f1c0a7d"
 MODEL = "random:wan2.1-tiny"  # z_dim 4, 8x spatial, 4x temporal; float32 on CPU
@@ -117,9 +117,9 @@ def test_metrics_count_errors(metrics_server: harness.RunningServer) -> None:
     before = scrape(port).get(key, 0)
     bad = np.zeros((1, 3, 1, 5, 7), dtype=np.float32)  # z_dim 3, model has 4
     with VaeClient(metrics_server.target, timeout=30) as client:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(InvalidArgumentError) as info:
             client.decode(bad)
-    assert "INVALID_ARGUMENT" in str(info.value)
+    assert "INVALID_ARGUMENT" in str(info.value) and "z_dim" in str(info.value)
     assert scrape(port)[key] - before == 1
 
 
@@ -191,7 +191,7 @@ def test_tls_round_trip(tmp_path: Path) -> None:
                 client.model_info()
         # A plaintext client gets nothing from the TLS port.
         with VaeClient(target, timeout=5, token=TOKEN) as client:
-            with pytest.raises(Exception) as info:
+            with pytest.raises(UnavailableError) as info:
                 client.model_info()
             assert "UNAVAILABLE" in str(info.value)
         assert _health(target, tls=True, ca_cert=str(cert)) == (0, "SERVING")
