@@ -149,6 +149,7 @@ class VaedServer:
         if self.metrics is not None:
             self.metrics_port = self.metrics.start_http_server(cfg.metrics_port or 0, cfg.metrics_host or cfg.host)
         loop = asyncio.get_running_loop()
+        self.pool.on_change = lambda: loop.call_soon_threadsafe(self._on_pool_change)
         self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
         log.info("listening on %s (port %d, %s); loading %s on %s",
                  address, port, "TLS" if cfg.tls_cert else "plaintext", cfg.model, ", ".join(cfg.devices))
@@ -162,9 +163,22 @@ class VaedServer:
             log.info("SERVING on %s%s", ", ".join(w.device for w in self.pool.healthy_workers),
                      f" ({', '.join(down)} failed to start)" if down else "")
 
+    def _on_pool_change(self) -> None:
+        """A device left rotation: its health entry turns NOT_SERVING (the server's stays
+        SERVING while one device serves)."""
+        if not self.lifecycle.draining:
+            serving = self.pool.ready
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            asyncio.ensure_future(self._set_health(status))
+
     async def _set_health(self, status: int) -> None:
+        """The server's entries ("" and the service) get `status`; each device's entry
+        (`vaed.v1.VaeDecoder/cuda:0`, ...) is SERVING only while the server is and it is healthy."""
         for name in ("", wire.SERVICE_NAME):
             await self.health.set(name, status)
+        for worker in self.pool.workers:
+            device_status = status if worker.healthy or not worker.started else health_pb2.HealthCheckResponse.NOT_SERVING
+            await self.health.set(f"{wire.SERVICE_NAME}/{worker.device}", device_status)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait for load + warm-up; raises StartupError if no device could start."""

@@ -87,6 +87,7 @@ class DeviceWorker:
         self._delivery = threading.Thread(target=self._deliver, name=f"vaed-delivery-{device}", daemon=True)
         self._copy_stream: torch.cuda.Stream | None = None
         self.on_ready: Callable[[], None] | None = None
+        self.on_fault: Callable[[], None] | None = None  # called once the device left rotation
 
     @property
     def is_cuda(self) -> bool:
@@ -285,6 +286,8 @@ class DeviceWorker:
             others = [s for s in self._sessions if not s.busy]
         for other in others:
             self._fail(other, CapacityExhausted(f"device {self.device} failed; retry on another device"))
+        if self.on_fault is not None:
+            self.on_fault()
 
     def _hand_over(self, session: Session, group: DecodedGroup, started: float) -> None:
         """Start the device-to-host copy on the side stream; the delivery thread finishes it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -96,3 +97,28 @@ def test_a_device_fault_takes_its_worker_out_and_the_server_keeps_serving(two_wo
         assert client.model_info().devices == ["cpu"]
     loads = pool.device_loads()
     assert [load.healthy for load in loads] == [False, True]
+
+
+def test_each_device_has_a_health_entry_that_follows_its_worker(two_workers, monkeypatch):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    pool = two_workers.server.pool
+    pool.workers[1].device = "cpu:1"  # two distinct names for the two CPU stand-ins
+    faulty = pool.workers[0]
+
+    def status(service: str) -> int:
+        with grpc.insecure_channel(two_workers.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+    def fault(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(faulty.engine, "decode_frame", fault)
+    with VaeClient(two_workers.target) as client:
+        with pytest.raises(InternalError):
+            client.decode(torch.randn(1, Z, 2, 5, 7))
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    _wait_for(lambda: status("vaed.v1.VaeDecoder/cpu") == not_serving)
+    assert status("vaed.v1.VaeDecoder/cpu:1") == serving
+    assert status("") == serving and status("vaed.v1.VaeDecoder") == serving

@@ -45,6 +45,7 @@ class WorkerPool:
         self.max_sessions = max_sessions
         self._sessions = 0
         self._lock = threading.Lock()
+        self.on_change: Callable[[], None] | None = None  # a worker left rotation (called on its thread)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -68,7 +69,12 @@ class WorkerPool:
 
         for worker in self.workers:
             worker.on_ready = one_ready
+            worker.on_fault = self._changed
             worker.start()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return all(worker.wait_ready(timeout) for worker in self.workers)
