@@ -198,9 +198,16 @@ class VaedServer:
         grace = self.config.grace if grace is None else grace
         self.lifecycle.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.info("draining: waiting up to %.1f s for %d session(s)", grace, self.pool.active_sessions)
+        log.info("draining: waiting up to %.1f s for %d session(s)", grace, self.pool.admitted)
+        # The server keeps answering while sessions finish: new calls get UNAVAILABLE
+        # from the servicer, which clients retry on another replica. Once gRPC's own
+        # stop begins it cancels new calls (CANCELLED, not retried), so that comes last.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.pool.admitted and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         if self._server is not None:
-            await self._server.stop(grace)
+            await self._server.stop(max(0.0, deadline - loop.time()))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.pool.stop)
         if self.metrics is not None:

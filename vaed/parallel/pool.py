@@ -113,6 +113,12 @@ class WorkerPool:
             self._sessions += 1
         return SessionSlot(self._release_slot)
 
+    @property
+    def admitted(self) -> int:
+        """Calls holding a session slot (attached to a worker or about to be)."""
+        with self._lock:
+            return self._sessions
+
     def _release_slot(self) -> None:
         with self._lock:
             self._sessions -= 1
