@@ -274,7 +274,8 @@ class VaeDecoderService:
             layout=info.layout,
             fast_paths_note=info.fast_paths_note,
             precisions=[_PRECISION_VALUES[p] for p in self._offered],
-            devices=[w.device for w in self.pool.healthy_workers],
+            # a spatial group is one worker whose engine spans every configured device
+            devices=list(cfg.devices) if engine.describe() != "off" else [w.device for w in self.pool.healthy_workers],
             parallel=engine.describe(),
         )
 
