@@ -101,7 +101,7 @@ def _psnr(torch, a, b) -> float:
 def run_cases(args, torch, cases: list[Case]) -> list[dict]:
     from vaed.engine import DecodeEngine
     from vaed.parallel import GroupConfig, start_sharded_engine
-    from vaed.session import OutputSpec
+    from vaed.engine import OutputSpec
 
     rgb8 = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=False)
     raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=False)
@@ -151,7 +151,7 @@ def run_cases(args, torch, cases: list[Case]) -> list[dict]:
 
 def probe_min_size(args, torch) -> list[dict]:
     from vaed.parallel import GroupConfig, start_sharded_engine
-    from vaed.session import OutputSpec
+    from vaed.engine import OutputSpec
 
     rgb8 = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=False)
     devices = _devices(args)

@@ -119,7 +119,7 @@ def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str) -> Callable[
     decoder call per latent frame, fast paths installed, clamp), as a decode function."""
     from vaed.engine import DecodeEngine
     from vaed.models import LoadedModel
-    from vaed.session import OutputSpec
+    from vaed.engine import OutputSpec
 
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
                           kernels=kernels, layout="channels_last")

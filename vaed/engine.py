@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from vaed_client import wire
+
 from . import patches
 from .models import LoadedModel, load_model
-from .session import OutputSpec
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,19 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]
+    raw_dtype: torch.dtype | None   # RAW only; None = compute dtype
+    raw_latents: bool               # True: latents already in VAE space
+    precision: str = "lossless"     # op set tier: "lossless" | "fast"
+    allow_non_finite: bool = False  # False: NaN/Inf latents are refused
+
+    @property
+    def time_dim(self) -> int:
+        return 1 if self.rgb8 else 2
 
 
 @dataclass
@@ -135,7 +149,7 @@ class DecodeEngine:
         return ("lossless",) + (("fast",) if "fast" in self.fast_paths.op_sets else ())
 
     def output_frames(self, latent_frames: int) -> int:
-        return 1 + self.scale_temporal * (latent_frames - 1) if latent_frames else 0
+        return wire.output_frames(latent_frames, self.scale_temporal)
 
     # -- decoding ----------------------------------------------------------------
 

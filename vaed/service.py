@@ -36,11 +36,11 @@ from google.protobuf.message import DecodeError, Message
 from vaed_client import wire
 
 from .config import PRECISIONS, ServerConfig
-from .engine import DTYPES
+from .engine import DTYPES, OutputSpec
 from .errors import InvalidInput, NotReady, status_for
 from .parallel.pool import SessionSlot, WorkerPool
 from .interceptors import REFUSAL_LINGER_SECONDS
-from .session import CallRecord, HostGroup, Limits, OutputSpec, Session
+from .session import CallRecord, HostGroup, Limits, Session
 
 log = logging.getLogger(__name__)
 

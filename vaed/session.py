@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .engine import OutputSpec
 from .errors import InvalidInput
 
 LATENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,19 +59,6 @@ class SessionState(enum.Enum):
     ENDED = "ended"            # the end was put on the channel
     FAILED = "failed"          # an error was put on the channel
     CLOSED = "closed"          # the handler left; nothing more is delivered
-
-
-@dataclass(frozen=True)
-class OutputSpec:
-    rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]
-    raw_dtype: torch.dtype | None   # RAW only; None = compute dtype
-    raw_latents: bool               # True: latents already in VAE space
-    precision: str = "lossless"     # op set tier: "lossless" | "fast"
-    allow_non_finite: bool = False  # False: NaN/Inf latents are refused
-
-    @property
-    def time_dim(self) -> int:
-        return 1 if self.rgb8 else 2
 
 
 @dataclass(frozen=True)
@@ -265,8 +253,7 @@ class Session:
         self.limits.check_chunk(shape, dtype, frames_before=self._frames_in, first=self._first)
 
     def accept(self, latents: torch.Tensor) -> None:
-        """Queue a validated CPU chunk [B, z, t, h, w] as t latent frames."""
-        self.validate(tuple(latents.shape), latents.dtype)
+        """Queue a CPU chunk [B, z, t, h, w] that passed `validate` as t latent frames."""
         b, z, t, h, w = latents.shape
         if self._first is None:
             self._first = ((b, h, w), latents.dtype)

@@ -29,11 +29,11 @@ from typing import Callable
 
 import torch
 
-from .engine import DecodedGroup, DecodeEngine
+from .engine import DecodedGroup, DecodeEngine, OutputSpec
 from .errors import CapacityExhausted, NotReady, VaedServerError
 from .parallel.engine import ShardGroupError
 from .metrics import DeviceLoad
-from .session import HostGroup, OutputSpec, Session, SessionState, check_finite
+from .session import HostGroup, Session, SessionState, check_finite
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from vaed.engine import DecodeEngine
 from vaed.parallel.forward import ShardContext, check_shardable, decoder_forward
 from vaed.parallel.inner_ops import ATEN_OPS, resolve_inner_ops
 from vaed.parallel.plan import ShardPlan
-from vaed.session import OutputSpec
+from vaed.engine import OutputSpec
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vaed.parallel import GroupConfig, ShardedEngine, start_sharded_engine
-from vaed.session import OutputSpec
+from vaed.engine import OutputSpec
 
 pytestmark = [
     pytest.mark.cuda,

@@ -24,7 +24,7 @@ from vaed.parallel import (
     ShardPlan,
     start_sharded_engine,
 )
-from vaed.session import OutputSpec
+from vaed.engine import OutputSpec
 
 TOL = 2e-5
 RAW = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=False)

@@ -13,7 +13,7 @@ from vaed_client import VaeClient
 
 from vaed.engine import DecodeEngine
 from vaed.parallel import ShardedEngine
-from vaed.session import OutputSpec
+from vaed.engine import OutputSpec
 
 TOL = 2e-5
 MODEL = "random:wan2.1-tiny"
