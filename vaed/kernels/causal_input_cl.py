@@ -28,6 +28,7 @@ import torch
 
 from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input import CACHE_T, _stock_layouts
+from vaed.kernels.causal_input import _eligible as _eligible_1d
 from vaed.kernels.rms_silu import RmsSiluArgs, low_precision
 
 tl = None  # filled in by rt.jit_lazy
@@ -187,34 +188,12 @@ def _eligible(
     norm: RmsSiluArgs | None,
     norm_cl: tuple[torch.Tensor, float, float] | None,
 ) -> bool:
-    if not rt.triton_available() or x.dim() != 5 or x.dtype not in rt.SUPPORTED_DTYPES:
+    """The 1-D kernel's input checks (same inputs, same contract), plus the lossy norm's."""
+    if not _eligible_1d(x, cache, pad, zero_history, cache_t, norm):
         return False
-    if not rt.device_ok(x) or x.numel() == 0 or cache_t < 1:
-        return False
-    if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
-        return False
-    if pad[5] != 0 or min(pad) < 0:
-        return False
-    B, C, T, H, W = x.shape
-    if cache is not None:
-        if pad[4] == 0 or cache.dim() != 5 or cache.device != x.device or cache.dtype != x.dtype:
-            return False
-        cb, cc, ct, ch, cw = cache.shape
-        if (cb, cc, ch, cw) != (B, C, H, W) or ct < 1 or ct > pad[4]:
-            return False
-    if zero_history and pad[4] + T < cache_t:
-        return False
-    if norm is not None:
-        d, g = norm.denom, norm.gamma
-        if d.dtype != torch.float32 or d.device != x.device or tuple(d.shape) != (B, 1, T, H, W):
-            return False
-        if g.device != x.device or g.numel() != C or g.dtype != x.dtype or not g.is_contiguous():
-            return False
-        if not isinstance(norm.bias, float) or (torch.is_grad_enabled() and g.requires_grad):
-            return False
     if norm_cl is not None:
         g = norm_cl[0]
-        if g.device != x.device or g.numel() != C or not g.is_contiguous():
+        if g.device != x.device or g.numel() != x.shape[1] or not g.is_contiguous():
             return False
         if not isinstance(norm_cl[2], float):
             return False

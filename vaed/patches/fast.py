@@ -37,6 +37,7 @@ from vaed.patches.ops import (
     NormSilu,
     OpSet,
     PadTuple,
+    exact_norm_args,
     reference_causal_pad,
     triton_causal_pad,
 )
@@ -56,9 +57,7 @@ def tiled_causal_pad(
         return triton_causal_pad(x, cache, pad, emit_cache=False)  # the aliasing 1x1 shortcut
     if not rt.triton_available() or not rt.device_ok(x):
         return None  # decided before the fp32 norm pass below is paid for
-    args = None
-    if norm is not None:
-        args = K.RmsSiluArgs(norm.gamma, float(norm.scale), float(norm.bias), K.norm_denominator(x))
+    args = exact_norm_args(x, norm)
     r = causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args)
     if r is not None:
         return r

@@ -156,6 +156,13 @@ def _dense(x: torch.Tensor) -> bool:
     return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+def exact_norm_args(x: torch.Tensor, norm: NormSilu | None) -> K.RmsSiluArgs | None:
+    """The exact norm+SiLU prologue's arguments: aten's fp32 denominator (one reduction pass)."""
+    if norm is None:
+        return None
+    return K.RmsSiluArgs(norm.gamma, float(norm.scale), float(norm.bias), K.norm_denominator(x))
+
+
 def triton_causal_pad(
     x: torch.Tensor,
     cache: torch.Tensor | None,
@@ -171,9 +178,7 @@ def triton_causal_pad(
         return x, None
     if not rt.triton_available() or not rt.device_ok(x):
         return None  # decided before the fp32 norm pass below is paid for
-    args = None
-    if norm is not None:
-        args = K.RmsSiluArgs(norm.gamma, float(norm.scale), float(norm.bias), K.norm_denominator(x))
+    args = exact_norm_args(x, norm)
     return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)  # type: ignore[arg-type]
 
 
