@@ -120,6 +120,36 @@ def proc_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+# -- tensors for the kernel tests -----------------------------------------------
+
+def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values in a memory layout: "cl3d" (channels_last_3d), "ntchw" (frames outermost) or contiguous."""
+    if layout == "cl3d":
+        return t.contiguous(memory_format=torch.channels_last_3d)
+    if layout == "ntchw":
+        return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
+    return t.contiguous()
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit-exact with the same shape, dtype and strides."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert a.stride() == b.stride(), (a.stride(), b.stride())
+    assert torch.equal(a, b)
+
+
+def every_value(dtype: torch.dtype, device: str = "cuda") -> torch.Tensor:
+    """A channels-last [1, 4, 1, n, 16] activation holding every finite bf16/fp16 bit
+    pattern (fp32: 2^20 normal samples), for exhaustive rounding tests."""
+    if dtype == torch.float32:
+        v = torch.randn(1 << 20, device=device) * 8
+    else:
+        v = torch.arange(-(1 << 15), 1 << 15, device=device, dtype=torch.int32).to(torch.int16).view(dtype)
+        v = v[torch.isfinite(v)]
+    n = v.numel() - v.numel() % 64
+    return v[:n].reshape(1, 4, 1, -1, 16).contiguous(memory_format=torch.channels_last_3d)
+
+
 def rgb8(decoded: torch.Tensor) -> torch.Tensor:
     """DESIGN.md's RGB8 postprocess of a clamped decoder output [B, 3, T, H, W] -> [B, T, H, W, 3]."""
     return ((decoded.float() * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)

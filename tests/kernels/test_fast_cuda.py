@@ -13,6 +13,8 @@ from vaed import kernels as K
 from vaed import patches as P
 from vaed.models import build_random_vae
 
+from harness import assert_same, every_value, lay
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -20,20 +22,6 @@ pytestmark = [
 
 CL = torch.channels_last_3d
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _lay(t: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "cl3d":
-        return t.contiguous(memory_format=CL)
-    if layout == "ntchw":
-        return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
-    return t.contiguous()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert a.stride() == b.stride(), (a.stride(), b.stride())
-    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -44,10 +32,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("channels", [24, 384, 1024])
 def test_causal_pad_cl_exact(dtype, layout, cache_frames, pad, frames, channels) -> None:
     g = torch.Generator(device="cuda").manual_seed(cache_frames * 10 + frames)
-    x = _lay(torch.randn(2, channels, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
+    x = lay(torch.randn(2, channels, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
     cache = None
     if cache_frames:
-        big = _lay(torch.randn(2, channels, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)
+        big = lay(torch.randn(2, channels, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)
         cache = big[:, :, 3 - cache_frames :]
     want = K.causal_pad_reference(x, cache, pad)
     got = K.causal_pad_cl(x, cache, pad)
@@ -56,11 +44,11 @@ def test_causal_pad_cl_exact(dtype, layout, cache_frames, pad, frames, channels)
     if got is None:  # the aten chain's output is not channels-last here: the 1-D kernel's job
         assert not want[0].is_contiguous(memory_format=CL) or want[0].is_contiguous()
         return
-    _same(got[0], want[0])
-    _same(got[1], want[1])
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
     got = K.causal_pad_cl(x, cache, pad, emit_cache=False)
     assert got is not None and got[1] is None
-    _same(got[0], want[0])
+    assert_same(got[0], want[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,10 +60,10 @@ def test_causal_pad_cl_exact(dtype, layout, cache_frames, pad, frames, channels)
 def test_causal_pad_cl_exact_norm(dtype, layout, cache_frames, pad, frames, channels) -> None:
     """The exact norm+SiLU prologue in the tile kernel equals the aten chain (and the 1-D kernel)."""
     g = torch.Generator(device="cuda").manual_seed(cache_frames * 10 + frames + channels)
-    x = _lay(torch.randn(2, channels, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g) * 2, layout)[:, :, 1:]
+    x = lay(torch.randn(2, channels, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g) * 2, layout)[:, :, 1:]
     cache = None
     if cache_frames:
-        cache = _lay(torch.randn(2, channels, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
+        cache = lay(torch.randn(2, channels, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
     gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
     args = K.RmsSiluArgs(gamma, channels**0.5, 0.0, K.norm_denominator(x))
     want = K.causal_pad_reference(x, cache, pad, norm=(gamma, channels**0.5, 0.0))
@@ -84,37 +72,31 @@ def test_causal_pad_cl_exact_norm(dtype, layout, cache_frames, pad, frames, chan
         assert got is not None
     if got is None:
         return
-    _same(got[0], want[0])
-    _same(got[1], want[1])
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cl_silu_chain_exhaustive(dtype) -> None:
     """The tile kernel's exact norm+SiLU rounding over every bf16/fp16 bit pattern (fp32: 2^20 samples)."""
-    if dtype == torch.float32:
-        v = torch.randn(1 << 20, device="cuda") * 8
-    else:
-        v = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32).to(torch.int16).view(dtype)
-        v = v[torch.isfinite(v)]
-    n = v.numel() - v.numel() % 64
-    x = v[:n].reshape(1, 4, 1, -1, 16).contiguous(memory_format=CL)
+    x = every_value(dtype)
     gamma = torch.tensor([1.0, 0.5, -2.0, 1.25], device="cuda").to(dtype).reshape(4, 1, 1, 1)
     args = K.RmsSiluArgs(gamma, 2.0, 0.0, K.norm_denominator(x))
     got = K.causal_pad_cl(x, None, (0, 0, 0, 0, 2, 0), norm=args)
     want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=(gamma, 2.0, 0.0))
     assert got is not None
-    _same(got[0], want[0])
+    assert_same(got[0], want[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_causal_pad_cl_rep_marker(dtype) -> None:
     for frames in (1, 2):
-        x = _lay(torch.randn(1, 16, frames, 5, 7, device="cuda", dtype=dtype), "cl3d")
+        x = lay(torch.randn(1, 16, frames, 5, 7, device="cuda", dtype=dtype), "cl3d")
         got = K.causal_pad_cl(x, None, (0, 0, 0, 0, 2, 0), zero_history=True)
         want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), zero_history=True)
         assert got is not None
-        _same(got[0], want[0])
-        _same(got[1], want[1])
+        assert_same(got[0], want[0])
+        assert_same(got[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -122,7 +104,7 @@ def test_causal_pad_cl_rep_marker(dtype) -> None:
 def test_fast_norm_no_less_accurate_than_stock(dtype, channels) -> None:
     """The one-rounding norm+SiLU is within a few ulps of stock and no further from float64 than stock is."""
     g = torch.Generator(device="cuda").manual_seed(channels)
-    x = _lay(torch.randn(1, channels, 2, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
+    x = lay(torch.randn(1, channels, 2, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
     gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
     pad = (1, 1, 1, 1, 2, 0)
     norm = (gamma, channels**0.5, 0.0)
@@ -180,10 +162,10 @@ def test_tiled_lossless_bit_identical(arch, size, dtype) -> None:
         assert set(rep.op_sets) == {"lossless", "fast"} and rep.disabled_ops == (), rep.skipped
         with P.using(P.LOSSLESS_TILED_OPS):
             got, got_cache = _chunked(vae, z)
-    _same(got, want)
+    assert_same(got, want)
     for a, b in zip(got_cache, want_cache):
         if isinstance(b, torch.Tensor):
-            _same(a, b)
+            assert_same(a, b)
         else:
             assert a == b
 
@@ -237,4 +219,4 @@ def test_lossless_and_fast_sessions_interleave() -> None:
                 vae.decoder(x[:, :, i : i + 1], feat_cache=c_f, feat_idx=[0], first_chunk=(i == 0))
             with P.using(lossless):
                 got = vae.decoder(x[:, :, i : i + 1], feat_cache=c_l, feat_idx=[0], first_chunk=(i == 0))
-            _same(got, want[i])
+            assert_same(got, want[i])

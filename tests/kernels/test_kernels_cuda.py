@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from vaed import kernels as K
 
+from harness import assert_same, every_value, lay
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -16,20 +18,6 @@ pytestmark = [
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CL = torch.channels_last_3d
-
-
-def _lay(t: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "cl3d":
-        return t.contiguous(memory_format=CL)
-    if layout == "ntchw":  # a permuted (b*t, c, h, w) conv2d output, as after WanResample
-        return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
-    return t.contiguous()
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert a.stride() == b.stride(), (a.stride(), b.stride())
-    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -40,11 +28,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("norm", [False, True])
 def test_causal_pad_exact(dtype, layout, cache_frames, pad, frames, norm) -> None:
     g = torch.Generator(device="cuda").manual_seed(cache_frames * 10 + frames)
-    x = _lay(torch.randn(2, 24, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
+    x = lay(torch.randn(2, 24, frames + 1, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
     cache = None
     if cache_frames:
         # a strided view: the last frames of a bigger tensor
-        big = _lay(torch.randn(2, 24, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)
+        big = lay(torch.randn(2, 24, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)
         cache = big[:, :, 3 - cache_frames :]
     kw = {}
     ref_norm = None
@@ -55,21 +43,21 @@ def test_causal_pad_exact(dtype, layout, cache_frames, pad, frames, norm) -> Non
     got = K.causal_pad(x, cache, pad, **kw)
     want = K.causal_pad_reference(x, cache, pad, norm=ref_norm)
     assert got is not None
-    _same(got[0], want[0])
-    _same(got[1], want[1])
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["cl3d", "contiguous"])
 @pytest.mark.parametrize("frames", [1, 2])
 def test_causal_pad_rep_marker(dtype, layout, frames) -> None:
-    x = _lay(torch.randn(1, 16, frames, 5, 7, device="cuda", dtype=dtype), layout)
+    x = lay(torch.randn(1, 16, frames, 5, 7, device="cuda", dtype=dtype), layout)
     pad = (0, 0, 0, 0, 2, 0)
     got = K.causal_pad(x, None, pad, zero_history=True)
     want = K.causal_pad_reference(x, None, pad, zero_history=True)
     assert got is not None
-    _same(got[0], want[0])
-    _same(got[1], want[1])
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
 
 
 def test_causal_pad_declines_and_rejects() -> None:
@@ -79,8 +67,8 @@ def test_causal_pad_declines_and_rejects() -> None:
         got = K.causal_pad(x, None, pad)
         assert got is not None
         want = K.causal_pad_reference(x, None, pad)
-        _same(got[0], want[0])
-        _same(got[1], want[1])
+        assert_same(got[0], want[0])
+        assert_same(got[1], want[1])
     assert K.causal_pad(x, None, (1, 1, -1, 1, 2, 0)) is None  # negative (cropping) padding
     assert K.causal_pad(x, None, (1, 1, 1, 1, 2, 1)) is None  # back padding in time
     assert K.causal_pad(x.double(), None, (1, 1, 1, 1, 2, 0)) is None  # dtype
@@ -96,41 +84,35 @@ def test_causal_pad_declines_and_rejects() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_chain_exhaustive(dtype) -> None:
     """The fused norm+SiLU rounding over every bf16/fp16 bit pattern (fp32: 2^20 samples)."""
-    if dtype == torch.float32:
-        v = torch.randn(1 << 20, device="cuda") * 8
-    else:
-        v = torch.arange(-(1 << 15), 1 << 15, device="cuda", dtype=torch.int32).to(torch.int16).view(dtype)
-        v = v[torch.isfinite(v)]
-    n = v.numel() - v.numel() % 64
-    x = v[:n].reshape(1, 4, 1, -1, 16).contiguous(memory_format=CL)
+    x = every_value(dtype)
     gamma = torch.tensor([1.0, 0.5, -2.0, 1.25], device="cuda").to(dtype).reshape(4, 1, 1, 1)
     args = K.RmsSiluArgs(gamma, 2.0, 0.0, K.norm_denominator(x))
     got = K.causal_pad(x, None, (0, 0, 0, 0, 2, 0), norm=args)
     want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=(gamma, 2.0, 0.0))
     assert got is not None
-    _same(got[0], want[0])
+    assert_same(got[0], want[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["cl3d", "contiguous", "ntchw"])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_upsample_exact(dtype, layout, interleave) -> None:
-    x = _lay(torch.randn(2, 32, 3, 7, 9, device="cuda", dtype=dtype), layout)
+    x = lay(torch.randn(2, 32, 3, 7, 9, device="cuda", dtype=dtype), layout)
     got = K.upsample_nearest2x(x, interleave)
     assert got is not None
-    _same(got, K.upsample_nearest2x_reference(x, interleave))
+    assert_same(got, K.upsample_nearest2x_reference(x, interleave))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["cl3d", "contiguous", "ntchw"])
 @pytest.mark.parametrize("ft,first", [(1, False), (2, False), (2, True)])
 def test_dupup_add_exact(dtype, layout, ft, first) -> None:
-    src = _lay(torch.randn(1, 16, 3, 5, 6, device="cuda", dtype=dtype), "cl3d")
+    src = lay(torch.randn(1, 16, 3, 5, 6, device="cuda", dtype=dtype), "cl3d")
     t = 3 * ft - (ft - 1 if first else 0)
-    main = _lay(torch.randn(1, 8, t, 10, 12, device="cuda", dtype=dtype), layout)
+    main = lay(torch.randn(1, 8, t, 10, 12, device="cuda", dtype=dtype), layout)
     got = K.dupup_add(main, src, ft, 2, first)
     assert got is not None
-    _same(got, K.dupup_add_reference(main, src, ft, 2, first))
+    assert_same(got, K.dupup_add_reference(main, src, ft, 2, first))
 
 
 def test_int64_indexing_past_2_31() -> None:

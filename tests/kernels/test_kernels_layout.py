@@ -12,15 +12,9 @@ from vaed.kernels.causal_input import _stock_layouts
 from vaed.kernels.dupup import _out_strides
 from vaed.kernels.upsample import _out_layout
 
+from harness import lay
+
 CL = torch.channels_last_3d
-
-
-def _lay(t: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "cl3d":
-        return t.contiguous(memory_format=CL)
-    if layout == "ntchw":
-        return t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4)
-    return t.contiguous()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -29,8 +23,8 @@ def test_causal_layouts(dtype: torch.dtype, layout: str) -> None:
     for b, frames, cf, norm, pad in itertools.product(
         (1, 2), (1, 2, 3), (0, 1, 2), (False, True), ((1, 1, 1, 1, 2, 0), (0, 0, 0, 0, 2, 0))
     ):
-        x = _lay(torch.randn(b, 4, frames + 1, 3, 5, dtype=dtype), layout)[:, :, 1:]
-        c = _lay(torch.randn(b, 4, 3, 3, 5, dtype=dtype), layout)[:, :, 3 - cf :] if cf else None
+        x = lay(torch.randn(b, 4, frames + 1, 3, 5, dtype=dtype), layout)[:, :, 1:]
+        c = lay(torch.randn(b, 4, 3, 3, 5, dtype=dtype), layout)[:, :, 3 - cf :] if cf else None
         g = (torch.ones(4, 1, 1, 1, dtype=dtype), 2.0, 0.0) if norm else None
         p, n = causal_pad_reference(x, c, pad, norm=g)
         cm = (tuple(c.shape), tuple(c.stride())) if c is not None else (None, None)
@@ -42,11 +36,11 @@ def test_causal_layouts(dtype: torch.dtype, layout: str) -> None:
 @pytest.mark.parametrize("interleave", [False, True])
 def test_upsample_and_dupup_layouts(layout: str, interleave: bool) -> None:
     for frames in (1, 2):
-        x = _lay(torch.randn(1, 4, frames, 3, 5, dtype=torch.bfloat16), layout)
+        x = lay(torch.randn(1, 4, frames, 3, 5, dtype=torch.bfloat16), layout)
         y = upsample_nearest2x_reference(x, interleave)
         assert _out_layout(tuple(x.shape), tuple(x.stride()), interleave) == (tuple(y.shape), y.stride())
     for ft, first in ((1, False), (2, False), (2, True)):
-        src = _lay(torch.randn(1, 4, 2, 3, 4), "cl3d")
-        m = _lay(torch.randn(1, 2, 2 * ft - (ft - 1 if first else 0), 6, 8), layout)
+        src = lay(torch.randn(1, 4, 2, 3, 4), "cl3d")
+        m = lay(torch.randn(1, 2, 2 * ft - (ft - 1 if first else 0), 6, 8), layout)
         ref = dupup_add_reference(m, src, ft, 2, first)
         assert _out_strides(tuple(m.shape), tuple(m.stride()), 2 * ft) == ref.stride()

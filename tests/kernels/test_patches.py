@@ -16,6 +16,8 @@ from vaed.models import build_random_vae
 from vaed.patches.checks import check_op, check_op_set
 from vaed.patches.ops import FusedOp, reference_residual_add, reference_upsample
 
+from harness import assert_same
+
 ARCHS = ["wan2.1-tiny", "wan2.2-tiny"]
 
 
@@ -47,17 +49,11 @@ def _chunked(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:
     return torch.cat(outs, 2), cache
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert a.stride() == b.stride(), (a.stride(), b.stride())
-    assert torch.equal(a, b)
-
-
 def _same_cache(got: list, want: list) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want):
         if isinstance(b, torch.Tensor):
-            _same(a, b)
+            assert_same(a, b)
         else:
             assert a == b
 
@@ -92,9 +88,9 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
         assert _patched(vae) == sorted(expect)
         got, got_cache = _chunked(vae, z)
         got_decode = vae.decode(z, return_dict=False)[0]
-    _same(got, want)
+    assert_same(got, want)
     _same_cache(got_cache, want_cache)
-    _same(got_decode, want_decode)
+    assert_same(got_decode, want_decode)
     used = {"causal_pad", "norm_causal_pad", "upsample", "upsample_interleave", "conv3d", "conv2d", "residual_add"}
     if arch.startswith("wan2.2"):
         used.add("dupup_add")
@@ -115,7 +111,7 @@ def test_triton_op_sets_fall_back_per_call_on_cpu(arch: str, tier: str) -> None:
         P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
         with P.using(ops):
             got, got_cache = _chunked(vae, z)
-    _same(got, want)
+    assert_same(got, want)
     _same_cache(got_cache, want_cache)
 
 
@@ -139,8 +135,8 @@ def test_whole_call_fallbacks_run_stock(arch: str) -> None:
         got_nocache = vae.decoder(x[:, :, :1], first_chunk=True)
     # without a cache only WanCausalConv3d/WanResample/WanResidualUpBlock take the op path
     assert calls["norm_causal_pad"] == 0 and calls["causal_pad"] > 0
-    _same(got_grad, want_grad)
-    _same(got_nocache, want_nocache)
+    assert_same(got_grad, want_grad)
+    assert_same(got_nocache, want_nocache)
 
 
 def test_using_is_per_call_and_per_thread() -> None:
@@ -165,7 +161,7 @@ def test_using_is_per_call_and_per_thread() -> None:
         assert P.current_ops() is None
     assert seen == [None]
     assert sum(o_calls.values()) == n_default and sum(d_calls.values()) == n_default
-    _same(got, want)
+    assert_same(got, want)
     with pytest.raises(TypeError), P.using("lossless"):  # type: ignore[arg-type]
         pass
 
@@ -268,7 +264,7 @@ def test_version_guard_serves_stock(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rep.op_sets == {} and rep.ops == "stock" and _patched(vae) == []
     with torch.no_grad():
         got, _ = _chunked(vae, z)
-    _same(got, want)
+    assert_same(got, want)
     with pytest.raises(P.FastPathError, match="0.37.1"):
         P.prepare_decoder(vae, kernels="triton")
     monkeypatch.setattr(diffusers, "__version__", "0.42.1")
