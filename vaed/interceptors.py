@@ -135,26 +135,17 @@ class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
     def _counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """The same handler, releasing its slot when the call's behaviour returns."""
         release = self._release
-        if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
+        for single in ("unary_unary", "stream_unary"):  # one response: release when it returns
+            inner = getattr(handler, single)
+            if inner is not None:  # returned in this iteration: the closure sees this `inner`
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await inner_uu(request, context)
-                finally:
-                    release()
+                async def one_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    try:
+                        return await inner(request, context)
+                    finally:
+                        release()
 
-            return handler._replace(unary_unary=unary_unary)
-        if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
-
-            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await inner_su(requests, context)
-                finally:
-                    release()
-
-            return handler._replace(stream_unary=stream_unary)
+                return handler._replace(**{single: one_response})
         behaviour = handler.unary_stream or handler.stream_stream
         field = "unary_stream" if handler.unary_stream is not None else "stream_stream"
 

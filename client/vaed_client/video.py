@@ -196,7 +196,7 @@ def assemble(chunks: Iterable[DecodedChunk]) -> Any:
         return [sum((list(c.frames[b]) for c in ordered), []) for b in range(len(ordered[0].frames))]
     axis = TIME_AXIS[ordered[0].format]
     frames = [c.frames for c in ordered]
-    if tensors._is_torch(frames[0]):
+    if tensors.is_torch(frames[0]):
         import torch
 
         return torch.cat(frames, dim=axis)
