@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,20 @@ RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# diffusers imports its model classes lazily, and two device threads importing at
+# once made one of them fail ("cannot import name 'AutoencoderKLWan'", GPU pool
+# on two H200s): the first import happens under this lock.
+_IMPORT_LOCK = threading.Lock()
+
+
+def autoencoder_class() -> Any:
+    """diffusers' AutoencoderKLWan, imported safely from any thread."""
+    with _IMPORT_LOCK:
+        from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan
+
+
 @dataclass
 class LoadedModel:
     vae: Any  # diffusers AutoencoderKLWan, eval mode, on its device and dtype
@@ -99,8 +114,7 @@ def parse_random_spec(spec: str) -> tuple[str, int]:
 
 
 def build_random_vae(arch: str, seed: int = 0) -> Any:
-    from diffusers import AutoencoderKLWan
-
+    AutoencoderKLWan = autoencoder_class()
     torch.manual_seed(seed)
     return AutoencoderKLWan(**RANDOM_CONFIGS[arch])
 
@@ -114,7 +128,7 @@ def _local_vae_folder(path: pathlib.Path) -> pathlib.Path | None:
 
 
 def _load_pretrained(spec: str) -> Any:
-    from diffusers import AutoencoderKLWan
+    AutoencoderKLWan = autoencoder_class()
 
     # low_cpu_mem_usage=False: without `accelerate` diffusers would warn on every
     # load that it cannot use the low-memory path; the VAE is 0.5-2.8 GB, so the

@@ -75,3 +75,29 @@ def test_decoder_only_drops_the_encoder_and_keeps_the_decoder():
     served = load_model("random:wan2.1-tiny", "cpu", torch.float32, decoder_only=True).vae
     assert served.encoder is None and served.quant_conv is None
     assert torch.equal(served.decoder.conv_out.weight, full.decoder.conv_out.weight)
+
+
+def test_concurrent_first_imports_of_the_vae_class_all_succeed():
+    """diffusers' lazy import fails in some of eight threads importing AutoencoderKLWan at
+    once (5 of 8 here without the lock; one of two GPU workers on two H200s):
+    `models.autoencoder_class` imports under a lock. Fresh interpreter: first import."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading\n"
+        "from vaed.models import autoencoder_class\n"
+        "errors = []\n"
+        "def load():\n"
+        "    try:\n"
+        "        assert autoencoder_class().__name__ == 'AutoencoderKLWan'\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=load) for _ in range(8)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "print('errors', len(errors), errors[:1])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "errors 0 []" in out.stdout, out.stdout

@@ -61,12 +61,6 @@ class WorkerPool:
             if last:
                 on_ready()
 
-        # diffusers imports its model classes lazily, and two worker threads importing
-        # at once made one fail ("cannot import name 'AutoencoderKLWan'", two H200s):
-        # import once here, before any worker thread runs.
-        import diffusers.models.autoencoders.autoencoder_kl_wan  # noqa: F401
-        from diffusers import AutoencoderKLWan  # noqa: F401
-
         for worker in self.workers:
             worker.on_ready = one_ready
             worker.on_fault = self._changed
