@@ -38,6 +38,7 @@ from .core import (
     chunk_result,
     decode_request,
     prepare_latents,
+    stream_latents,
 )
 from .errors import CancelledError, from_rpc_error
 from .video import DecodedChunk, has_frames
@@ -144,15 +145,16 @@ class AsyncVaeClient:
         raw_dtype: Any = None,
         request_id: str | None = None,
     ) -> AsyncIterator[DecodedChunk]:
-        """Async-iterate DecodedChunks as they decode; leaving early cancels."""
+        """Async-iterate DecodedChunks as they decode; leaving early cancels.
+        Latent frame 0 goes first on its own, as in `VaeClient.stream`."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
-        prepared = prepare_latents(latents)
-        call = self._stub.Decode(decode_request(spec, prepared), timeout=self.timeout, metadata=self._metadata)
+        streamed = stream_latents(spec, latents)
+        call = self._stub.DecodeStream(streamed.messages(), timeout=self.timeout, metadata=self._metadata)
         try:
             async for reply in call:
                 if has_frames(reply):
-                    yield chunk_result(reply, spec, prepared.as_torch)
+                    yield chunk_result(reply, spec, streamed.as_torch)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:

@@ -37,6 +37,7 @@ from .core import (
     decode_request,
     format_name,
     prepare_latents,
+    stream_latents,
 )
 from .errors import VaedError, from_rpc_error
 from .video import DecodedChunk, has_frames
@@ -145,12 +146,14 @@ class VaeClient:
     ) -> Iterator[DecodedChunk]:
         """Yield DecodedChunks (frames in `output_type`) as the server decodes
         them. Stopping the iteration early (break, close()) cancels the decode
-        on the server."""
+        on the server. Sent as a DecodeStream whose first message is latent
+        frame 0 alone, so the first frame does not wait for the whole upload
+        (`core.StreamedLatents`)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
-        prepared = prepare_latents(latents)
-        call = self._stub.Decode(decode_request(spec, prepared), timeout=self.timeout, metadata=self._metadata)
-        return _iterate_chunks(call, spec, prepared.as_torch)
+        streamed = stream_latents(spec, latents)
+        call = self._stub.DecodeStream(streamed.messages(), timeout=self.timeout, metadata=self._metadata)
+        return _iterate_chunks(call, spec, streamed.as_torch)
 
     def session(
         self,

@@ -245,6 +245,25 @@ def test_stream_yields_chunks_as_they_arrive(fake: tuple[FakeDecoder, str]) -> N
     assert sum(c.nbytes for c in chunks) == expected_video(1, 3, 2, 2).nbytes
 
 
+def test_stream_sends_latent_frame_0_alone_first(fake: tuple[FakeDecoder, str]) -> None:
+    """The server starts a session at its first message: frame 0 must not wait for the whole upload."""
+    servicer, target = fake
+    z = latents_np(t=5, h=2, w=2)
+    with vaed_client.VaeClient(target) as client:
+        servicer.requests.clear()
+        assert sum(c.num_frames for c in client.stream(z, request_id="split")) == 1 + 4 * 4
+        sent = list(servicer.requests)
+        assert [list(m.latents.shape) for m in sent] == [[1, 16, 1, 2, 2], [1, 16, 4, 2, 2]]
+        assert sent[0].options.request_id == "split" and not sent[1].HasField("options")
+        joined = np.concatenate([tensors.to_numpy(m.latents) for m in sent], axis=2)
+        assert np.array_equal(joined, z)  # nothing lost or reordered by the split
+        servicer.requests.clear()
+        list(client.stream(latents_np(t=1, h=2, w=2)))
+        assert [list(m.latents.shape) for m in servicer.requests] == [[1, 16, 1, 2, 2]]
+        with pytest.raises(errors.LocalInputError):  # checked before any call
+            client.stream(np.zeros((1, 16, 2, 2, 2), np.int64))
+
+
 def test_stream_break_cancels_server_side(fake: tuple[FakeDecoder, str]) -> None:
     servicer, target = fake
     with vaed_client.VaeClient(target) as client:
