@@ -35,7 +35,7 @@ def _expected_halo(full: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
 
 
 def _worker(rank: int, init: str, results: Any) -> None:
-    from vaed.parallel.comm import all_gather_along, exchange_halo, gather_along
+    from vaed.parallel.comm import all_gather_along, exchange_halo, fill_halo, gather_along, memory_format_of
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
@@ -50,6 +50,11 @@ def _worker(rank: int, init: str, results: Any) -> None:
             out[f"halo{ndim}{dim}"] = torch.equal(h, _expected_halo(full, dim, rank))
             if ndim == 5 and dim == -1:
                 out["halo_keeps_channels_last"] = h.is_contiguous(memory_format=torch.channels_last_3d)
+            # in place over zero rows (the conv-input builder's padding), in mine's layout
+            pad = [0, 0] * (-dim - 1) + [1, 1]
+            padded = torch.nn.functional.pad(mine, pad).contiguous(memory_format=memory_format_of(mine))
+            filled = fill_halo(padded, dim, None, 1)
+            out[f"fill{ndim}{dim}"] = filled is padded and torch.equal(filled, _expected_halo(full, dim, rank))
             out[f"allgather{ndim}{dim}"] = torch.equal(all_gather_along(mine, dim, SIZES, None), full)
             g = gather_along(mine, dim, SIZES, None)
             out[f"gather{ndim}{dim}"] = torch.equal(g, full) if rank == 0 else g is None
@@ -58,6 +63,11 @@ def _worker(rank: int, init: str, results: Any) -> None:
             out["empty_refused"] = False
         except ValueError:
             out["empty_refused"] = True
+        try:
+            fill_halo(torch.zeros(1, 1, 1, 2, 3), -2, None, 1)  # two zero rows, no interior
+            out["fill_empty_refused"] = False
+        except ValueError:
+            out["fill_empty_refused"] = True
     except Exception:  # noqa: BLE001 (reported to the test process)
         out["error"] = traceback.format_exc()
     finally:
@@ -74,7 +84,7 @@ def test_halo_gather_and_all_gather_are_exact_on_three_ranks(tmp_path: Any) -> N
         assert "error" not in got[rank], got[rank]["error"]
         failed = [k for k, ok in got[rank].items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
-        assert len(got[rank]) == 14
+        assert len(got[rank]) == 19
 
 
 @pytest.mark.parametrize("bad", [(2, 3), (2, 3, 2)])

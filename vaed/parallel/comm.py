@@ -1,10 +1,14 @@
 """The three communication patterns of a sharded decode, on torch.distributed only.
 
-- `exchange_halo`: before a spatial conv, each rank sends its first/last `halo`
-  rows (or cols) to its neighbours and receives theirs (P2P through
-  `batch_isend_irecv`: NCCL between GPUs, gloo on CPU). The outer edges of the
-  first and last shard get zero rows, which is exactly the conv's zero padding,
-  so every shard then runs the same conv with padding 0 along the split axis.
+- `fill_halo`: before a causal 3-D conv, the conv-input builder has already
+  written the shard with `halo` zero rows (or cols) on both sides of the split
+  axis -- in the one pass it makes anyway -- and each rank sends its first/last
+  `halo` interior rows to its neighbours and writes theirs over the zeros at
+  its interior edges (P2P through `batch_isend_irecv`: NCCL between GPUs, gloo
+  on CPU). The outer edges keep their zeros, which is exactly the conv's zero
+  padding. Only edge rows move: no extra pass over the feature map.
+- `exchange_halo`: the same P2P, for an input that has no padded copy of its
+  own (the 3x3 image conv after each upsample): one `cat` builds it.
 - `all_gather_along`: the mid-block attention attends over the whole frame, so
   its input is gathered (shards padded to the largest, then trimmed: uneven
   splits) and every rank computes the same full attention.
@@ -58,6 +62,50 @@ def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+def _swap_edges(
+    sends: Sequence[tuple[int, torch.Tensor]], group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
+    """Send each (peer rank, edge) and receive a same-shaped edge from that peer, in one group."""
+    ops: list[dist.P2POp] = []
+    received: list[torch.Tensor] = []
+    for peer_rank, edge in sends:
+        send = edge.contiguous()  # gloo (and NCCL) take dense row-major buffers
+        recv = torch.empty_like(send)
+        peer = _global(group, peer_rank)
+        ops += [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
+        received.append(recv)
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return received
+
+
+def fill_halo(padded: torch.Tensor, dim: int, group: dist.ProcessGroup | None, halo: int = 1) -> torch.Tensor:
+    """Write the neighbours' boundary rows into `padded`'s zero halo rows, in place.
+
+    `padded` holds the shard with `halo` rows on both ends of `dim` (zeros there,
+    e.g. the causal-input builder's zero padding). Afterwards it equals
+    `exchange_halo(interior)`: interior edges carry the neighbours' rows, the
+    group's outer edges stay zero. Launches: two edge copies out, one grouped
+    P2P, two edge copies in.
+    """
+    if halo < 1:
+        return padded
+    n = padded.shape[dim] - 2 * halo
+    if n < halo:
+        raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
+    rank, world = group_rank_world(group)
+    sends = []
+    writes = []
+    for peer_rank, send_start, write_start in ((rank - 1, halo, 0), (rank + 1, n, n + halo)):
+        if 0 <= peer_rank < world:
+            sends.append((peer_rank, padded.narrow(dim, send_start, halo)))
+            writes.append(write_start)
+    for start, recv in zip(writes, _swap_edges(sends, group)):
+        padded.narrow(dim, start, halo).copy_(recv)
+    return padded
+
+
 def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, halo: int = 1) -> torch.Tensor:
     """x with `halo` neighbour rows added on both sides of `dim` (zeros at the outer edges).
 
@@ -73,21 +121,10 @@ def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, ha
         raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
     rank, world = group_rank_world(group)
     fmt = memory_format_of(x)
-    ops: list[dist.P2POp] = []
-    parts: list[torch.Tensor] = []
-    for side, peer_rank, start in ((0, rank - 1, 0), (1, rank + 1, n - halo)):
-        edge = x.narrow(dim, start, halo)
-        if not 0 <= peer_rank < world:
-            parts.append(_zero_edge(edge))
-            continue
-        send = edge.contiguous()  # gloo (and NCCL) take dense row-major buffers
-        recv = torch.empty_like(send)
-        peer = _global(group, peer_rank)
-        ops += [dist.P2POp(dist.isend, send, peer, group), dist.P2POp(dist.irecv, recv, peer, group)]
-        parts.append(recv)
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+    edges = [(peer_rank, x.narrow(dim, start, halo)) for peer_rank, start in ((rank - 1, 0), (rank + 1, n - halo))]
+    inner = [(peer_rank, edge) for peer_rank, edge in edges if 0 <= peer_rank < world]
+    received = iter(_swap_edges(inner, group))
+    parts = [next(received) if 0 <= peer_rank < world else _zero_edge(edge) for peer_rank, edge in edges]
     shape = list(x.shape)
     shape[dim] = n + 2 * halo
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)

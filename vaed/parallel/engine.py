@@ -21,8 +21,8 @@ Shape of the design (one process per GPU):
   latent frame. A latent too small for the group (see plan.py) is decoded on
   rank 0 alone by the wrapped engine -- followers never hear of it, and its
   output is bit-identical to the one-GPU engine's.
-- A session's state on every rank is its own cache list (per rank, haloed
-  frames), so sessions interleave per latent frame like one-GPU sessions.
+- A session's state on every rank is its own cache list (per rank, the
+  shard's own frames), so sessions interleave per latent frame like one-GPU sessions.
 
 Failure model: a rank that dies or raises mid-step leaves the others blocked
 in a collective until the data group's timeout; the engine then marks itself

@@ -9,14 +9,16 @@ bit-identical to stock (the installed fast paths are untouched).
 Per op, on a shard that owns rows [a, b) of the split axis (see plan.py):
 
 - causal 3-D convs (conv_in, both convs of every residual block, conv_out):
-  halo exchange of the conv's input (1 row each side, zeros at the outer
-  edges), then the inner op builds [cache | frames] with zero padding 0 along
-  the split axis and the conv runs unpadded. The conv's cache holds the
-  rank's own *haloed* frames, so the cached conv of the next latent frame
-  sees exactly the neighbourhood it would see unsharded, without exchanging
-  old frames again. Where WanRMS_norm + SiLU feeds the conv, the raw rows are
-  exchanged and the norm runs on the haloed shard (it is per pixel; a zero
-  row stays zero through it because the Wan norms have no bias).
+  the inner op builds [cache | frames] with the conv's own zero padding (1 row
+  each side of the split axis too) in its one pass, then `fill_halo` writes
+  the neighbours' boundary rows over the zero rows at interior edges, and the
+  conv runs unpadded. The conv's cache holds the rank's own (unhaloed)
+  frames, like one GPU's; the halo rows of the cached frames are sent again
+  with the new ones (edge rows only, no extra pass over the feature map: a
+  `cat` per conv cost a full copy of every conv input). Where WanRMS_norm +
+  SiLU feeds the conv, the norm runs inside the builder and the normed rows
+  are exchanged (it is per pixel, so they are the rows the neighbour would
+  compute; zero rows stay zero because the Wan norms have no bias).
 - the 3x3 Conv2d after each nearest upsample: halo exchange, padding 0 along
   the split axis.
 - the upsample time_conv (3x1x1), the 1x1x1 shortcut convs, the nearest 2x
@@ -38,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import all_gather_along, exchange_halo, memory_format_of
+from .comm import all_gather_along, exchange_halo, fill_halo, memory_format_of
 from .inner_ops import InnerOps, NormArgs
 from .plan import ShardPlan
 
@@ -70,12 +72,10 @@ class ShardContext:
 # --- ops with a halo -------------------------------------------------------------------
 
 
-def _split_pad(ctx: ShardContext, pad: tuple[int, ...]) -> tuple[tuple[int, int, int, int, int, int], int]:
-    """(causal pad with 0 along the split axis, halo = the split axis's padding)."""
-    pw0, pw1, ph0, ph1, pt0, pt1 = pad
-    if ctx.plan.axis == "height":
-        return (pw0, pw1, 0, 0, pt0, pt1), ph0
-    return (0, 0, ph0, ph1, pt0, pt1), pw0
+def _split_halo(ctx: ShardContext, pad: tuple[int, ...]) -> int:
+    """The conv's padding along the split axis: the halo its neighbours fill ('same' convs, checked)."""
+    pw0, _, ph0, _, _, _ = pad
+    return ph0 if ctx.plan.axis == "height" else pw0
 
 
 def _norm_args(norm: Any) -> NormArgs:
@@ -92,11 +92,11 @@ def cached_conv(
 ) -> torch.Tensor:
     """conv([cache | (SiLU(norm(x)) if norm else x)]) on the haloed shard; updates cache[idx]."""
     i = idx[0]
-    pad, halo = _split_pad(ctx, tuple(conv._padding))
-    xin = ctx.halo(x, halo)
-    padded, nxt = ctx.ops.causal_conv_input(xin, cache[i], pad, norm=None if norm is None else _norm_args(norm))
+    pad = tuple(conv._padding)
+    padded, nxt = ctx.ops.causal_conv_input(x, cache[i], pad, norm=None if norm is None else _norm_args(norm))
     cache[i] = nxt
     idx[0] += 1
+    fill_halo(padded, ctx.dim, ctx.group, _split_halo(ctx, pad))
     return ctx.ops.conv3d(conv, padded)
 
 

@@ -1,7 +1,8 @@
-"""The per-shard ("inner") ops the sharded forwards call after the halo exchange.
+"""The per-shard ("inner") ops the sharded forwards call around the halo exchange.
 
 A sharded decode runs the same data movement as a one-GPU decode, only on a
-haloed shard: build the causal conv input (cache + new frames + zero padding,
+shard: build the causal conv input (cache + new frames + zero padding, whose
+rows at interior edges the halo exchange then fills,
 optionally with WanRMS_norm + SiLU fused in), the nearest 2x upsample, the
 DupUp3D shortcut add and the padded 3-D conv. Those are exactly the fields of
 the decoder's op bundle (`vaed.patches.ops.OpSet`: `causal_conv_input`,
