@@ -4,6 +4,7 @@
     python scripts/bench_sharded.py --gpus 4         # issue 13: the same over 4 GPUs
     python scripts/bench_sharded.py --min-size       # smallest frame size where sharding wins
     python scripts/bench_sharded.py --cases wan2.1-480p --repeats 3
+    python scripts/bench_sharded.py --profile wan2.1-720p   # where rank 0's time goes, one GPU vs sharded
 
 Per case it prints: seconds of the one-GPU engine (vaed lossless, the served
 per-latent-frame loop) and of the sharded engine (same loop, all GPUs), the
@@ -173,6 +174,45 @@ def probe_min_size(args, torch) -> list[dict]:
     return rows
 
 
+def profile_case(args, torch, case: Case) -> None:
+    """One sharded decode of `case` under torch.profiler on rank 0: wall time, the GPU's busy
+    time, and the kernels by total time (NCCL kernel time includes waiting for the peer)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vaed.engine import OutputSpec
+    from vaed.parallel import GroupConfig, start_sharded_engine
+
+    rgb8 = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=False)
+    devices = _devices(args)
+    dev0 = torch.device(devices[0])
+    engine = start_sharded_engine(GroupConfig(case.model, devices, dtype=args.dtype, axis=args.axis))
+    try:
+        z = _latents(torch, engine.base, case)
+        engine.decode_video(z, rgb8)  # warm-up at this shape
+        for label, fn in (("one GPU", lambda: engine.base.decode_video(z, rgb8)),
+                          ("sharded", lambda: engine.decode_video(z, rgb8))):
+            _sync(torch, dev0)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                fn()
+                _sync(torch, dev0)
+                wall = time.perf_counter() - t0
+            by_name: dict[str, list[float]] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    us = next((float(v) for k in ("self_device_time_total", "self_cuda_time_total", "device_time")
+                               if (v := getattr(e, k, None))), 0.0)
+                    by_name.setdefault(e.name, []).append(us / 1e6)
+            busy = sum(sum(v) for v in by_name.values())
+            print(f"\nprofile {case.name} {label} (rank 0): wall {wall:.3f} s, GPU kernels {busy:.3f} s "
+                  f"({100 * busy / wall:.0f} % busy), {sum(len(v) for v in by_name.values())} kernels")
+            for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:14]:
+                t = sum(times)
+                print(f"  {100 * t / max(busy, 1e-9):5.1f} %  {t:7.3f} s  x{len(times):<6d} {name[:110]}")
+    finally:
+        engine.close()
+
+
 def print_cases(rows: list[dict], gpus: int, dtype: str) -> None:
     print(f"\nsharded over {gpus} GPUs vs one GPU (vaed lossless), {dtype}, random weights, min of repeats")
     head = (
@@ -213,6 +253,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--min-size", action="store_true", help="only the smallest-winning-size probe")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--profile", metavar="CASE", help="only profile one decode of CASE, one GPU and sharded")
     parser.add_argument(
         "--cpu-smoke", action="store_true",
         help="check this script without GPUs: gloo CPU ranks, tiny models, small sizes (numbers mean nothing)",
@@ -232,7 +273,12 @@ def main() -> None:
         where = f"{torch.cuda.get_device_name(0)} x{args.gpus}"
     print(f"torch {torch.__version__}, {where}, NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
     t0 = time.perf_counter()
-    if args.min_size:
+    if args.profile:
+        case = CASES[args.profile]
+        if args.cpu_smoke:
+            case = Case(case.name, case.model + "-tiny", case.height // 8, case.width // 8, 9)
+        profile_case(args, torch, case)
+    elif args.min_size:
         print_probe(probe_min_size(args, torch), args.gpus)
     else:
         cases = [CASES[n] for n in args.cases.split(",") if n]

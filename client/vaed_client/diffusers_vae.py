@@ -4,11 +4,12 @@
     pipe = WanPipeline(..., vae=RemoteAutoencoderKLWan("vaed:50051"))
     video = pipe(prompt_embeds=..., output_type="np").frames   # decoded remotely
 
-Design: a parameter-free `torch.nn.Module` with one empty buffer. Pipelines
-treat every `nn.Module` component alike — `pipe.to(...)` moves it, `device`
-and `_execution_device` read it, `enable_model_cpu_offload()` hooks it — and
-the buffer is what carries `.device` / `.dtype` through those moves, exactly
-as the parameters of a local `AutoencoderKLWan` would. There are no weights:
+Design: a `torch.nn.Module` whose one parameter is empty (0 elements).
+Pipelines treat every `nn.Module` component alike — `pipe.to(...)` moves it,
+`device` and `_execution_device` read it, `enable_model_cpu_offload()` hooks
+it, and accelerate's offload hook reads `next(module.parameters()).device` —
+and that parameter carries `.device` / `.dtype` through those moves, exactly
+as the weights of a local `AutoencoderKLWan` would. There are no weights:
 `to("cuda")` costs nothing, and offload hooks move an empty module.
 
 What Wan pipelines read (diffusers 0.42.1, pipelines/wan/*.py): `vae.config`
@@ -125,8 +126,9 @@ class RemoteAutoencoderKLWan(torch.nn.Module):
         self.info = self._client.model_info()
         if dtype is None:
             dtype = getattr(torch, self.info.compute_dtype, torch.float32) if self.info.compute_dtype else torch.float32
-        # The empty buffer carries device and dtype through .to(), pipe.to() and offload hooks.
-        self.register_buffer("_anchor", torch.empty(0, dtype=dtype), persistent=False)
+        # The empty parameter carries device and dtype through .to(), pipe.to() and offload hooks
+        # (a buffer is not enough: accelerate's CpuOffload.pre_forward calls next(parameters())).
+        self._anchor = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
         self._config = _frozen_config(config_from_info(self.info))
         self._encoder = encoder
 

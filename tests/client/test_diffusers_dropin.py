@@ -112,6 +112,9 @@ def test_remote_vae_looks_like_the_local_one(served: Any, pipes: tuple[Any, Any,
     for key in ("latents_mean", "latents_std"):
         assert torch.equal(torch.tensor(remote.config[key]), torch.tensor(local.config[key]))
     assert remote.dtype == local.dtype == torch.float32 and remote.device == torch.device("cpu")
+    # accelerate's offload hook reads next(module.parameters()): one empty parameter, no weights
+    (anchor,) = remote.parameters()
+    assert anchor.numel() == 0 and anchor.dtype == remote.dtype and not anchor.requires_grad
     assert remote_pipe.vae is remote and remote_pipe.device == torch.device("cpu")
     assert remote_pipe._execution_device == torch.device("cpu")
     assert remote_pipe.vae_scale_factor_spatial == local_pipe.vae_scale_factor_spatial
@@ -136,6 +139,22 @@ def test_decode_matches_local_decode_and_follows_dtype(served: Any, pipes: tuple
         assert half.dtype == torch.bfloat16 and half.shape == want.shape
     finally:
         remote.to(torch.float32)
+
+
+def test_offload_hook_moves_the_remote_vae(served: Any, pipes: tuple[Any, Any, Any]) -> None:
+    """enable_model_cpu_offload() runs accelerate's CpuOffload hook before decode: it reads the
+    module's first parameter and moves the module to the execution device (here the CPU)."""
+    accelerate = pytest.importorskip("accelerate")
+    local_pipe, _, _ = pipes
+    remote = RemoteAutoencoderKLWan(served.target)
+    want = run(local_pipe, "np")
+    pipe = make_pipe(remote, expand_timesteps=MODELS[served.config.model][1])
+    _, hook = accelerate.cpu_offload_with_hook(remote, execution_device=torch.device("cpu"))
+    assert getattr(remote, "_hf_hook", None) is not None
+    assert np.array_equal(run(pipe, "np"), want)
+    hook.offload()
+    assert remote.device == torch.device("cpu")
+    remote.close()
 
 
 def test_pipe_vae_assignment(served: Any) -> None:

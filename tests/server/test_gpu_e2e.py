@@ -67,8 +67,10 @@ def test_gpu_out_of_memory_is_resource_exhausted_and_server_survives():
     config = make_config("random:wan2.1", device="cuda:0", max_pixels=4096 * 4096, max_batch=64)
     with serve_in_thread(config) as server:
         total = torch.cuda.get_device_properties(0).total_memory
-        # 4 x 2048x2048 frames needs far more than 3 GiB of activations.
-        torch.cuda.set_per_process_memory_fraction(3 * 2**30 / total, 0)
+        # 4 x 2048x2048 frames needs far more than 3 GiB of activations. The cap counts what this
+        # process holds already (weights, earlier tests' leftovers), so it is 3 GiB on top of that.
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(0) + 3 * 2**30) / total, 0)
         try:
             with VaeClient(server.target) as client:
                 with pytest.raises(ResourceExhaustedError):
