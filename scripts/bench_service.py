@@ -110,7 +110,10 @@ def main() -> int:
         peak = scrape(metrics_port, "vaed_gpu_memory_peak_bytes")
     finally:
         proc.terminate()
-        proc.wait(60)
+        rest, _ = proc.communicate(timeout=60)
+        for line in rest.splitlines():  # per-call lines: server-side first_frame_ms / total_ms
+            if "first_frame_ms=" in line:
+                print("server |", line, flush=True)
     stock = measure_in_process(args.model, latents, args.reps, f"cuda:{args.gpu}")
     best = min(runs, key=lambda r: r["total_s"])
     result = {

@@ -13,7 +13,7 @@ abs RAW error of each variant against an fp32 stock decode of the same latents
 and weights (one extra fp32 decode per case). TFLOP/s uses the Wan2.1
 decoder's ~3.44 TFLOP per 480x832 frame, scaled by pixels (n/a for others).
 
-Seconds are the min over ``--reps`` after one short warm-up decode (Triton
+Seconds are the min over ``--reps`` after one warm-up decode up to the steady chunk (Triton
 compiles, cuDNN plans); peak is ``torch.cuda.max_memory_allocated`` during the
 timed decodes. "bit-identical" compares with ``torch.equal`` against the stock
 variant of the same layout (channels_last_3d for vaed-lossless).
@@ -117,9 +117,8 @@ def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
 def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str) -> Callable[[Any, torch.Tensor], torch.Tensor] | None:
     """The server's own decode path (DecodeEngine: session-owned cache, one
     decoder call per latent frame, fast paths installed, clamp), as a decode function."""
-    from vaed.engine import DecodeEngine
+    from vaed.engine import DecodeEngine, OutputSpec
     from vaed.models import LoadedModel
-    from vaed.engine import OutputSpec
 
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
                           kernels=kernels, layout="channels_last")
@@ -173,6 +172,7 @@ def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tu
 
 
 def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) -> list[Row]:
+    from vaed.engine import WARMUP_LATENT_FRAMES
     from vaed.patches import prepare_decoder, remove_fast_paths, to_decoder_layout
 
     device = torch.device(args.device)
@@ -199,7 +199,7 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
                 continue
             fn, zi, ref_key = engine_fn, to_decoder_layout(z, "channels_last"), "stock-cl3d"
         with torch.inference_mode():
-            fn(vae, zi[:, :, :2])  # warm-up on 2 latent frames: Triton compiles, cuDNN plans
+            fn(vae, zi[:, :, :WARMUP_LATENT_FRAMES])  # warm-up up to the steady chunk: Triton, cuDNN plans
             secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)
         out_cpu = out.cpu()
         del out

@@ -44,6 +44,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Latent frames that reach the steady chunk: frame 0 has no cache, frame 1 a
+# one-frame cache, frames >= 2 the steady two-frame cache; the fourth runs the
+# steady chunk once more so its cuDNN plans, Triton specialisations and
+# allocator blocks exist before the first timed or served decode.
+WARMUP_LATENT_FRAMES = 4
+
 @dataclass(frozen=True)
 class OutputSpec:
     rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .engine import DecodedGroup, DecodeEngine, OutputSpec
+from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, OutputSpec
 from .errors import CapacityExhausted, NotReady, VaedServerError
 from .parallel.engine import ShardGroupError
 from .metrics import DeviceLoad
@@ -37,10 +37,6 @@ from .session import HostGroup, Session, SessionState, check_finite
 
 log = logging.getLogger(__name__)
 
-# Latent frames per warm-up shape: frame 0 has no cache, frame 1 a one-frame
-# cache, frames >= 2 the steady two-frame cache; the fourth runs the steady
-# chunk once more so its cuDNN plans and allocator blocks exist before SERVING.
-WARMUP_LATENT_FRAMES = 4
 # Without --warmup-shapes on CPU: one small decode (tests, development).
 CPU_WARMUP_LATENT_HW = (8, 8)
 
@@ -200,14 +196,15 @@ class DeviceWorker:
         return [(h // s, w // s) for h, w in DEFAULT_WARMUP_SHAPES.get(engine.z_dim, ((480, 832),))]
 
     def _warm_up(self, engine: DecodeEngine) -> None:
-        """Decode every warm-up shape up to its steady chunk, so the first real request at
-        that shape does not pay cuDNN plan selection, Triton compiles or allocator growth."""
-        spec = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True)
+        """Decode every warm-up shape up to its steady chunk in every offered tier, so the first
+        real request at that shape does not pay cuDNN plan selection, Triton compiles (the fast
+        tier's kernels specialise per shape too) or allocator growth."""
         frames = WARMUP_LATENT_FRAMES if self.is_cuda else 2
         for h, w in self._warm_shapes(engine):
             started = time.perf_counter()
             latents = torch.zeros(1, engine.z_dim, frames, h, w)
-            engine.decode_video(latents, spec)
+            for precision in engine.precisions:
+                engine.decode_video(latents, OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True, precision=precision))
             if self.is_cuda:
                 torch.cuda.synchronize(self.device)
             name = f"{h * engine.scale_spatial}x{w * engine.scale_spatial}"
