@@ -39,7 +39,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
             port = m.group(1)
         if m := re.search(r"metrics on http://[^:]+:(\d+)/", line):
             metrics_port = int(m.group(1))
-        if line.rstrip().endswith("SERVING") and port:
+        if "SERVING" in line and port:
             return proc, f"127.0.0.1:{port}", metrics_port
     proc.kill()
     raise SystemExit("server did not start")
