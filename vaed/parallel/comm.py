@@ -7,8 +7,9 @@
   its interior edges (P2P through `batch_isend_irecv`: NCCL between GPUs, gloo
   on CPU). The outer edges keep their zeros, which is exactly the conv's zero
   padding. Only edge rows move: no extra pass over the feature map.
-- `exchange_halo`: the same P2P, for an input that has no padded copy of its
-  own (the 3x3 image conv after each upsample): one `cat` builds it.
+- `exchange_edges`: just the neighbours' rows (the 3x3 image conv after each
+  upsample recomputes its edge output rows from thin strips with them);
+  `exchange_halo` builds the whole haloed tensor with one `cat` (small inputs).
 - `all_gather_along`: the mid-block attention attends over the whole frame, so
   its input is gathered (shards padded to the largest, then trimmed: uneven
   splits) and every rank computes the same full attention.
@@ -80,6 +81,21 @@ def _swap_edges(
     return received
 
 
+def exchange_edges(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, halo: int = 1
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The neighbours' `halo` boundary rows next to x along `dim`: (rows before x, rows after x),
+    None at the group's outer edges. One grouped P2P; x's own edge rows go the other way."""
+    n = x.shape[dim]
+    if n < halo:
+        raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
+    rank, world = group_rank_world(group)
+    sides = [(rank - 1, x.narrow(dim, 0, halo)), (rank + 1, x.narrow(dim, n - halo, halo))]
+    received = iter(_swap_edges([(p, edge) for p, edge in sides if 0 <= p < world], group))
+    lo, hi = (next(received) if 0 <= p < world else None for p, _ in sides)
+    return lo, hi
+
+
 def fill_halo(padded: torch.Tensor, dim: int, group: dist.ProcessGroup | None, halo: int = 1) -> torch.Tensor:
     """Write the neighbours' boundary rows into `padded`'s zero halo rows, in place.
 
@@ -92,43 +108,31 @@ def fill_halo(padded: torch.Tensor, dim: int, group: dist.ProcessGroup | None, h
     if halo < 1:
         return padded
     n = padded.shape[dim] - 2 * halo
-    if n < halo:
-        raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
-    rank, world = group_rank_world(group)
-    sends = []
-    writes = []
-    for peer_rank, send_start, write_start in ((rank - 1, halo, 0), (rank + 1, n, n + halo)):
-        if 0 <= peer_rank < world:
-            sends.append((peer_rank, padded.narrow(dim, send_start, halo)))
-            writes.append(write_start)
-    for start, recv in zip(writes, _swap_edges(sends, group)):
-        padded.narrow(dim, start, halo).copy_(recv)
+    lo, hi = exchange_edges(padded.narrow(dim, halo, max(n, 0)), dim, group, halo)
+    if lo is not None:
+        padded.narrow(dim, 0, halo).copy_(lo)
+    if hi is not None:
+        padded.narrow(dim, n + halo, halo).copy_(hi)
     return padded
 
 
 def exchange_halo(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, halo: int = 1) -> torch.Tensor:
     """x with `halo` neighbour rows added on both sides of `dim` (zeros at the outer edges).
 
-    Keeps x's memory format (channels_last_3d in, channels_last_3d out), so the
-    conv that follows sees the layout it would see unsharded. Launches: two
-    boundary copies, one grouped P2P, one zero fill per outer edge and one
-    `cat` (the only full pass over x).
+    Keeps x's memory format (channels_last_3d in, channels_last_3d out). Launches:
+    two boundary copies, one grouped P2P, one `cat` (a full pass over x; the
+    sharded forward avoids it on large inputs, see `fill_halo` and forward.conv2d).
     """
     if halo < 1:
         return x
+    lo, hi = exchange_edges(x, dim, group, halo)
     n = x.shape[dim]
-    if n < halo:
-        raise ValueError(f"shard has {n} rows along dim {dim}, fewer than the halo {halo}")
-    rank, world = group_rank_world(group)
-    fmt = memory_format_of(x)
-    edges = [(peer_rank, x.narrow(dim, start, halo)) for peer_rank, start in ((rank - 1, 0), (rank + 1, n - halo))]
-    inner = [(peer_rank, edge) for peer_rank, edge in edges if 0 <= peer_rank < world]
-    received = iter(_swap_edges(inner, group))
-    parts = [next(received) if 0 <= peer_rank < world else _zero_edge(edge) for peer_rank, edge in edges]
     shape = list(x.shape)
     shape[dim] = n + 2 * halo
-    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-    return torch.cat([parts[0], x, parts[1]], dim=dim, out=out)  # one pass, written in x's layout
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format_of(x))
+    parts = [lo if lo is not None else _zero_edge(x.narrow(dim, 0, halo)), x,
+             hi if hi is not None else _zero_edge(x.narrow(dim, 0, halo))]
+    return torch.cat(parts, dim=dim, out=out)  # one pass, written in x's layout
 
 
 def _padded_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
