@@ -50,6 +50,7 @@ DTYPES: dict[str, torch.dtype] = {
 # allocator blocks exist before the first timed or served decode.
 WARMUP_LATENT_FRAMES = 4
 
+
 @dataclass(frozen=True)
 class OutputSpec:
     rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]
