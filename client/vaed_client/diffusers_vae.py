@@ -22,6 +22,12 @@ same tensor a local VAE of that dtype returns (bit-identical when the server
 runs the same weights, dtype and layout). The config is fetched from the
 server's ModelInfo when the object is built.
 
+The lighter option, `wire_format="rgb8"`, receives uint8 frames (1 byte a
+value against RAW's 2 in bf16 or 4 in fp32) and hands the pipeline
+`u / 127.5 - 1`: its postprocess then gives `pil` frames equal to the exact
+path's for an fp32 server (the server quantizes like diffusers' PIL path)
+and `np` / `pt` within 1/510 of them; not bit-identical.
+
 `encode` (image-to-video conditioning) is not served: pass `encoder=` a local
 `AutoencoderKLWan` (its encoder half is used), otherwise `encode` raises.
 diffusers is optional: without it `config` is a read-only dict with attribute
@@ -107,8 +113,8 @@ class RemoteAutoencoderKLWan(torch.nn.Module):
     `target` and `client_options` (timeout, tls, token, tls_server_name,
     options) are those of `VaeClient`. `dtype` defaults to the server's
     compute dtype, like a local VAE loaded in that dtype; `.to(dtype)` changes
-    it. `wire_format="rgb8"` is not offered here: pipelines postprocess the
-    decoder output themselves, which needs RAW.
+    it. `wire_format` is "raw" (exact, the default) or "rgb8" (lighter, see
+    the module doc).
     """
 
     _supports_gradient_checkpointing = False
@@ -119,9 +125,13 @@ class RemoteAutoencoderKLWan(torch.nn.Module):
         *,
         dtype: torch.dtype | None = None,
         encoder: Any = None,
+        wire_format: str = "raw",
         **client_options: Any,
     ) -> None:
         super().__init__()
+        if wire_format not in ("raw", "rgb8"):
+            raise ValueError(f"wire_format must be 'raw' (exact) or 'rgb8' (lighter), got {wire_format!r}")
+        self.wire_format = wire_format
         self._client = target if isinstance(target, VaeClient) else VaeClient(target, **client_options)
         self.info = self._client.model_info()
         if dtype is None:
@@ -165,9 +175,11 @@ class RemoteAutoencoderKLWan(torch.nn.Module):
         if not isinstance(z, torch.Tensor):
             raise TypeError(f"decode expects a torch.Tensor, got {type(z).__name__}")
         raw_dtype = z.dtype if z.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        sample = self._client.decode(
-            z.to(raw_dtype), output_type="raw", raw_dtype=raw_dtype, raw_latents=True
-        )
+        if self.wire_format == "rgb8":
+            frames = self._client.decode(z.to(raw_dtype), output_type="uint8", raw_latents=True)  # [B, T, H, W, 3]
+            sample = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # back to the decoder's [-1, 1]
+        else:
+            sample = self._client.decode(z.to(raw_dtype), output_type="raw", raw_dtype=raw_dtype, raw_latents=True)
         sample = sample.to(device=z.device, dtype=z.dtype if z.dtype.is_floating_point else raw_dtype)
         if not return_dict:
             return (sample,)
@@ -202,7 +214,8 @@ class RemoteAutoencoderKLWan(torch.nn.Module):
         """No-op: the server owns the causal cache of each call."""
 
     def extra_repr(self) -> str:
-        return f"target={self._client.target!r}, model={self.info.model!r}, z_dim={self.info.z_dim}"
+        return (f"target={self._client.target!r}, model={self.info.model!r}, z_dim={self.info.z_dim}, "
+                f"wire_format={self.wire_format!r}")
 
     def close(self) -> None:
         self._client.close()

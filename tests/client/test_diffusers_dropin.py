@@ -157,6 +157,22 @@ def test_offload_hook_moves_the_remote_vae(served: Any, pipes: tuple[Any, Any, A
     remote.close()
 
 
+def test_lighter_rgb8_wire_format(served: Any, pipes: tuple[Any, Any, Any]) -> None:
+    """wire_format="rgb8": uint8 on the wire; PIL frames equal the exact path's (fp32 server),
+    np within 1/510, and the frames are not simply the exact ones (the option is really lighter)."""
+    local_pipe, _, _ = pipes
+    remote = RemoteAutoencoderKLWan(served.target, wire_format="rgb8")
+    pipe = make_pipe(remote, expand_timesteps=MODELS[served.config.model][1])
+    assert_same(run(local_pipe, "pil"), run(pipe, "pil"), "pil")
+    want, got = run(local_pipe, "np"), run(pipe, "np")
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert np.abs(got - want).max() <= 1 / 510 + 1e-6 and not np.array_equal(got, want)
+    assert np.array_equal(np.round(got * 255), np.round(want * 255))
+    with pytest.raises(ValueError, match="wire_format"):
+        RemoteAutoencoderKLWan(served.target, wire_format="jpeg")
+    remote.close()
+
+
 def test_pipe_vae_assignment(served: Any) -> None:
     remote = RemoteAutoencoderKLWan(VaeClient(served.target))
     pipe = make_pipe(served.reference_vae(), expand_timesteps=MODELS[served.config.model][1])
