@@ -150,6 +150,7 @@ class HostGroup:
     first_frame: int         # index in the whole video of its first frame
     frames: torch.Tensor     # CPU tensor (pinned on CUDA), wire layout
     device_seconds: float    # wall time from the start of its decode step to the host copy's end
+    step_started: float = 0.0  # time.perf_counter() when its decode step began
 
 
 class _End:
@@ -208,6 +209,9 @@ class CallRecord:
     frames_out: int = 0
     device_seconds: float = 0.0
     first_frame_at: float | None = None
+    # The first frame's time split in two known parts (the rest is delivery and sending):
+    first_wait_s: float | None = None   # call start -> the device starts latent frame 0
+    first_step_s: float | None = None   # latent frame 0's step: decode + copy to host
 
 
 _ids = itertools.count()

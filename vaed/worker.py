@@ -304,7 +304,7 @@ class DeviceWorker:
         def deliver() -> None:
             session.channel.put_group(HostGroup(
                 chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
-                device_seconds=time.perf_counter() - started,
+                device_seconds=time.perf_counter() - started, step_started=started,
             ))
 
         self._outbox.put((done, deliver))

@@ -212,3 +212,22 @@ def test_reflection_needs_token(auth_server: harness.RunningServer) -> None:
         list_services(None)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "vaed.v1.VaeDecoder" in list_services((("authorization", f"Bearer {TOKEN}"),))
+
+
+def test_log_line_splits_the_first_frame(caplog: pytest.LogCaptureFixture) -> None:
+    """Each call's log line gives first_frame_ms and its two known parts: the wait until the device
+    starts latent frame 0, and that step (decode + copy to host); they add up to no more than it."""
+    import logging
+    import re
+
+    caplog.set_level(logging.INFO, logger="vaed.service")
+    with harness.serve_in_thread(make_config()) as running, VaeClient(running.target) as client:
+        list(client.stream(latents(3)))
+        client.decode(latents(2))
+    lines = [r.getMessage() for r in caplog.records if "status=OK" in r.getMessage() and "Decode" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("DecodeStream") and lines[1].startswith("Decode ")
+    for line in lines:
+        found = dict(re.findall(r"(first_frame_ms|first_wait_ms|first_step_ms)=([\d.]+)", line))
+        assert set(found) == {"first_frame_ms", "first_wait_ms", "first_step_ms"}, line
+        wait, step, first = (float(found[k]) for k in ("first_wait_ms", "first_step_ms", "first_frame_ms"))
+        assert wait >= 0 and step > 0 and wait + step <= first + 0.1  # rounding of the printed values
