@@ -130,17 +130,18 @@ def frame_messages(group: HostGroup, request_id: str, time_dim: int, cap_bytes: 
         )
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def _log_line(record: CallRecord, code: grpc.StatusCode) -> str:
     total_ms = (time.perf_counter() - record.started) * 1e3
-    def ms(seconds: float | None) -> str:
-        return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
     first = record.first_frame_at - record.started if record.first_frame_at else None
     return (
         f"{record.method} id={record.request_id} status={code.name} shape={record.shape} "
         f"chunks_in={record.chunks_in} groups={record.groups_out} frames={record.frames_out} "
-        f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={ms(first)} "
-        f"first_wait_ms={ms(record.first_wait_s)} first_step_ms={ms(record.first_step_s)} total_ms={total_ms:.1f}"
+        f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={_ms(first)} "
+        f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} total_ms={total_ms:.1f}"
     )
 
 
@@ -312,7 +313,7 @@ class VaeDecoderService:
         cap = self.config.frame_message_bytes
         time_dim = session.output.time_dim
         while (group := await session.next_group()) is not None:
-            if record.first_step_s is None and group.step_started:
+            if record.first_step_s is None:
                 record.first_wait_s = group.step_started - record.started
                 record.first_step_s = group.device_seconds
             for message in frame_messages(group, record.request_id, time_dim, cap):

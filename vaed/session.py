@@ -150,7 +150,7 @@ class HostGroup:
     first_frame: int         # index in the whole video of its first frame
     frames: torch.Tensor     # CPU tensor (pinned on CUDA), wire layout
     device_seconds: float    # wall time from the start of its decode step to the host copy's end
-    step_started: float = 0.0  # time.perf_counter() when its decode step began
+    step_started: float      # time.perf_counter() when its decode step began
 
 
 class _End:
