@@ -349,7 +349,8 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
                 elif chunk.HasField("options"):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "options on a non-first message")
                 self._check(options, chunk.latents, context)
-                yield from self._groups(chunk.latents, options, done, i, options.request_id or "fake-id")
+                # chunk_index is the latent frame's index in the session, as on the real server
+                yield from self._groups(chunk.latents, options, done, done, options.request_id or "fake-id")
                 done += chunk.latents.shape[2]
 
         yield from self._track(context, self._finish(all_groups(), "fake-id"))

@@ -146,18 +146,29 @@ class AsyncVaeClient:
         request_id: str | None = None,
     ) -> AsyncIterator[DecodedChunk]:
         """Async-iterate DecodedChunks as they decode; leaving early cancels.
-        Latent frame 0 goes first on its own, as in `VaeClient.stream`."""
+        The latents go as in `VaeClient.stream`: two frames first, the rest after the first frame."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
         streamed = stream_latents(spec, latents)
-        call = self._stub.DecodeStream(streamed.messages(), timeout=self.timeout, metadata=self._metadata)
+        first_reply = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield streamed.first
+            if streamed.rest is not None:
+                await first_reply.wait()  # the rest waits for the first frame (core.StreamedLatents)
+                if not call.done():  # written into an ended call, grpc.aio would report INTERNAL
+                    yield streamed.rest_message()
+
+        call = self._stub.DecodeStream(requests(), timeout=self.timeout, metadata=self._metadata)
         try:
             async for reply in call:
+                first_reply.set()
                 if has_frames(reply):
                     yield chunk_result(reply, spec, streamed.as_torch)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         finally:
+            first_reply.set()
             call.cancel()  # no-op once the call ended
 
     def session(

@@ -36,6 +36,7 @@ from .core import (
     chunk_result,
     decode_request,
     format_name,
+    StreamedLatents,
     prepare_latents,
     stream_latents,
 )
@@ -146,14 +147,15 @@ class VaeClient:
     ) -> Iterator[DecodedChunk]:
         """Yield DecodedChunks (frames in `output_type`) as the server decodes
         them. Stopping the iteration early (break, close()) cancels the decode
-        on the server. Sent as a DecodeStream whose first message is latent
-        frame 0 alone, so the first frame does not wait for the whole upload
-        (`core.StreamedLatents`)."""
+        on the server. Sent as a DecodeStream: the first two latent frames,
+        then the rest once the first frame is back, so the first frame waits
+        for neither the whole upload nor its traffic (`core.StreamedLatents`)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
         streamed = stream_latents(spec, latents)
-        call = self._stub.DecodeStream(streamed.messages(), timeout=self.timeout, metadata=self._metadata)
-        return _iterate_chunks(call, spec, streamed.as_torch)
+        gate = _RestGate()
+        gate.call = self._stub.DecodeStream(gate.requests(streamed), timeout=self.timeout, metadata=self._metadata)
+        return _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened)
 
     def session(
         self,
@@ -171,9 +173,29 @@ class VaeClient:
         return DecodeSession(self, spec, max_pending=max_pending)
 
 
-def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool) -> Iterator[DecodedChunk]:
+class _RestGate:
+    """Holds a stream's rest (`StreamedLatents.rest`) until its first reply arrives."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.call: Any = None  # set right after the call is made
+
+    def requests(self, streamed: StreamedLatents) -> Iterator[Any]:
+        # Runs on a gRPC thread; polls so that it ends with a call that ends first.
+        yield streamed.first
+        if streamed.rest is None:
+            return
+        while not self.opened.wait(0.5):
+            if self.call is not None and self.call.done():
+                return
+        if self.call is None or not self.call.done():
+            yield streamed.rest_message()
+
+
+def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool, first_reply: threading.Event) -> Iterator[DecodedChunk]:
     try:
         for reply in call:
+            first_reply.set()
             if has_frames(reply):
                 yield chunk_result(reply, spec, as_torch)
     except grpc.RpcError as e:

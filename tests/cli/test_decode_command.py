@@ -134,9 +134,9 @@ def test_decode_command_mp4_and_png(
         assert key in out
     assert "9 x 1 at 32x48 (H x W)" in out  # H x W, like every other size vaed prints
     assert servicer.metadata[-1]["authorization"] == "Bearer tok"
-    # the stream's first message (latent frame 0) carries the options, the rest none
+    # the stream's first message (the first two latent frames) carries the options, the rest none
     first, rest = servicer.requests[-2:]
-    assert first.options.raw_latents and list(first.latents.shape)[2] == 1 and not rest.HasField("options")
+    assert first.options.raw_latents and list(first.latents.shape)[2] == 2 and not rest.HasField("options")
 
     args = _parse(dc.add_decode_arguments, [str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png")])
     assert dc.run_decode(args) == 0

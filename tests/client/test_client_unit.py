@@ -245,23 +245,64 @@ def test_stream_yields_chunks_as_they_arrive(fake: tuple[FakeDecoder, str]) -> N
     assert sum(c.nbytes for c in chunks) == expected_video(1, 3, 2, 2).nbytes
 
 
-def test_stream_sends_latent_frame_0_alone_first(fake: tuple[FakeDecoder, str]) -> None:
-    """The server starts a session at its first message: frame 0 must not wait for the whole upload."""
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_stream_sends_its_head_first(fake: tuple[FakeDecoder, str], asynchronous: bool) -> None:
+    """The server starts a session at its first message: it carries the first two latent frames
+    and the options, the rest follows (once the first frame is back); nothing lost or reordered."""
     servicer, target = fake
-    z = latents_np(t=5, h=2, w=2)
-    with vaed_client.VaeClient(target) as client:
+    head = vaed_client.core.HEAD_LATENT_FRAMES
+
+    def frames_per_message(z: np.ndarray, **kwargs: Any) -> list[int]:
         servicer.requests.clear()
-        assert sum(c.num_frames for c in client.stream(z, request_id="split")) == 1 + 4 * 4
+        if asynchronous:
+            async def go() -> int:
+                async with vaed_client.AsyncVaeClient(target) as client:
+                    return sum([c.num_frames async for c in client.stream(z, **kwargs)])
+            frames = asyncio.run(go())
+        else:
+            with vaed_client.VaeClient(target) as client:
+                frames = sum(c.num_frames for c in client.stream(z, **kwargs))
+        assert frames == 1 + 4 * (z.shape[2] - 1)
         sent = list(servicer.requests)
-        assert [list(m.latents.shape) for m in sent] == [[1, 16, 1, 2, 2], [1, 16, 4, 2, 2]]
-        assert sent[0].options.request_id == "split" and not sent[1].HasField("options")
-        joined = np.concatenate([tensors.to_numpy(m.latents) for m in sent], axis=2)
-        assert np.array_equal(joined, z)  # nothing lost or reordered by the split
-        servicer.requests.clear()
-        list(client.stream(latents_np(t=1, h=2, w=2)))
-        assert [list(m.latents.shape) for m in servicer.requests] == [[1, 16, 1, 2, 2]]
-        with pytest.raises(errors.LocalInputError):  # checked before any call
-            client.stream(np.zeros((1, 16, 2, 2, 2), np.int64))
+        assert np.array_equal(np.concatenate([tensors.to_numpy(m.latents) for m in sent], axis=2), z)
+        assert [m.HasField("options") for m in sent] == [True] + [False] * (len(sent) - 1)
+        return [int(m.latents.shape[2]) for m in sent]
+
+    assert frames_per_message(latents_np(t=7, h=2, w=2), request_id="split") == [head, 7 - head]
+    assert servicer.requests[0].options.request_id == "split"
+    assert frames_per_message(latents_np(t=2, h=2, w=2)) == [2]
+    assert frames_per_message(latents_np(t=1, h=2, w=2)) == [1]
+    with vaed_client.VaeClient(target) as client, pytest.raises(errors.LocalInputError):
+        client.stream(np.zeros((1, 16, 2, 2, 2), np.int64))  # checked before any call
+
+
+def test_stream_rest_waits_for_the_first_reply() -> None:
+    """The request side holds the rest until the first reply opens the gate (or the call ends)."""
+    from vaed_client.client import _RestGate
+    from vaed_client.core import call_spec, stream_latents
+
+    streamed = stream_latents(call_spec(), latents_np(t=6, h=2, w=2))
+    gate = _RestGate()
+    requests = gate.requests(streamed)
+    assert int(next(requests).latents.shape[2]) == 2
+    rest: list[Any] = []
+    puller = threading.Thread(target=lambda: rest.append(next(requests)))
+    puller.start()
+    puller.join(0.3)
+    assert puller.is_alive() and not rest  # blocked on the gate, whatever the machine's speed
+    gate.opened.set()
+    puller.join(10)
+    assert int(rest[0].latents.shape[2]) == 4
+
+    class Ended:
+        def done(self) -> bool:
+            return True
+
+    gate = _RestGate()
+    requests = gate.requests(streamed)
+    next(requests)
+    gate.call = Ended()  # the call ended before any reply: the rest is never sent
+    assert list(requests) == []
 
 
 def test_stream_break_cancels_server_side(fake: tuple[FakeDecoder, str]) -> None:
