@@ -14,29 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
-import re
-import subprocess
 import sys
 import time
 
 import torch
 
-
-def start(model: str, gpus: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "vaed.cli", "serve", "--gpu", gpus, "--host", "127.0.0.1", "--port", "0",
-           "--model", model, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    port = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print("server |", line.rstrip(), flush=True)
-        if m := re.search(r"\(port (\d+),", line):
-            port = m.group(1)
-        if "SERVING" in line and port:
-            return proc, f"127.0.0.1:{port}"
-    raise SystemExit("server did not start")
+from vaed_process import start_vaed
 
 
 def one_client(args: tuple[str, tuple[int, ...], mp.synchronize.Barrier]) -> tuple[float, float, int]:
@@ -77,7 +60,7 @@ def main() -> int:
     shape = tuple(int(s) for s in args.shape.split(","))
     rows = {}
     for label, gpus, extra in (("one GPU", args.gpus.split(",")[0], []), (f"pool {args.gpus}", args.gpus, [])):
-        proc, target = start(args.model, gpus, ["--warmup-shapes", "480x832", *extra])
+        proc, target, _ = start_vaed(args.model, gpus, ["--warmup-shapes", "480x832", *extra])
         try:
             rows[label] = run_clients(target, shape, args.sessions)
             print(f"[pool] {label}: {json.dumps(rows[label])}", flush=True)
@@ -91,7 +74,7 @@ def main() -> int:
     spatial = tuple(int(s) for s in args.spatial_shape.split(","))
     for label, gpus, extra in (("one GPU", args.gpus.split(",")[0], []),
                                ("spatial", args.gpus, ["--parallel", "spatial"])):
-        proc, target = start(args.model, gpus, ["--warmup-shapes", "720x1280", *extra])
+        proc, target, _ = start_vaed(args.model, gpus, ["--warmup-shapes", "720x1280", *extra])
         try:
             from vaed_client import VaeClient
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 import time
@@ -22,27 +20,16 @@ import urllib.request
 
 import torch
 
+from vaed_process import find, start_vaed
+
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
-    cmd = [sys.executable, "-m", "vaed.cli", "serve", "--gpu", str(args.gpu), "--host", "127.0.0.1",
-           "--port", "0", "--metrics-port", "0", "--model", args.model, *args.server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    port = metrics_port = None
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        print("server |", line.rstrip(), flush=True)
-        if m := re.search(r"\(port (\d+),", line):
-            port = m.group(1)
-        if m := re.search(r"metrics on http://[^:]+:(\d+)/", line):
-            metrics_port = int(m.group(1))
-        if "SERVING" in line and port:
-            return proc, f"127.0.0.1:{port}", metrics_port
-    proc.kill()
-    raise SystemExit("server did not start")
+    proc, target, lines = start_vaed(args.model, str(args.gpu), ["--metrics-port", "0", *args.server_args])
+    ports = find(r"metrics on http://[^:]+:(\d+)/", lines)
+    if not ports:
+        proc.kill()
+        raise SystemExit("server did not log its metrics port")
+    return proc, target, int(ports[0].group(1))
 
 
 def scrape(metrics_port: int, name: str) -> float | None:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 import time
 
 import torch
+
+from vaed_process import find, start_vaed
 
 CASES = {
     "random:wan2.1": [(480, 832, 81), (720, 1280, 81)],
@@ -28,22 +28,11 @@ CASES = {
 
 
 def start(model: str, gpu: int, extra: list[str]) -> tuple[subprocess.Popen, str, float, dict[str, float]]:
-    cmd = [sys.executable, "-m", "vaed.cli", "serve", "--gpu", str(gpu), "--host", "127.0.0.1", "--port", "0",
-           "--model", model, *extra]
+    """The server, seconds to SERVING, and the warm-up seconds per shape from its log."""
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    port, warm = None, {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        print("server |", line.rstrip(), flush=True)
-        if m := re.search(r"\(port (\d+),", line):
-            port = m.group(1)
-        if m := re.search(r"warm-up on \S+ at (\d+x\d+) .* took ([\d.]+) s", line):
-            warm[m.group(1)] = float(m.group(2))
-        if "SERVING" in line and port:
-            return proc, f"127.0.0.1:{port}", time.perf_counter() - started, warm
-    raise SystemExit("server did not start")
+    proc, target, lines = start_vaed(model, str(gpu), extra)
+    warm = {m.group(1): float(m.group(2)) for m in find(r"warm-up on \S+ at (\d+x\d+) .* took ([\d.]+) s", lines)}
+    return proc, target, time.perf_counter() - started, warm
 
 
 def decode_timed(client, latents: torch.Tensor) -> tuple[float, float]:
