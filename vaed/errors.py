@@ -29,6 +29,13 @@ class ModelLoadError(VaedServerError):
     """Weights could not be found or loaded."""
 
 
+class ShardGroupError(RuntimeError):
+    """The sharded group failed (a rank died or a collective timed out); it serves nothing more.
+
+    Not a caller-facing error: the device worker answers it with NotReady. It lives here,
+    not in vaed.parallel, so that the worker below the pool needs nothing from that package."""
+
+
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -30,8 +30,7 @@ from typing import Callable
 import torch
 
 from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, OutputSpec
-from .errors import CapacityExhausted, NotReady, VaedServerError
-from .parallel.engine import ShardGroupError
+from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
 from .session import HostGroup, Session, SessionState, check_finite
 

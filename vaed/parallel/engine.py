@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import ShardGroupError
 from .comm import gather_along, group_rank_world
 from .forward import ShardContext, check_shardable, decoder_forward
 from .inner_ops import InnerOps, resolve_inner_ops
@@ -54,10 +55,6 @@ OP_STOP, OP_FRAME, OP_FREE, OP_NOOP, OP_STATS = 0, 1, 2, 3, 4
 _RAW_DTYPES: list[torch.dtype | None] = [None, torch.float32, torch.float16, torch.bfloat16]
 _AXES = ("height", "width")
 _PRECISIONS = ("lossless", "fast")
-
-
-class ShardGroupError(RuntimeError):
-    """The sharded group failed (a rank died or a collective timed out); it serves nothing more."""
 
 
 @dataclass(frozen=True)
