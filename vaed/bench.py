@@ -90,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {', '.join(VARIANTS)}")
     parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "off"),
                         help="fused kernels for vaed-lossless")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
+                        help="vaed variants replay captured decoder calls (vaed serve --cuda-graphs)")
     parser.add_argument("--seed", type=int, default=0, help="latents seed")
     parser.add_argument("--psnr", action="store_true", help="PSNR / max abs error against an fp32 stock decode")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write rows as JSON")
@@ -114,20 +116,24 @@ def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
     return vae.decode(z, return_dict=False)[0]
 
 
-def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str) -> Callable[[Any, torch.Tensor], torch.Tensor] | None:
-    """The server's own decode path (DecodeEngine: session-owned cache, one
-    decoder call per latent frame, fast paths installed, clamp), as a decode function."""
-    from vaed.engine import DecodeEngine, OutputSpec
+Decode = Callable[[Any, torch.Tensor], torch.Tensor]
+WarmUp = Callable[[torch.Tensor], None]
+
+
+def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = "off") -> tuple[Decode, WarmUp] | None:
+    """The server's own decode path (DecodeEngine: session-owned cache, one decoder call per
+    latent frame, fast paths installed, clamp), as a decode function and its warm-up."""
+    from vaed.engine import DecodeEngine, OutputSpec, warm_up
     from vaed.models import LoadedModel
 
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
-                          kernels=kernels, layout="channels_last")
+                          kernels=kernels, layout="channels_last", cuda_graphs=cuda_graphs)
     if precision not in engine.precisions:
         log.warning("vaed-%s skipped: tier not available here (%s)", precision, engine.fast_paths.summary)
         return None
-    log.info("vaed-%s: %s", precision, engine.fast_paths.summary)
+    log.info("vaed-%s: %s%s", precision, engine.fast_paths.summary, ", CUDA graphs" if engine.graphs else "")
     raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True, precision=precision)
-    return lambda _vae, z: engine.decode_video(z, raw)
+    return (lambda _vae, z: engine.decode_video(z, raw)), (lambda z: warm_up(engine, tuple(z.shape[-2:]), precision))
 
 
 def _rgb8(x: torch.Tensor) -> torch.Tensor:
@@ -187,19 +193,18 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
     base: float | None = None
     fp32 = fp32_reference(spec, z, device) if args.psnr else None
     for variant in variants:
-        if variant == "stock":
-            prepare_decoder(vae, kernels="off", layout="contiguous")
-            zi, fn, ref_key = z.contiguous(), stock_decode, "stock"
-        elif variant == "stock-cl3d":
-            prepare_decoder(vae, kernels="off", layout="channels_last")
-            zi, fn, ref_key = to_decoder_layout(z, "channels_last"), stock_decode, "stock-cl3d"
+        if variant in ("stock", "stock-cl3d"):
+            layout = "contiguous" if variant == "stock" else "channels_last"
+            prepare_decoder(vae, kernels="off", layout=layout)
+            zi, fn, ref_key = to_decoder_layout(z, layout), stock_decode, variant
+            warm: WarmUp = lambda zz: stock_decode(vae, zz[:, :, :WARMUP_LATENT_FRAMES])  # noqa: E731
         else:
-            engine_fn = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"))
-            if engine_fn is None:
+            engine_fns = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"), args.cuda_graphs)
+            if engine_fns is None:
                 continue
-            fn, zi, ref_key = engine_fn, to_decoder_layout(z, "channels_last"), "stock-cl3d"
+            (fn, warm), zi, ref_key = engine_fns, to_decoder_layout(z, "channels_last"), "stock-cl3d"
         with torch.inference_mode():
-            fn(vae, zi[:, :, :WARMUP_LATENT_FRAMES])  # warm-up up to the steady chunk: Triton, cuDNN plans
+            warm(zi)  # up to the steady chunk: Triton compiles, cuDNN plans (and captures, with graphs)
             secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)
         out_cpu = out.cpu()
         del out

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from . import __version__
-from .config import DEFAULT_MODEL, DEFAULT_PORT, PRECISIONS, ServerConfig
+from .config import CUDA_GRAPH_CHOICES, DEFAULT_MODEL, DEFAULT_PORT, PRECISIONS, ServerConfig
 
 log = logging.getLogger("vaed")
 
@@ -107,6 +107,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="switch one fused op off (repeatable); the stock aten chain runs in its place")
     parser.add_argument("--layout", choices=["auto", "channels_last", "contiguous"], default=defaults.layout,
                         help="decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU")
+    parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPH_CHOICES), default=defaults.cuda_graphs,
+                        help="replay each decoder call signature from a captured CUDA graph (bit-identical; "
+                             "more GPU memory for the graphs' buffers) (default %(default)s)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="report SERVING without warm-up decodes")
     parser.add_argument("--warmup-shapes", type=_shapes, default=None, metavar="HxW[,HxW...]|none",
                         help="output sizes decoded up to their steady chunk before SERVING "
@@ -154,7 +157,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sessions=args.max_sessions, max_concurrent_rpcs=args.max_concurrent_rpcs, max_batch=args.max_batch,
         max_latent_frames=args.max_latent_frames, max_pixels=args.max_pixels, queue_chunks=args.queue_chunks,
         max_backlog_frames=args.max_backlog_frames, grace=args.grace, kernels=args.kernels,
-        disabled_ops=tuple(args.disabled_ops), layout=args.layout, precision=args.precision,
+        disabled_ops=tuple(args.disabled_ops), layout=args.layout, cuda_graphs=args.cuda_graphs,
+        precision=args.precision,
         parallel=args.parallel, spatial_axis=args.spatial_axis, spatial_min_pixels=args.spatial_min_pixels, warmup=args.warmup, warmup_shapes=args.warmup_shapes,
         keepalive_time=args.keepalive_time, keepalive_timeout=args.keepalive_timeout,
         min_ping_interval=args.min_ping_interval, max_connection_age=args.max_connection_age,

@@ -23,6 +23,7 @@ DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
 }
 
 PRECISIONS = ("lossless", "fast")
+CUDA_GRAPH_CHOICES = ("on", "off")
 
 # --parallel spatial shards a session only from this output frame size (H*W).
 # 480x832 already gains 1.34x on two H200s (0.951 s against 1.272 s for 81
@@ -51,6 +52,7 @@ class ServerConfig:
     kernels: str = "auto"               # auto | triton | off
     disabled_ops: tuple[str, ...] = ()  # fused ops switched off one by one
     layout: str = "auto"                # auto | channels_last | contiguous
+    cuda_graphs: str = "off"            # on | off: replay captured decoder calls (vaed.graphs)
     precision: str = "lossless"         # default tier of requests that do not ask
     parallel: str = "off"               # off | spatial (one request over all devices)
     spatial_axis: str = "auto"          # auto | height | width

@@ -33,6 +33,7 @@ import torch
 from vaed_client import wire
 
 from . import patches
+from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
 from .models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class DecodeEngine:
         kernels: str = "auto",
         layout: str = "auto",
         disabled_ops: tuple[str, ...] = (),
+        cuda_graphs: str = "off",
+        max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         self.loaded = loaded
         self.vae = loaded.vae
@@ -129,7 +132,14 @@ class DecodeEngine:
             self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
             tiers=("lossless", "fast"),
         )
-        log.info("decoder ready on %s: %s", self.device, self.fast_paths.summary)
+        # Captured decoder calls (vaed.graphs): CUDA only; the sharded path never uses them.
+        self.graphs: DecoderGraphs | None = None
+        if cuda_graphs == "on" and self.device.type == "cuda":
+            self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs)
+        elif cuda_graphs not in ("on", "off"):
+            raise ValueError(f"cuda_graphs must be 'on' or 'off', got {cuda_graphs!r}")
+        log.info("decoder ready on %s: %s%s", self.device, self.fast_paths.summary,
+                 ", CUDA graphs on" if self.graphs is not None else "")
 
     @classmethod
     def load(cls, model: str, *, device: str, dtype: str | torch.dtype, **options: Any) -> "DecodeEngine":
@@ -173,10 +183,18 @@ class DecodeEngine:
             x = x / self._inv_std + self._mean
         x = patches.to_decoder_layout(x, self.fast_paths.layout)
         index = state.next_latent_frame
+        first_chunk = index == 0
         ops = self.fast_paths.op_sets.get(output.precision)
+
+        def call(x: torch.Tensor, cache: list[Any]) -> torch.Tensor:
+            return self.vae.decoder(self.vae.post_quant_conv(x), feat_cache=cache, feat_idx=[0], first_chunk=first_chunk)
+
         with patches.using(ops) if ops is not None else contextlib.nullcontext():
-            x = self.vae.post_quant_conv(x)
-            out = self.vae.decoder(x, feat_cache=state.cache, feat_idx=[0], first_chunk=(index == 0))
+            if self.graphs is not None:
+                # a replay's output lives in the graph: unpatchify/clamp below copy it before the next call
+                out = self.graphs.run(state, output.precision, first_chunk, x, call)
+            else:
+                out = call(x, state.cache)  # type: ignore[arg-type]
         if self.patch_size is not None:
             out = unpatchify(out, patch_size=self.patch_size)
         out = torch.clamp(out, min=-1.0, max=1.0)
@@ -195,6 +213,7 @@ class DecodeEngine:
 
     @staticmethod
     def free(state: DecodeState) -> None:
+        # may run on the event loop's thread (a detach): graphs notice a freed owner by itself
         state.cache = None
 
     def close(self) -> None:
@@ -212,3 +231,14 @@ class DecodeEngine:
         finally:
             self.free(state)
         return torch.cat(groups, dim=output.time_dim)
+
+
+def warm_up(engine: Any, latent_hw: tuple[int, int], precision: str, frames: int = WARMUP_LATENT_FRAMES) -> None:
+    """Decode zeros at one size up to the steady chunk (Triton compiles, cuDNN plans, allocator
+    blocks) through `engine.decode_video` (a sharded engine warms its group too). With CUDA graphs
+    a second video captures the first chunks' signatures: the first runs each signature eagerly
+    once and captures only the steady one."""
+    latents = torch.zeros(1, engine.z_dim, frames, *latent_hw)
+    spec = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True, precision=precision)
+    for _ in range(2 if getattr(engine, "graphs", None) is not None else 1):
+        engine.decode_video(latents, spec)

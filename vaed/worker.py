@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, OutputSpec
+from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, warm_up
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
 from .session import HostGroup, Session, SessionState, check_finite
@@ -201,9 +201,8 @@ class DeviceWorker:
         frames = WARMUP_LATENT_FRAMES if self.is_cuda else 2
         for h, w in self._warm_shapes(engine):
             started = time.perf_counter()
-            latents = torch.zeros(1, engine.z_dim, frames, h, w)
             for precision in engine.precisions:
-                engine.decode_video(latents, OutputSpec(rgb8=True, raw_dtype=None, raw_latents=True, precision=precision))
+                warm_up(engine, (h, w), precision, frames)
             if self.is_cuda:
                 torch.cuda.synchronize(self.device)
             name = f"{h * engine.scale_spatial}x{w * engine.scale_spatial}"

@@ -22,10 +22,14 @@ pytestmark = pytest.mark.cuda
     ("random:wan2.2-tiny", "float32", "auto"),
     ("random:wan2.1-tiny", "bfloat16", "off"),
     ("random:wan2.1", "bfloat16", "auto"),
+    # decoder calls replayed from CUDA graphs (vaed.graphs): still bit-identical to stock
+    ("random:wan2.1", "bfloat16", "auto", "graphs"),
+    ("random:wan2.2-tiny", "float32", "auto", "graphs"),
 ], ids=lambda p: "-".join(p))
 def gpu_server(request):
-    model, dtype, kernels = request.param
-    config = make_config(model, device="cuda:0", dtype=dtype, kernels=kernels)
+    model, dtype, kernels = request.param[:3]
+    graphs = "on" if request.param[3:] == ("graphs",) else "off"
+    config = make_config(model, device="cuda:0", dtype=dtype, kernels=kernels, cuda_graphs=graphs)
     with serve_in_thread(config) as running:
         yield running
 
