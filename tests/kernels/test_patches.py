@@ -279,3 +279,30 @@ def test_table_names_only_known_ops() -> None:
     assert {row.cls for row in P.PATCH_TABLE} == {
         "WanCausalConv3d", "WanDecoder3d", "WanResidualBlock", "WanResample", "WanResidualUpBlock",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "time_major"])
+def test_unpadded_shortcut_input_is_the_activation_itself(layout: str) -> None:
+    """A 1x1x1 shortcut conv's input (no padding, no cache) is F.pad's clone of x, which keeps
+    x's strides when x is dense in any dimension order, so x itself is passed on. A spatial
+    shard's resample output is (B, T, C, H, W) in memory: it took the reference's copy before."""
+    from vaed.kernels.causal_input import causal_pad_reference
+    from vaed.patches.ops import triton_causal_pad
+
+    x = torch.randn(1, 2, 6, 4, 5)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    elif layout == "time_major":
+        x = torch.randn(1, 2, 6, 4, 5).permute(0, 2, 1, 3, 4)  # [B, C, T, H, W] over (B, T, C, H, W) memory
+    got = triton_causal_pad(x, None, (0, 0, 0, 0, 0, 0), emit_cache=False)
+    want, _ = causal_pad_reference(x, None, (0, 0, 0, 0, 0, 0), emit_cache=False)
+    assert got is not None and got[0] is x and got[1] is None
+    assert got[0].stride() == want.stride() and torch.equal(got[0], want)
+
+
+def test_a_strided_view_is_not_passed_on_as_shortcut_input() -> None:
+    from vaed.patches.ops import triton_causal_pad
+
+    x = torch.randn(1, 6, 2, 4, 10)[..., ::2]  # not dense: F.pad's clone has other strides
+    got = triton_causal_pad(x, None, (0, 0, 0, 0, 0, 0), emit_cache=False)
+    assert got is None or got[0] is not x

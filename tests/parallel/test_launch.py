@@ -34,3 +34,19 @@ def test_a_follower_that_cannot_load_fails_start_up_fast() -> None:
         assert not dist.is_initialized()  # nothing left behind: a later start can succeed
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_a_stopped_group_exits_cleanly() -> None:
+    """close() stops every follower with exit code 0 (a follower still alive after the join
+    timeout is terminated, exit code -15)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = start_sharded_engine(GroupConfig("random:wan2.1-tiny", ("cpu", "cpu"), dtype="float32", timeout_s=60))
+        procs = list(engine._launched.procs)
+        engine.close()
+        assert [p.exitcode for p in procs] == [0]
+        assert not dist.is_initialized()
+    finally:
+        torch.set_num_threads(threads)

@@ -109,7 +109,11 @@ def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
         log.exception("rank %d failed; leaving the group", rank)
         logging.shutdown()
         os._exit(1)
-    dist.destroy_process_group()
+    # Stopped by rank 0: exit without destroy_process_group. On two H200s it blocked
+    # until rank 0's 60 s join timeout terminated the process (rank 0 destroys its
+    # groups only after joining); the process's exit releases the communicators.
+    logging.shutdown()
+    os._exit(0)
 
 
 class ShardGroup:

@@ -38,11 +38,13 @@ falls back to its reference per call (bit-identical: every kernel is exact).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vaed import kernels as K
@@ -152,8 +154,10 @@ def reference_residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 # --- Triton launchers (None = not handled here) -----------------------------------
 
 
-def _dense(x: torch.Tensor) -> bool:
-    return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last_3d)
+@functools.lru_cache(maxsize=1024)
+def _zero_pad_keeps_strides(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> bool:
+    meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return F.pad(meta, (0,) * (2 * (len(shape) - 2))).stride() == stride
 
 
 def exact_norm_args(x: torch.Tensor, norm: NormSilu | None) -> K.RmsSiluArgs | None:
@@ -172,8 +176,9 @@ def triton_causal_pad(
     zero_history: bool = False,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    if norm is None and not emit_cache and not any(pad) and _dense(x):
-        # F.pad with zero padding is a clone; a dense clone keeps x's strides,
+    if norm is None and not emit_cache and not any(pad) and _zero_pad_keeps_strides(tuple(x.shape), x.stride(), x.dtype):
+        # F.pad with zero padding is a clone that keeps x's strides when x is dense in any
+        # dimension order (a spatial shard's resample output is (B, T, C, H, W) in memory),
         # so the conv reads the same bytes in the same layout from x itself
         return x, None
     if not rt.triton_available() or not rt.device_ok(x):
