@@ -151,6 +151,7 @@ class HostGroup:
     frames: torch.Tensor     # CPU tensor (pinned on CUDA), wire layout
     device_seconds: float    # wall time from the start of its decode step to the host copy's end
     step_started: float      # time.perf_counter() when its decode step began
+    gpu_seconds: float | None = None  # GPU clock, step start -> host copy done (None off CUDA)
 
 
 class _End:
@@ -212,6 +213,7 @@ class CallRecord:
     # The first frame's time split in two known parts (the rest is delivery and sending):
     first_wait_s: float | None = None   # call start -> the device starts latent frame 0
     first_step_s: float | None = None   # latent frame 0's step: decode + copy to host
+    first_gpu_s: float | None = None    # ... of which the GPU's own clock saw (CUDA only)
 
 
 _ids = itertools.count()
@@ -240,6 +242,7 @@ class Session:
         self.device: str | None = None
         self.decode_state: Any = None    # the engine's DecodeState (cache + position), worker-owned
         self.busy = False                # the worker is inside a step of this session
+        self.first_group_pending = False  # frame 0 decoded, not yet on its way to the client
         self._backlog: collections.deque[torch.Tensor] = collections.deque()  # CPU [B, z, 1, h, w]
         self._credits = credits
         self._max_backlog = max(1, max_backlog_frames)
@@ -309,7 +312,10 @@ class Session:
         return len(self._backlog)
 
     def runnable(self) -> bool:
-        """A step can run now: a frame and a credit, or the end to deliver."""
+        """A step can run now: a frame and a credit, or the end to deliver (never while frame 0
+        is still on its way out: see vaed.worker)."""
+        if self.first_group_pending:
+            return False
         if self.state is SessionState.INPUT_DONE and not self._backlog:
             return True
         return self.state in (SessionState.OPEN, SessionState.INPUT_DONE) and bool(self._backlog) and self._credits > 0

@@ -36,6 +36,12 @@ from .session import HostGroup, Session, SessionState, check_finite
 
 log = logging.getLogger(__name__)
 
+# A session's latent frame 1 waits until frame 0 is on the host and handed to the
+# event loop. Dispatching frame 1 meanwhile (~14 ms of Python kernel launches at
+# 480x832, holding the GIL) delayed frame 0's delivery. Costs the GPU one idle gap
+# of a few ms per video when no other session is runnable.
+HOLD_UNTIL_FIRST_GROUP_SENT = True
+
 # Without --warmup-shapes on CPU: one small decode (tests, development).
 CPU_WARMUP_LATENT_HW = (8, 8)
 
@@ -237,12 +243,16 @@ class DeviceWorker:
                     self._outbox.put((None, session.channel.end))
                     return
             started = time.perf_counter()
+            started_event = self._timing_event()
             if session.decode_state is None:
                 session.decode_state = engine.new_state()
             if not session.output.allow_non_finite:
                 check_finite(frame, session.decode_state.next_latent_frame)
             group = engine.decode_frame(session.decode_state, frame, session.output)
-            self._hand_over(session, group, started)
+            if group.chunk_index == 0 and HOLD_UNTIL_FIRST_GROUP_SENT:
+                with self._lock:
+                    session.first_group_pending = True
+            self._hand_over(session, group, started, started_event)
         except torch.cuda.OutOfMemoryError:
             log.warning("CUDA out of memory in session %d on %s; freeing its cache", session.id, self.device)
             self._fail(session, CapacityExhausted(
@@ -284,7 +294,15 @@ class DeviceWorker:
         if self.on_fault is not None:
             self.on_fault()
 
-    def _hand_over(self, session: Session, group: DecodedGroup, started: float) -> None:
+    def _timing_event(self) -> torch.cuda.Event | None:
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _hand_over(self, session: Session, group: DecodedGroup, started: float,
+                   started_event: torch.cuda.Event | None) -> None:
         """Start the device-to-host copy on the side stream; the delivery thread finishes it."""
         frames = group.frames
         if frames.device.type == "cuda":
@@ -294,16 +312,21 @@ class DeviceWorker:
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(frames, non_blocking=True)
                 frames.record_stream(self._copy_stream)  # keep the block alive until the copy ran
-                done: torch.cuda.Event | None = torch.cuda.Event()
+                done: torch.cuda.Event | None = torch.cuda.Event(enable_timing=True)
                 done.record()
         else:
             host, done = frames, None
 
         def deliver() -> None:
+            gpu = started_event.elapsed_time(done) / 1e3 if started_event is not None and done is not None else None
             session.channel.put_group(HostGroup(
                 chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
-                device_seconds=time.perf_counter() - started, step_started=started,
+                device_seconds=time.perf_counter() - started, step_started=started, gpu_seconds=gpu,
             ))
+            if session.first_group_pending:
+                with self._lock:
+                    session.first_group_pending = False
+                    self._lock.notify_all()
 
         self._outbox.put((done, deliver))
 

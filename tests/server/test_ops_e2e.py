@@ -231,3 +231,38 @@ def test_log_line_splits_the_first_frame(caplog: pytest.LogCaptureFixture) -> No
         assert set(found) == {"first_frame_ms", "first_wait_ms", "first_step_ms"}, line
         wait, step, first = (float(found[k]) for k in ("first_wait_ms", "first_step_ms", "first_frame_ms"))
         assert wait >= 0 and step > 0 and wait + step <= first + 0.1  # rounding of the printed values
+        assert "first_gpu_ms=- " in line  # the GPU's own clock: CUDA only
+
+
+def test_frame_one_waits_until_frame_zero_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker steps a session's latent frame 1 only after frame 0 went to the event loop:
+    frame 1's kernel launches would hold the GIL while frame 0 is on its way out."""
+    import threading
+    import time
+
+    from vaed.session import FrameChannel
+
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    real_put = FrameChannel.put_group
+
+    def slow_first_put(self: FrameChannel, group: object) -> None:
+        if group.chunk_index == 0:  # type: ignore[attr-defined]
+            time.sleep(0.3)  # a slow hand-off: without the hold, frame 1 decodes meanwhile
+        with lock:
+            events.append(("sent", group.chunk_index))  # type: ignore[attr-defined]
+        real_put(self, group)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FrameChannel, "put_group", slow_first_put)
+    with harness.serve_in_thread(make_config()) as running, VaeClient(running.target) as client:
+        engine = running.server.pool.engine
+        real_decode = engine.decode_frame
+
+        def recording_decode(state: object, frame: object, output: object) -> object:
+            with lock:
+                events.append(("decode", state.next_latent_frame))  # type: ignore[attr-defined]
+            return real_decode(state, frame, output)
+
+        monkeypatch.setattr(engine, "decode_frame", recording_decode)
+        client.decode(latents(3))
+    assert events.index(("sent", 0)) < events.index(("decode", 1)), events
