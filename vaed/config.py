@@ -26,8 +26,8 @@ PRECISIONS = ("lossless", "fast")
 CUDA_GRAPH_CHOICES = ("on", "off")
 
 # --parallel spatial shards a session only from this output frame size (H*W).
-# 480x832 already gains 1.34x on two H200s (0.951 s against 1.272 s for 81
-# frames); smaller sizes were not measured, so they stay on one GPU until
+# 480x832 gains 1.78x on two H200s (0.706 s against 1.254 s for 81 frames);
+# smaller sizes were not measured, so they stay on one GPU until
 # scripts/bench_sharded.py --min-size says otherwise.
 SPATIAL_MIN_PIXELS = 480 * 832
 
