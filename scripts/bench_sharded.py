@@ -178,6 +178,7 @@ def profile_case(args, torch, case: Case) -> None:
     """One sharded decode of `case` under torch.profiler on rank 0: wall time, the GPU's busy
     time, and the kernels by total time (NCCL kernel time includes waiting for the peer)."""
     from torch.profiler import ProfilerActivity, profile
+    from profiling import device_seconds, kernel_events
 
     from vaed.engine import OutputSpec
     from vaed.parallel import GroupConfig, start_sharded_engine
@@ -198,11 +199,8 @@ def profile_case(args, torch, case: Case) -> None:
                 _sync(torch, dev0)
                 wall = time.perf_counter() - t0
             by_name: dict[str, list[float]] = {}
-            for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA:
-                    us = next((float(v) for k in ("self_device_time_total", "self_cuda_time_total", "device_time")
-                               if (v := getattr(e, k, None))), 0.0)
-                    by_name.setdefault(e.name, []).append(us / 1e6)
+            for e in kernel_events(prof):
+                by_name.setdefault(e.name, []).append(device_seconds(e))
             busy = sum(sum(v) for v in by_name.values())
             print(f"\nprofile {case.name} {label} (rank 0): wall {wall:.3f} s, GPU kernels {busy:.3f} s "
                   f"({100 * busy / wall:.0f} % busy), {sum(len(v) for v in by_name.values())} kernels")

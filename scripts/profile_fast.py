@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from vaed import patches as P
 from vaed.models import load_model
 
+from profiling import device_seconds, kernel_events
+
 log = logging.getLogger("profile_fast")
 
 CASES: dict[str, tuple[str, tuple[int, int, int]]] = {
@@ -128,14 +130,6 @@ def max_abs(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.float() - ref.float()).abs().max().item()
 
 
-def _dev_time(e: Any) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        v = getattr(e, name, None)
-        if v is not None:
-            return float(v)
-    return 0.0
-
-
 @torch.inference_mode()
 def profile_chunk(vae: Any, z: torch.Tensor, ops: P.OpSet | None, label: str) -> None:
     """Top-15 kernels of one steady chunk (latent frame k = 4, cache filled by frames 0..k-1)."""
@@ -160,9 +154,9 @@ def profile_chunk(vae: Any, z: torch.Tensor, ops: P.OpSet | None, label: str) ->
             run()
         sync()
     try:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        total_us = sum(_dev_time(e) or float(getattr(e, "device_time", 0.0) or 0.0) for e in kernels)
-        print(f"\n--- {label}: one steady chunk: {len(kernels)} GPU events, {total_us / 1000:.2f} ms GPU")
+        kernels = kernel_events(prof)
+        total_s = sum(device_seconds(e) for e in kernels)
+        print(f"\n--- {label}: one steady chunk: {len(kernels)} GPU events, {total_s * 1000:.2f} ms GPU")
     except Exception as e:  # noqa: BLE001 - profiler event fields move between torch releases
         print(f"\n--- {label}: one steady chunk (event count unavailable: {e})")
     sort = "self_device_time_total"
