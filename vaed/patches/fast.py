@@ -28,8 +28,6 @@ import dataclasses
 
 import torch
 
-from vaed import kernels as K
-from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.patches.ops import (
     LOSSLESS_OPS,
@@ -37,7 +35,6 @@ from vaed.patches.ops import (
     NormSilu,
     OpSet,
     PadTuple,
-    exact_norm_args,
     reference_causal_pad,
     triton_causal_pad,
 )
@@ -53,15 +50,7 @@ def tiled_causal_pad(
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Exact: the channels-last tile kernel, else the lossless kernel (None: reference)."""
-    if norm is None and not emit_cache and not any(pad):
-        return triton_causal_pad(x, cache, pad, emit_cache=False)  # the aliasing 1x1 shortcut
-    if not rt.triton_available() or not rt.device_ok(x):
-        return None  # decided before the fp32 norm pass below is paid for
-    args = exact_norm_args(x, norm)
-    r = causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args)
-    if r is not None:
-        return r
-    return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)  # type: ignore[arg-type]
+    return triton_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache, tiled=True)
 
 
 def fast_norm_causal_pad(

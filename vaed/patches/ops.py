@@ -175,8 +175,12 @@ def triton_causal_pad(
     norm: NormSilu | None = None,
     zero_history: bool = False,
     emit_cache: bool = True,
+    tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    if norm is None and not emit_cache and not any(pad) and _zero_pad_keeps_strides(tuple(x.shape), x.stride(), x.dtype):
+    """The exact conv-input kernels (None: the caller runs the reference). ``tiled`` tries the
+    2-D channels-last tile kernel (``causal_pad_cl``) first for inputs that need a new tensor."""
+    unpadded = norm is None and not emit_cache and not any(pad)
+    if unpadded and _zero_pad_keeps_strides(tuple(x.shape), x.stride(), x.dtype):
         # F.pad with zero padding is a clone that keeps x's strides when x is dense in any
         # dimension order (a spatial shard's resample output is (B, T, C, H, W) in memory),
         # so the conv reads the same bytes in the same layout from x itself
@@ -184,6 +188,10 @@ def triton_causal_pad(
     if not rt.triton_available() or not rt.device_ok(x):
         return None  # decided before the fp32 norm pass below is paid for
     args = exact_norm_args(x, norm)
+    if tiled and not unpadded:
+        r = K.causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args)
+        if r is not None:
+            return r
     return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)  # type: ignore[arg-type]
 
 
