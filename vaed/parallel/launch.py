@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..heap import freeze_startup_heap
 from .engine import Follower, ShardedEngine, ShardGroupError
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
         base = _load_base(cfg, device)
         follower = Follower(base, control_group=control, kernels=cfg.kernels)
         dist.barrier(group=control)  # ready: rank 0 waits here for every model
+        freeze_startup_heap()  # a GC pause here would stall every rank's step (vaed.heap)
         follower.run()
     except BaseException:
         # die at once: rank 0's next collective then fails (gloo) or times out (NCCL)
