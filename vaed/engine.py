@@ -213,7 +213,7 @@ class DecodeEngine:
 
     @staticmethod
     def free(state: DecodeState) -> None:
-        # may run on the event loop's thread (a detach): graphs notice a freed owner by itself
+        # may run on the event loop's thread (a detach): graphs notice a freed owner themselves
         state.cache = None
 
     def close(self) -> None:

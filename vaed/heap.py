@@ -25,3 +25,8 @@ def freeze_startup_heap() -> tuple[int, float]:
     seconds = time.perf_counter() - started
     gc.freeze()
     return gc.get_freeze_count(), seconds
+
+
+def unfreeze_heap() -> None:
+    """Undo `freeze_startup_heap` (a stopping server whose process goes on)."""
+    gc.unfreeze()

@@ -5,7 +5,6 @@ SIGTERM, exit at once on a second one)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ from vaed_client.channel import read_token
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ServerConfig
 from .engine import DecodeEngine
-from .heap import freeze_startup_heap
+from .heap import freeze_startup_heap, unfreeze_heap
 from .interceptors import Refusals, RpcLimitInterceptor
 from .metrics import ServerMetrics
 from .parallel.pool import WorkerPool
@@ -219,7 +218,7 @@ class VaedServer:
         if self.metrics is not None:
             self.metrics.stop_http_server()
         self._stopped.set()
-        gc.unfreeze()  # this process may go on (tests, an embedding app): its garbage is collectable again
+        unfreeze_heap()  # this process may go on (tests, an embedding app): its garbage is collectable again
         log.info("stopped")
 
     async def wait_stopped(self) -> None:

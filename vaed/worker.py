@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # event loop. Dispatching frame 1 meanwhile (~14 ms of Python kernel launches at
 # 480x832, holding the GIL) delayed frame 0's delivery. Costs the GPU one idle gap
 # of a few ms per video when no other session is runnable.
-HOLD_UNTIL_FIRST_GROUP_SENT = True
+HOLD_UNTIL_FIRST_GROUP_DELIVERED = True
 
 # Without --warmup-shapes on CPU: one small decode (tests, development).
 CPU_WARMUP_LATENT_HW = (8, 8)
@@ -249,7 +249,7 @@ class DeviceWorker:
             if not session.output.allow_non_finite:
                 check_finite(frame, session.decode_state.next_latent_frame)
             group = engine.decode_frame(session.decode_state, frame, session.output)
-            if group.chunk_index == 0 and HOLD_UNTIL_FIRST_GROUP_SENT:
+            if group.chunk_index == 0 and HOLD_UNTIL_FIRST_GROUP_DELIVERED:
                 with self._lock:
                     session.first_group_pending = True
             self._hand_over(session, group, started, started_event)

@@ -234,7 +234,7 @@ def test_log_line_splits_the_first_frame(caplog: pytest.LogCaptureFixture) -> No
         assert "first_gpu_ms=- " in line  # the GPU's own clock: CUDA only
 
 
-def test_frame_one_waits_until_frame_zero_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_frame_one_waits_until_frame_zero_is_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker steps a session's latent frame 1 only after frame 0 went to the event loop:
     frame 1's kernel launches would hold the GIL while frame 0 is on its way out."""
     import threading
