@@ -52,6 +52,7 @@ def test_replays_equal_eager_decodes(engine: DecodeEngine, precision: str, hw: t
 
 
 def test_graph_memory_is_reported(engine: DecodeEngine) -> None:
-    assert isinstance(engine.graphs, DecoderGraphs) and len(engine.graphs) > 0
+    warm_up(engine, (30, 52), "lossless")  # captures this size's signatures if earlier tests did not
+    assert isinstance(engine.graphs, DecoderGraphs) and len(engine.graphs) >= 3
     print(f"graphs {len(engine.graphs)}, stats {engine.graphs.stats.captured} captured, "
           f"{torch.cuda.memory_reserved(0) / 2**30:.2f} GiB reserved")
