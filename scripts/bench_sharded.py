@@ -19,6 +19,7 @@ NCCL_NVLS_ENABLE=0 is set before anything starts (never NVLink multicast).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -118,7 +119,12 @@ def run_cases(args, torch, cases: list[Case]) -> list[dict]:
             for case in (c for c in cases if c.model == model):
                 z = _latents(torch, base, case)
                 plan = engine.plan_for(z.shape[3], z.shape[4])
-                # one GPU (vaed lossless), then sharded; outputs leave the GPU at once so peaks compare
+                # one GPU (vaed lossless), then sharded; outputs leave the GPU at once so peaks compare.
+                # Engines of an earlier group hold reference cycles (installed forwards): collect them
+                # first, or their weights count in this case's rank-0 peak.
+                gc.collect()
+                if dev0.type == "cuda":
+                    torch.cuda.empty_cache()
                 _peak(torch, dev0, reset=True)
                 t1, out1 = _timed(torch, lambda b=base, z=z: b.decode_video(z, rgb8), args.repeats, dev0)
                 peak1 = _peak(torch, dev0)
@@ -136,6 +142,7 @@ def run_cases(args, torch, cases: list[Case]) -> list[dict]:
                 ref = DecodeEngine.load(model, device=devices[0], dtype="float32")
                 out32 = ref.decode_video(z, rgb8).cpu()
                 del ref
+                gc.collect()
                 if dev0.type == "cuda":
                     torch.cuda.empty_cache()
                 rows.append({

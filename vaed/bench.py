@@ -13,6 +13,9 @@ abs RAW error of each variant against an fp32 stock decode of the same latents
 and weights (one extra fp32 decode per case). TFLOP/s uses the Wan2.1
 decoder's ~3.44 TFLOP per 480x832 frame, scaled by pixels (n/a for others).
 
+``--cuda-graphs on`` runs the vaed variants with their decoder calls replayed
+from CUDA graphs (``vaed.graphs``; the warm-up then also captures them).
+
 Seconds are the min over ``--reps`` after one warm-up decode up to the steady chunk (Triton
 compiles, cuDNN plans); peak is ``torch.cuda.max_memory_allocated`` during the
 timed decodes. "bit-identical" compares with ``torch.equal`` against the stock
