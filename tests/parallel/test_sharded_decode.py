@@ -183,7 +183,7 @@ def test_a_dead_follower_breaks_the_group_with_a_clear_error(group: ShardedEngin
     victim = group._launched.procs[-1]
     victim.kill()
     victim.join(10)
-    with pytest.raises(ShardGroupError, match="sharded decode failed"):
+    with pytest.raises(ShardGroupError, match=f"sharded decode failed.*pid {victim.pid} exited with code -9"):
         group.decode_video(_latents(group, 1, 2 * group.world, 2), RAW)
     assert not group.healthy
     # new sessions of any size now decode on rank 0 alone, equal to the one-GPU engine

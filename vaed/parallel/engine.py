@@ -336,6 +336,12 @@ class ShardedEngine:
         self._broken = True
 
     def _send_header(self, header: list[int]) -> None:
+        # A follower that died is not always noticed by the collective: a gloo broadcast to a
+        # killed rank hung on the (24-day) control timeout in a loaded CPU test run. The
+        # processes this engine launched are checked first (a waitpid each).
+        exited = self._launched.exited() if self._launched is not None else []
+        if exited:
+            raise ShardGroupError(", ".join(f"follower pid {pid} exited with code {code}" for pid, code in exited))
         t = torch.tensor(header, dtype=torch.int64)
         dist.broadcast(t, src=_global0(self.control), group=self.control)
 

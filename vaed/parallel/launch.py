@@ -124,6 +124,10 @@ class ShardGroup:
     def __init__(self, procs: list[Any]) -> None:
         self.procs = procs
 
+    def exited(self) -> list[tuple[int | None, int]]:
+        """(pid, exit code) of every follower that is no longer running."""
+        return [(p.pid, p.exitcode) for p in self.procs if p.exitcode is not None]
+
     def join(self, timeout: float = 60.0) -> None:
         for p in self.procs:
             p.join(max(timeout, 0.1))
