@@ -250,7 +250,7 @@ def test_frame_one_waits_until_frame_zero_is_handed_over(monkeypatch: pytest.Mon
         if group.chunk_index == 0:  # type: ignore[attr-defined]
             time.sleep(0.3)  # a slow hand-off: without the hold, frame 1 decodes meanwhile
         with lock:
-            events.append(("sent", group.chunk_index))  # type: ignore[attr-defined]
+            events.append(("handed over", group.chunk_index))  # type: ignore[attr-defined]
         real_put(self, group)  # type: ignore[arg-type]
 
     monkeypatch.setattr(FrameChannel, "put_group", slow_first_put)
@@ -265,4 +265,4 @@ def test_frame_one_waits_until_frame_zero_is_handed_over(monkeypatch: pytest.Mon
 
         monkeypatch.setattr(engine, "decode_frame", recording_decode)
         client.decode(latents(3))
-    assert events.index(("sent", 0)) < events.index(("decode", 1)), events
+    assert events.index(("handed over", 0)) < events.index(("decode", 1)), events
