@@ -47,7 +47,7 @@ import collections
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,7 +105,6 @@ class GraphStats:
     cache_loads: int = 0   # a session's cache copied into a graph
     spills: int = 0        # a resident session's cache copied out for another session
     failed: int = 0        # captures that failed (the signature stays eager)
-    seen: dict[Any, int] = field(default_factory=dict)
 
 
 class DecoderGraphs:
@@ -121,6 +120,7 @@ class DecoderGraphs:
         self.stats = GraphStats()
         self._graphs: collections.OrderedDict[Any, CapturedCall] = collections.OrderedDict()
         self._eager_only: set[Any] = set()
+        self._seen_once: set[Any] = set()  # signatures run eagerly once, captured on their next call
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -130,13 +130,12 @@ class DecoderGraphs:
         sig = signature(tier, first_chunk, x, state.cache)
         captured = self._graphs.get(sig)
         if captured is None:
-            seen = self.stats.seen.get(sig, 0)
-            self.stats.seen[sig] = seen + 1
-            if seen == 0 or sig in self._eager_only:
+            if sig not in self._seen_once or sig in self._eager_only:
+                self._seen_once.add(sig)
                 self.stats.eager += 1
                 return call(x, state.cache)
+            self._seen_once.discard(sig)  # captured or eager-only from here
             captured = self._capture(sig, x, state.cache, call)
-            self.stats.seen.pop(sig, None)  # captured or eager-only from here: no need to count it
             if captured is None:
                 self.stats.eager += 1
                 return call(x, state.cache)

@@ -210,7 +210,8 @@ class CallRecord:
     frames_out: int = 0
     device_seconds: float = 0.0
     first_frame_at: float | None = None
-    # The first frame's time split in two known parts (the rest is delivery and sending):
+    # The first frame's time split in two known parts, the step with its GPU share (the rest is
+    # delivery and sending):
     first_wait_s: float | None = None   # call start -> the device starts latent frame 0
     first_step_s: float | None = None   # latent frame 0's step: decode + copy to host
     first_gpu_s: float | None = None    # ... of which the GPU's own clock saw (CUDA only)
