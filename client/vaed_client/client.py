@@ -195,9 +195,12 @@ class _RestGate:
 def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool, first_reply: threading.Event) -> Iterator[DecodedChunk]:
     try:
         for reply in call:
+            chunk = chunk_result(reply, spec, as_torch) if has_frames(reply) else None
+            # Opened only now: the rest's upload is serialized on gRPC's request thread
+            # (4.2 MB at 480x832x81, holding the GIL), and would hold up this conversion.
             first_reply.set()
-            if has_frames(reply):
-                yield chunk_result(reply, spec, as_torch)
+            if chunk is not None:
+                yield chunk
     except grpc.RpcError as e:
         raise from_rpc_error(e) from None
     finally:

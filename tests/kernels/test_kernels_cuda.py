@@ -47,6 +47,41 @@ def test_causal_pad_exact(dtype, layout, cache_frames, pad, frames, norm) -> Non
     assert_same(got[1], want[1])
 
 
+@pytest.mark.parametrize("channels", [3, 16, 96, 192, 384, 1024])
+@pytest.mark.parametrize("frames,cache_frames,zero_history", [(1, 0, False), (1, 0, True), (4, 2, False), (1, 2, False)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_causal_pad_exact_at_decoder_channel_counts(channels, frames, cache_frames, zero_history, norm) -> None:
+    """The channel count is a compile-time constant of the kernel (DIV): each one the Wan
+    decoders use, at a width whose rows span many blocks, bit-exact with and without the norm."""
+    g = torch.Generator(device="cuda").manual_seed(channels + frames)
+    dtype = torch.bfloat16
+    x = lay(torch.randn(1, channels, frames, 6, 70, device="cuda", dtype=dtype, generator=g), "cl3d")
+    cache = lay(torch.randn(1, channels, 2, 6, 70, device="cuda", dtype=dtype, generator=g), "cl3d") if cache_frames else None
+    pad = (0, 0, 0, 0, 2, 0) if zero_history else (1, 1, 1, 1, 2, 0)
+    kw, ref_norm = {}, None
+    if norm:
+        gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
+        ref_norm = (gamma, channels**0.5, 0.0)
+        kw["norm"] = K.RmsSiluArgs(gamma, channels**0.5, 0.0, K.norm_denominator(x))
+    got = K.causal_pad(x, cache, pad, zero_history=zero_history, **kw)
+    want = K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=ref_norm)
+    assert got is not None
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
+
+
+@pytest.mark.parametrize("channels", [96, 192, 256, 384, 512, 1024])
+@pytest.mark.parametrize("layout", ["cl3d", "contiguous"])
+def test_norm_denominator_skips_the_float_copy_at_decoder_shapes(channels, layout) -> None:
+    """Wan2.1 (96-384) and Wan2.2 (256-1024) channel counts: the cast-on-load reduction gives
+    the reference's bits, so the denominator runs without its fp32 copy (the speed-up holds)."""
+    from vaed.kernels import rms_silu
+
+    x = lay(torch.randn(1, channels, 2, 60, 104, device="cuda", dtype=torch.bfloat16), layout)
+    assert torch.equal(K.norm_denominator(x), K.norm_denominator_reference(x))
+    assert rms_silu._CAST_ON_LOAD_EXACT[(tuple(x.shape), x.stride(), x.dtype, x.device)] is True
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["cl3d", "contiguous"])
 @pytest.mark.parametrize("frames", [1, 2])

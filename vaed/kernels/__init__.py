@@ -11,7 +11,7 @@ from vaed.kernels._runtime import interpreter_active, triton_available
 from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.dupup import dupup_add, dupup_add_reference
-from vaed.kernels.rms_silu import RmsSiluArgs, norm_denominator, rms_silu_reference
+from vaed.kernels.rms_silu import RmsSiluArgs, norm_denominator, norm_denominator_reference, rms_silu_reference
 from vaed.kernels.upsample import upsample_nearest2x, upsample_nearest2x_reference
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "dupup_add_reference",
     "interpreter_active",
     "norm_denominator",
+    "norm_denominator_reference",
     "rms_silu_reference",
     "triton_available",
     "upsample_nearest2x",

@@ -99,6 +99,19 @@ def launch_opts(t: torch.Tensor) -> dict[str, Any]:
     return {}
 
 
+def offsets_fit_int32(tensors: tuple[torch.Tensor | None, ...], slack: int = 0) -> bool:
+    """True when every element offset of every tensor (+ ``slack`` for a block's overhang)
+    fits in int32, so a kernel may index in 32 bits (~2x fewer integer instructions)."""
+    limit = 2**31 - 1 - slack
+    for t in tensors:
+        if t is None:
+            continue
+        last = sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride()) if size > 0)
+        if t.numel() > limit or last > limit:
+            return False
+    return True
+
+
 # --- aten layout oracle ------------------------------------------------------
 # The fused ops must return tensors with exactly the strides the aten chain
 # would give, because downstream cuDNN algorithms and reduction orders depend

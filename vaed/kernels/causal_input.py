@@ -93,20 +93,28 @@ def _stock_layouts(
 
 def _causal_pad_kernel(
     x_ptr, c_ptr, p_ptr, n_ptr, d_ptr, g_ptr,
-    C, T, H, W, TP, HP, WP, INNER, DIV,
+    C, T, H, W, TP, HP, WP, INNER,
     Z, HIST, K, PH, PW,
     sxb, sxc, sxt, sxh, sxw,
     scb, scc, sct, sch, scw,
     snb, snc, snt, snh, snw,
     sdb, sdt, sdh, sdw,
     scale, bias,
-    CL: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr, BLOCK: tl.constexpr,
+    DIV: tl.constexpr, CL: tl.constexpr, NORM: tl.constexpr, LOWP: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    # DIV (the channel count, or the padded width) is a compile-time constant: the per-element
+    # div/mod become multiply-shifts and the compiler can prove runs of channels contiguous
+    # (vector loads). Offsets stay int32 unless a tensor spans 2^31 elements (IDX64).
+    row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < INNER
-    q = (i // DIV).to(tl.int64)
-    r = (i % DIV).to(tl.int64)
+    q = i // DIV
+    r = i % DIV
+    if IDX64:
+        row = row.to(tl.int64)
+        q = q.to(tl.int64)
+        r = r.to(tl.int64)
     if CL:
         # memory order B T H W C: a row is (b, tp, hp); inner is (wp, c)
         hp = row % HP
@@ -114,6 +122,7 @@ def _causal_pad_kernel(
         b = row // (HP * TP)
         wp = q
         c = r
+        has_data = (tp >= Z) & (hp >= PH) & (hp < PH + H)
     else:
         # memory order B C T H W: a row is (b, c, tp); inner is (hp, wp)
         tp = row % TP
@@ -121,37 +130,44 @@ def _causal_pad_kernel(
         b = row // (TP * C)
         hp = q
         wp = r
+        has_data = tp >= Z
     h = hp - PH
     w = wp - PW
     inside = live & (h >= 0) & (h < H) & (w >= 0) & (w < W)
     f = tp - Z  # frame index in [cache..., x...]
-    from_x = inside & (f >= HIST)
-    from_c = inside & (f >= 0) & (f < HIST)
-    xt = f - HIST
-    xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=from_x, other=0.0)
-    if NORM:
-        d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=from_x, other=1.0)
-        d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
-        v = tl.math.div_rn(xv.to(tl.float32), d)
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        v = v * scale
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        g = tl.load(g_ptr + (c + q * 0), mask=from_x, other=0.0).to(tl.float32)  # c may be a row scalar
-        v = v * g
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        v = v + bias
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
-        xv = v.to(xv.dtype)
-    cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=from_c, other=0.0)
-    val = tl.where(from_x, xv, tl.where(from_c, cv, tl.zeros_like(xv)))
+    val = tl.zeros([BLOCK], dtype=p_ptr.dtype.element_ty)
+    # Every row is one padded frame: zero history or h padding (stores of zeros only), a
+    # cached frame (a copy), or a new frame (the norm's arithmetic runs on these rows alone).
+    if has_data:
+        if f >= HIST:
+            xt = f - HIST
+            xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=inside, other=0.0)
+            if NORM:
+                d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=inside, other=1.0)
+                d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
+                v = tl.math.div_rn(xv.to(tl.float32), d)
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                v = v * scale
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                g = tl.load(g_ptr + (c + q * 0), mask=inside, other=0.0).to(tl.float32)  # c may be a row scalar
+                v = v * g
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                v = v + bias
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
+                xv = v.to(xv.dtype)
+            val = tl.where(inside, xv, val)
+        else:
+            cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=inside, other=0.0)
+            val = tl.where(inside, cv, val)
     tl.store(p_ptr + row * INNER + i, val, mask=live)
     kk = tp - (TP - K)  # next-cache frame this row feeds, if >= 0
-    tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside & (kk >= 0))
+    if kk >= 0:
+        tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside)
 
 
 _kernel = rt.jit_lazy(_causal_pad_kernel, globals())
@@ -215,14 +231,15 @@ def causal_pad(
         d, g, scale, bias, sd = x, x, 1.0, 0.0, (0, 0, 0, 0)
     rows = padded.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
+    idx64 = not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=_BLOCK)
     _kernel()[grid](  # type: ignore[index]
         x, src_c, padded, padded if nxt is None else nxt, d, g,
-        C, T, H, W, TP, HP, WP, inner, C if cl else WP,
+        C, T, H, W, TP, HP, WP, inner,
         pad[4] - hist, hist, K, pad[2], pad[0],
         *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5), *sd,
         scale, bias,
-        CL=cl, NORM=norm is not None, LOWP=low_precision(x.dtype), BLOCK=_BLOCK,
-        num_warps=4, **rt.launch_opts(x),
+        DIV=C if cl else WP, CL=cl, NORM=norm is not None, LOWP=low_precision(x.dtype), IDX64=idx64,
+        BLOCK=_BLOCK, num_warps=4, **rt.launch_opts(x),
     )
     return padded, nxt
 

@@ -49,59 +49,72 @@ def _causal_pad_cl_kernel(
     snb, snc, snt, snh, snw,
     sdb, sdt, sdh, sdw,
     scale, bias, eps,
-    NORM: tl.constexpr, LOWP: tl.constexpr, EMIT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    NORM: tl.constexpr, LOWP: tl.constexpr, EMIT: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # (b, tp, hp) of the padded output
+    row = tl.program_id(0)  # (b, tp, hp) of the padded output
+    wp = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    c = tl.arange(0, BLOCK_C)
+    if IDX64:  # int32 offsets unless a tensor spans 2^31 elements
+        row = row.to(tl.int64)
+        wp = wp.to(tl.int64)
+        c = c.to(tl.int64)
+    wp = wp[:, None]
+    c = c[None, :]
     hp = row % HP
     tp = (row // HP) % TP
     b = row // (HP * TP)
-    wp = (tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)[:, None]
-    c = tl.arange(0, BLOCK_C).to(tl.int64)[None, :]
     cm = c < C
     live = (wp < WP) & cm
     h = hp - PH
     w = wp - PW
     inside = live & (h >= 0) & (h < H) & (w >= 0) & (w < W)
     f = tp - Z  # frame index in [cache..., x...]
-    from_x = inside & (f >= HIST)
-    from_c = inside & (f >= 0) & (f < HIST)
-    xt = f - HIST
-    xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=from_x, other=0.0)
-    if NORM == 1:
-        # exact: the aten chain op for op, as in causal_input's prologue (denominator from aten)
-        px = (wp < WP) & (h >= 0) & (h < H) & (w >= 0) & (w < W) & (f >= HIST)  # [BLOCK_W, 1]
-        d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=px, other=1.0)
-        d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
-        v = tl.math.div_rn(xv.to(tl.float32), d)
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        v = v * scale
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        v = v * g
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        v = v + bias
-        if LOWP:
-            v = v.to(xv.dtype).to(tl.float32)
-        v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
-        xv = v.to(xv.dtype)
-    if NORM == 2:
-        # lossy fast tier: channel norm reduced in the tile, fp32 throughout, one rounding
-        v = xv.to(tl.float32)
-        ss = tl.sum(v * v, axis=1)  # per pixel, over channels
-        inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
-        g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        v = v * (inv[:, None] * scale) * g + bias
-        v = v / (1.0 + tl.exp(-v))
-        xv = v.to(xv.dtype)
-    cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=from_c, other=0.0)
-    val = tl.where(from_x, xv, tl.where(from_c, cv, tl.zeros_like(xv)))
+    val = tl.zeros([BLOCK_W, BLOCK_C], dtype=p_ptr.dtype.element_ty)
+    # a row of zero history or of h padding stores zeros only; a cached frame is a copy;
+    # the norm's arithmetic runs on rows of new frames alone
+    if (f >= 0) & (h >= 0) & (h < H):
+        if f >= HIST:
+            xt = f - HIST
+            xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=inside, other=0.0)
+            if NORM == 1:
+                # exact: the aten chain op for op, as in causal_input's prologue (denominator from aten)
+                px = (wp < WP) & (w >= 0) & (w < W)  # [BLOCK_W, 1]
+                d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=px, other=1.0)
+                d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
+                v = tl.math.div_rn(xv.to(tl.float32), d)
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                v = v * scale
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                v = v * g
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                v = v + bias
+                if LOWP:
+                    v = v.to(xv.dtype).to(tl.float32)
+                v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
+                xv = v.to(xv.dtype)
+            if NORM == 2:
+                # lossy fast tier: channel norm reduced in the tile, fp32 throughout, one rounding
+                v = xv.to(tl.float32)
+                ss = tl.sum(v * v, axis=1)  # per pixel, over channels
+                inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
+                g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                v = v * (inv[:, None] * scale) * g + bias
+                v = v / (1.0 + tl.exp(-v))
+                xv = v.to(xv.dtype)
+            val = tl.where(inside, xv, val)
+        else:
+            cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=inside, other=0.0)
+            val = tl.where(inside, cv, val)
     tl.store(p_ptr + row * (WP * C) + wp * C + c, val, mask=live)
     if EMIT:
         kk = tp - (TP - K)  # next-cache frame this row feeds, if >= 0
-        tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside & (kk >= 0))
+        if kk >= 0:
+            tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside)
 
 
 _kernel = rt.jit_lazy(_causal_pad_cl_kernel, globals())
@@ -173,7 +186,9 @@ def causal_pad_cl(
         pad[4] - hist, hist, n_shape[2] if emit_cache else 0, pad[2], pad[0],
         *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5), *sd,
         scale, bias, NORM_EPS,
-        NORM=mode, LOWP=low_precision(x.dtype), EMIT=nxt is not None, BLOCK_W=block_w, BLOCK_C=block_c,
+        NORM=mode, LOWP=low_precision(x.dtype), EMIT=nxt is not None,
+        IDX64=not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=block_w * C),
+        BLOCK_W=block_w, BLOCK_C=block_c,
         num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(x),
     )
     return padded, nxt
