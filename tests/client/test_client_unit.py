@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 import numpy as np
@@ -303,6 +303,35 @@ def test_stream_rest_waits_for_the_first_reply() -> None:
     next(requests)
     gate.call = Ended()  # the call ended before any reply: the rest is never sent
     assert list(requests) == []
+
+
+def test_stream_converts_the_first_frame_before_opening_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rest's upload (serialized on gRPC's thread, holding the GIL) starts only once the
+    first reply is converted, so the first frame does not wait for it."""
+    from vaed_client import client as client_module
+    from vaed_client.core import call_spec
+
+    gate_at_conversion: list[bool] = []
+    first_reply = threading.Event()
+
+    def convert(reply: Any, spec: Any, as_torch: bool) -> str:
+        gate_at_conversion.append(first_reply.is_set())
+        return f"chunk {reply}"
+
+    class Call:
+        def __iter__(self) -> Iterator[int]:
+            return iter([0, 1])
+
+        def cancel(self) -> None:
+            pass
+
+    monkeypatch.setattr(client_module, "chunk_result", convert)
+    monkeypatch.setattr(client_module, "has_frames", lambda reply: True)
+    chunks = client_module._iterate_chunks(Call(), call_spec(), False, first_reply)
+    assert next(chunks) == "chunk 0"
+    assert gate_at_conversion == [False]  # converted while the rest was still held
+    assert first_reply.is_set()  # and opened before the chunk reached the caller
+    assert list(chunks) == ["chunk 1"]
 
 
 def test_stream_break_cancels_server_side(fake: tuple[FakeDecoder, str]) -> None:
