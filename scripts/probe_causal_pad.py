@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -27,28 +26,13 @@ from vaed import kernels as K
 from vaed import patches as P
 from vaed.models import load_model
 
+from profiling import median_seconds
+
 Call = tuple[Any, ...]
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
-    for _ in range(2):
-        fn()
-    if not torch.cuda.is_available():  # a smoke test under TRITON_INTERPRET=1
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
+    return median_seconds(fn, reps, cuda=torch.cuda.is_available())  # CPU: a smoke test under TRITON_INTERPRET=1
 
 
 def record(vae: Any, z: torch.Tensor, ops: P.OpSet) -> dict[str, list[tuple[Any, ...]]]:

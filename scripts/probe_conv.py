@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +35,8 @@ from torch import nn
 
 from vaed import patches as P
 from vaed.models import load_model
+
+from profiling import median_seconds
 
 Call = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]  # x shape, weight shape, conv stride, bias
 
@@ -73,31 +73,6 @@ def record_calls(vae: Any, z: torch.Tensor, dev: str) -> dict[str, collections.C
     return counts
 
 
-def timer(dev: str, reps: int) -> Callable[[Callable[[], Any]], float]:
-    def run(fn: Callable[[], Any]) -> float:
-        for _ in range(2):
-            fn()
-        if dev.startswith("cuda"):
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(reps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1000)
-            return statistics.median(ts)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-
-    return run
-
-
 def unfold_time(x: torch.Tensor, kt: int) -> torch.Tensor:
     """(B, C, T+kt-1, H, W) cl3d -> (B*T, kt*C, H, W) channels_last, channel = tap*C + c."""
     b, c, tp, h, w = x.shape
@@ -128,7 +103,7 @@ def flops(kind: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride:
 
 
 def probe(vae: Any, counts: collections.Counter, label: str, dev: str, reps: int, dtype: torch.dtype) -> None:
-    run = timer(dev, reps)
+    run = lambda fn: median_seconds(fn, reps, cuda=dev.startswith("cuda"))  # noqa: E731
     g = torch.Generator(device=dev).manual_seed(0)
     totals: dict[str, float] = collections.defaultdict(float)
     total_flop = 0.0

@@ -7,6 +7,9 @@ script asked for them by hand before.
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,3 +27,26 @@ def device_seconds(event: Any) -> float:
     if not value:  # builds that fill only this one
         value = getattr(event, "device_time", 0.0)
     return float(value or 0.0) / 1e6
+
+
+def median_seconds(fn: Callable[[], Any], reps: int, cuda: bool, warmup: int = 2) -> float:
+    """Median time of ``fn()`` over ``reps`` calls after ``warmup``: CUDA events around each call
+    on a GPU (a call shorter than its launch measures the launch), the host clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
