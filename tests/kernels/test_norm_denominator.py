@@ -61,6 +61,17 @@ def test_an_equal_cast_on_load_is_used_after_the_first_call(monkeypatch: pytest.
     assert torch.equal(K.norm_denominator(x), torch.linalg.vector_norm(x.float(), 2, dim=1, keepdim=True))
 
 
+def test_nan_activations_leave_the_verdict_open() -> None:
+    """NaN != NaN: judged on them, the cheaper path would be refused for good at that shape."""
+    x = torch.randn(1, 32, 2, 5, 7, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    bad = x.clone()
+    bad[0, 3, 1, 2, 4] = float("nan")
+    assert torch.equal(K.norm_denominator(bad).isnan(), K.norm_denominator_reference(bad).isnan())
+    assert _key(bad) not in rms_silu._CAST_ON_LOAD_EXACT
+    K.norm_denominator(x)  # same signature, finite: now judged
+    assert rms_silu._CAST_ON_LOAD_EXACT[_key(x)] is True
+
+
 def test_fp32_is_the_reference_itself() -> None:
     x = torch.randn(1, 8, 1, 4, 4)
     assert torch.equal(K.norm_denominator(x), torch.linalg.vector_norm(x, 2, dim=1, keepdim=True))

@@ -61,7 +61,9 @@ def norm_denominator(x: torch.Tensor) -> torch.Tensor:
     summation order matches is aten's implementation detail, so it is
     checked, not assumed: the first call of each (shape, strides, dtype,
     device) computes both and keeps the cheaper one only if torch.equal; a
-    call inside a CUDA graph capture (no syncs allowed) takes the reference.
+    call inside a CUDA graph capture (no syncs allowed) or on activations with
+    NaN (an ``allow_non_finite`` session) takes the reference and leaves the
+    verdict to a later call, so such input cannot slow the path for others.
     """
     if not low_precision(x.dtype):
         return norm_denominator_reference(x)
@@ -71,6 +73,8 @@ def norm_denominator(x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return norm_denominator_reference(x)
         want = norm_denominator_reference(x)
+        if bool(torch.isnan(want).any()):
+            return want  # NaN never equals itself: judge on finite activations, not these
         got = _cast_on_load(x)
         if len(_CAST_ON_LOAD_EXACT) >= _MAX_SIGNATURES:
             _CAST_ON_LOAD_EXACT.clear()
