@@ -56,7 +56,7 @@ def norm_denominator(x: torch.Tensor) -> torch.Tensor:
 
     For bf16/fp16, aten can reduce ``x`` itself with fp32 accumulation
     (``vector_norm(x, dtype=float32)``): the same reduction without writing
-    and re-reading an fp32 copy (9.1 -> 4.1 ms of a steady 480p Wan2.1 chunk's
+    and re-reading an fp32 copy (9.0 -> 4.0 ms of a steady 480p Wan2.1 chunk's
     denominators on an H200, bit-equal at every call site). That the
     summation order matches is aten's implementation detail, so it is
     checked, not assumed: the first call of each (shape, strides, dtype,
