@@ -151,7 +151,7 @@ class HostGroup:
     frames: torch.Tensor     # CPU tensor (pinned on CUDA), wire layout
     device_seconds: float    # wall time from the start of its decode step to the host copy's end
     step_started: float      # time.perf_counter() when its decode step began
-    gpu_seconds: float | None = None  # GPU clock, step start -> host copy done (None off CUDA)
+    gpu_seconds: float | None = None  # GPU clock, step start -> host copy done (frame 0 on CUDA only)
 
 
 class _End:

@@ -245,9 +245,10 @@ class DeviceWorker:
                     self._outbox.put((None, session.channel.end))
                     return
             started = time.perf_counter()
-            started_event = self._timing_event()
             if session.decode_state is None:
                 session.decode_state = engine.new_state()
+            # only frame 0's GPU time is reported (first_gpu_ms): later steps record no event
+            started_event = self._timing_event() if session.decode_state.next_latent_frame == 0 else None
             if not session.output.allow_non_finite:
                 check_finite(frame, session.decode_state.next_latent_frame)
             group = engine.decode_frame(session.decode_state, frame, session.output)

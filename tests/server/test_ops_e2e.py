@@ -234,6 +234,25 @@ def test_log_line_splits_the_first_frame(caplog: pytest.LogCaptureFixture) -> No
         assert "first_gpu_ms=- " in line  # the GPU's own clock: CUDA only
 
 
+def test_only_frame_zero_records_a_timing_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """first_gpu_ms needs frame 0's step timed on the GPU clock; no other step pays for an event."""
+    from vaed.worker import DeviceWorker
+
+    timed: list[int] = []
+    real = DeviceWorker._timing_event
+
+    def recording(self: DeviceWorker) -> object:
+        timed.append(1)
+        return real(self)
+
+    monkeypatch.setattr(DeviceWorker, "_timing_event", recording)
+    with harness.serve_in_thread(make_config()) as running, VaeClient(running.target) as client:
+        timed.clear()  # the server's own warm-up
+        list(client.stream(latents(4)))
+        client.decode(latents(3))
+    assert len(timed) == 2  # one per call
+
+
 def test_frame_one_waits_until_frame_zero_is_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker steps a session's latent frame 1 only after frame 0 went to the event loop:
     frame 1's kernel launches would hold the GIL while frame 0 is on its way out."""
