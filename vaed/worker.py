@@ -315,7 +315,8 @@ class DeviceWorker:
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(frames, non_blocking=True)
                 frames.record_stream(self._copy_stream)  # keep the block alive until the copy ran
-                done: torch.cuda.Event | None = torch.cuda.Event(enable_timing=True)
+                # timed only where the step's start was (frame 0); otherwise it only signals the copy
+                done: torch.cuda.Event | None = torch.cuda.Event(enable_timing=started_event is not None)
                 done.record()
         else:
             host, done = frames, None
