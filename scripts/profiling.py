@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+
 def kernel_events(prof: Any) -> list[Any]:
     """The profiler's GPU-side events (kernels, copies, memsets)."""
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

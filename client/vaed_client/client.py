@@ -32,11 +32,11 @@ from .core import (
     ModelInfo,
     SessionState,
     SessionView,
+    StreamedLatents,
     call_spec,
     chunk_result,
     decode_request,
     format_name,
-    StreamedLatents,
     prepare_latents,
     stream_latents,
 )
