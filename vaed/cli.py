@@ -43,6 +43,12 @@ def _devices(text: str) -> tuple[str, ...]:
     return tuple(f"cuda:{i}" for i in ids)
 
 
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1; got {text!r}")
+    return int(text)
+
+
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
     """--warmup-shapes 480x832,720x1280 | none -> ((480, 832), (720, 1280))."""
     if text.strip().lower() == "none":
@@ -110,6 +116,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPH_CHOICES), default=defaults.cuda_graphs,
                         help="replay each decoder call signature from a captured CUDA graph (bit-identical; "
                              "more GPU memory for the graphs' buffers) (default %(default)s)")
+    parser.add_argument("--cpu-threads", type=_positive_int, default=defaults.cpu_threads, metavar="N",
+                        help="threads of torch's CPU ops in this process (default: 1 with --gpu, whose CPU work "
+                             "is small and was slowed by waking a pool per op; torch's default with --device cpu)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="report SERVING without warm-up decodes")
     parser.add_argument("--warmup-shapes", type=_shapes, default=None, metavar="HxW[,HxW...]|none",
                         help="output sizes decoded up to their steady chunk before SERVING "
@@ -158,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_latent_frames=args.max_latent_frames, max_pixels=args.max_pixels, queue_chunks=args.queue_chunks,
         max_backlog_frames=args.max_backlog_frames, grace=args.grace, kernels=args.kernels,
         disabled_ops=tuple(args.disabled_ops), layout=args.layout, cuda_graphs=args.cuda_graphs,
-        precision=args.precision,
+        precision=args.precision, cpu_threads=args.cpu_threads,
         parallel=args.parallel, spatial_axis=args.spatial_axis, spatial_min_pixels=args.spatial_min_pixels, warmup=args.warmup, warmup_shapes=args.warmup_shapes,
         keepalive_time=args.keepalive_time, keepalive_timeout=args.keepalive_timeout,
         min_ping_interval=args.min_ping_interval, max_connection_age=args.max_connection_age,

@@ -22,6 +22,16 @@ DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
     48: ((704, 1280),),             # Wan2.2 TI2V-5B (z_dim 48)
 }
 
+# Intra-op threads of torch's CPU ops in a GPU server. Its CPU work per decode
+# step is small (a latent frame's finite check and contiguous copy, ~100k values
+# at 480x832), but with torch's default (one thread per core, 16 on the H200
+# host) each such op wakes the whole OpenMP pool and waits for its slowest
+# thread: latent frame 0's kernel launches then took 8-50 ms instead of ~9 ms,
+# and the GPU waited on them. scripts/bench_service.py, 14 calls at 480x832:
+# first frame through the client median 37.9 ms, max 70.6, 8/14 <= 40 ms with
+# 16 threads; median 26.4 ms, max 29.0, 14/14 with 1.
+GPU_SERVER_CPU_THREADS = 1
+
 PRECISIONS = ("lossless", "fast")
 CUDA_GRAPH_CHOICES = ("on", "off")
 
@@ -57,6 +67,7 @@ class ServerConfig:
     parallel: str = "off"               # off | spatial (one request over all devices)
     spatial_axis: str = "auto"          # auto | height | width
     spatial_min_pixels: int = SPATIAL_MIN_PIXELS  # smaller output frames decode on one GPU
+    cpu_threads: int | None = None      # torch intra-op threads; None: GPU_SERVER_CPU_THREADS on CUDA, torch's default on CPU
     warmup: bool = True                 # warm-up decodes before reporting SERVING
     warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: DEFAULT_WARMUP_SHAPES by z_dim
     keepalive_time: float = 60.0        # server pings an idle connection every N s
@@ -84,6 +95,13 @@ class ServerConfig:
         if self.dtype is not None:
             return self.dtype
         return "bfloat16" if self.is_cuda else "float32"
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        """Threads for torch's CPU ops in this server process; None leaves torch's default (CPU decode)."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        return GPU_SERVER_CPU_THREADS if self.is_cuda else None
 
     @property
     def rpc_limit(self) -> int:

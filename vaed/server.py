@@ -11,6 +11,7 @@ import signal
 from typing import Callable
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -229,8 +230,20 @@ class VaedServer:
 FORCED_EXIT_CODE = 128 + signal.SIGTERM
 
 
+def set_cpu_threads(config: ServerConfig) -> int | None:
+    """Set torch's intra-op threads for this process (see `GPU_SERVER_CPU_THREADS`); returns
+    the number set, or None when torch's default stays. Process-wide, so only `serve` calls it,
+    never a server embedded in another program (tests)."""
+    threads = config.intra_op_threads
+    if threads is not None:
+        torch.set_num_threads(threads)
+        log.info("torch CPU ops use %d intra-op thread(s)", threads)
+    return threads
+
+
 async def serve(config: ServerConfig) -> int:
     """`vaed serve`: run until SIGTERM/SIGINT, then drain; a second signal exits at once. Returns the exit code."""
+    set_cpu_threads(config)
     server = VaedServer(config)
     try:
         await server.start()

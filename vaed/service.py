@@ -141,7 +141,8 @@ def _log_line(record: CallRecord, code: grpc.StatusCode) -> str:
         f"{record.method} id={record.request_id} status={code.name} shape={record.shape} "
         f"chunks_in={record.chunks_in} groups={record.groups_out} frames={record.frames_out} "
         f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={_ms(first)} "
-        f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} first_gpu_ms={_ms(record.first_gpu_s)} total_ms={total_ms:.1f}"
+        f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} first_gpu_ms={_ms(record.first_gpu_s)} "
+        f"first_launch_ms={_ms(record.first_launch_s)} total_ms={total_ms:.1f}"
     )
 
 
@@ -317,6 +318,7 @@ class VaeDecoderService:
                 record.first_wait_s = group.step_started - record.started
                 record.first_step_s = group.device_seconds
                 record.first_gpu_s = group.gpu_seconds
+                record.first_launch_s = group.launch_seconds
             for message in frame_messages(group, record.request_id, time_dim, cap):
                 yield message
                 if record.first_frame_at is None:

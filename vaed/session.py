@@ -152,6 +152,7 @@ class HostGroup:
     device_seconds: float    # wall time from the start of its decode step to the host copy's end
     step_started: float      # time.perf_counter() when its decode step began
     gpu_seconds: float | None = None  # GPU clock, step start -> host copy done (frame 0 on CUDA only)
+    launch_seconds: float | None = None  # wall time from step start until its last launch (host copy) was enqueued
 
 
 class _End:
@@ -215,6 +216,7 @@ class CallRecord:
     first_wait_s: float | None = None   # call start -> the device starts latent frame 0
     first_step_s: float | None = None   # latent frame 0's step: decode + copy to host
     first_gpu_s: float | None = None    # ... of which the GPU's own clock saw (CUDA only)
+    first_launch_s: float | None = None  # ... until its last kernel was enqueued (close to gpu: the host bounds it)
 
 
 _ids = itertools.count()

@@ -320,12 +320,14 @@ class DeviceWorker:
                 done.record()
         else:
             host, done = frames, None
+        launched = time.perf_counter() - started
 
         def deliver() -> None:
             gpu = started_event.elapsed_time(done) / 1e3 if started_event is not None and done is not None else None
             session.channel.put_group(HostGroup(
                 chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
                 device_seconds=time.perf_counter() - started, step_started=started, gpu_seconds=gpu,
+                launch_seconds=launched,
             ))
             if session.first_group_pending:
                 with self._lock:

@@ -82,9 +82,12 @@ def _torch_to_message(tensor: Any) -> vaed_pb2.Tensor:
         raise TensorFormatError(
             f"unsupported torch dtype {tensor.dtype}; use uint8, float16, bfloat16 or float32"
         ) from None
-    host = tensor.detach().to("cpu").contiguous()
+    host = tensor.detach().to("cpu")
     if tensor.dtype == torch.bfloat16:
         host = host.view(torch.int16)  # same bits; numpy has no bf16
+    # numpy's tobytes writes C order from any strides in one single-threaded copy; a torch
+    # .contiguous() first (e.g. of a latents[:, :, :2] slice) would add a copy that wakes
+    # torch's whole intra-op pool, which in a busy process costs milliseconds of jitter.
     return vaed_pb2.Tensor(dtype=wire, shape=list(tensor.shape), data=host.numpy().tobytes())
 
 

@@ -100,3 +100,18 @@ def test_round_trips() -> None:
     assert torch.equal(wire.to_torch(m), torch.from_numpy(a))
     empty = wire.to_message(np.zeros((0, 3), np.uint8))
     assert wire.to_numpy(empty).shape == (0, 3) and wire.to_torch(empty).shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("view", ["head", "tail", "permuted", "strided", "contiguous"])
+def test_torch_views_are_sent_as_their_c_order_bytes(dtype: torch.dtype, view: str) -> None:
+    """A non-contiguous tensor (the client sends latents[:, :, :2] and the rest as slices) goes out
+    as the bytes of its contiguous copy, without making that copy in torch first."""
+    x = (torch.randn(1, 4, 5, 3, 6, generator=torch.Generator().manual_seed(0)) * 50).to(dtype)
+    t = {"head": x[:, :, :2], "tail": x[:, :, 2:], "permuted": x.permute(0, 2, 1, 3, 4),
+         "strided": x[..., ::2], "contiguous": x}[view]
+    m = wire.to_message(t)
+    bits = t.contiguous().view(torch.int16) if dtype == torch.bfloat16 else t.contiguous()
+    assert m.data == bits.numpy().tobytes()
+    assert list(m.shape) == list(t.shape)
+    assert torch.equal(wire.to_torch(m), t)
