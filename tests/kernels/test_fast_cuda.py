@@ -120,6 +120,46 @@ def test_fast_norm_no_less_accurate_than_stock(dtype, channels) -> None:
     assert err_fast <= err_stock * 1.05, (err_fast, err_stock)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_frames,frames", [(0, 1), (1, 2), (2, 4)])
+def test_unfolded_conv_matches_the_fast_pair_and_is_no_less_accurate(dtype, cache_frames, frames) -> None:
+    """The fused norm site (taps unfolded into channels, one conv2d) at the decoder's 96 channels:
+    conv3d's output layout, the same next cache, values within a rounding of the fast pair (norm
+    conv input, then cuDNN conv3d) and no further from a float64 conv than the pair is."""
+    from vaed.patches.fast import unfolded_norm_causal_conv
+    from vaed.patches.ops import NormSilu
+
+    c = 96
+    g = torch.Generator(device="cuda").manual_seed(frames)
+    x = lay(torch.randn(1, c, frames, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
+    cache = lay(torch.randn(1, c, cache_frames, 30, 52, device="cuda", generator=g), "cl3d").to(dtype) if cache_frames else None
+    gamma = (torch.rand(c, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
+    conv = torch.nn.Conv3d(c, c, 3).to(device="cuda", dtype=dtype)
+    conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
+    norm, pad = NormSilu(gamma, c**0.5, 0.0), (1, 1, 1, 1, 2, 0)
+    with torch.no_grad():
+        got = unfolded_norm_causal_conv(conv, x, cache, pad, norm=norm)
+        assert got is not None
+        pair = P.FAST_OPS.without({"norm_causal_conv"}).causal_conv(conv, x, cache, pad, norm=norm)
+        assert got[0].stride() == pair[0].stride() and got[0].shape == pair[0].shape
+        assert torch.equal(got[1], pair[1])
+        torch.testing.assert_close(got[0], pair[0], atol=3e-2, rtol=4e-2)
+        padded, _ = K.causal_pad_cl(x, cache, pad, norm_cl=(gamma, c**0.5, 0.0))
+        truth = F.conv3d(padded.double(), conv.weight.double(), conv.bias.double())
+    err_unfolded = (got[0].double() - truth).abs().mean()
+    err_pair = (pair[0].double() - truth).abs().mean()
+    assert err_unfolded <= err_pair * 1.05, (err_unfolded, err_pair)
+
+
+def test_unfolded_conv_passes_its_start_up_check_on_the_gpu() -> None:
+    from vaed.patches.checks import check_op
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # fp32 has no case: half dtypes only
+        assert check_op(P.FAST_OPS, "norm_causal_conv", torch.device("cuda"), dtype) is None, dtype
+    with torch.inference_mode():  # the engine's start-up: the check's conv weights are inference tensors
+        assert check_op(P.FAST_OPS, "norm_causal_conv", torch.device("cuda"), torch.bfloat16) is None
+
+
 # --- whole decodes --------------------------------------------------------------------------
 
 

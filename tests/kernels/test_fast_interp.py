@@ -65,6 +65,49 @@ SCRIPT = textwrap.dedent(
                 assert a.stride() == b.stride()
                 torch.testing.assert_close(a, b, atol=1e-5 if dt == torch.float32 else 2e-2, rtol=1e-4 if dt == torch.float32 else 2e-2)
             n += 1
+    # unfold=3: the padded tensor's values, each frame stored in every slot it feeds (B=2: image
+    # index b*TO+t), bit-exact against a naive unfolding; the next cache as without it
+    def unfolded(p, kt):
+        frames = [torch.cat([p[:, :, t + k] for k in range(kt)], 1) for t in range(p.shape[2] - kt + 1)]
+        return torch.stack(frames, 1).flatten(0, 1)
+    from vaed.patches.fast import unfolded_causal_conv, unfolded_norm_causal_conv
+    from vaed.patches.ops import NormSilu
+    pad = (1, 1, 1, 1, 2, 0)
+    for dt, cf, fr in ((torch.bfloat16, 2, 3), (torch.bfloat16, 0, 1), (torch.float16, 1, 2)):
+        x = lay(torch.randn(2, 5, fr, 4, 6, dtype=dt), "cl3d")
+        c = lay(torch.randn(2, 5, cf, 4, 6, dtype=dt), "cl3d") if cf else None
+        g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
+        for kw in ({}, {"norm_cl": (g, 5 ** 0.5, 0.0)}):
+            p, nx = K.causal_pad_cl(x, c, pad, **kw)
+            u, nu = K.causal_pad_cl(x, c, pad, unfold=3, **kw)
+            assert u.shape == (2 * fr, 15, 6, 8) and u.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(u, unfolded(p, 3)) and torch.equal(nu, nx), (dt, cf, fr, kw.keys())
+            n += 1
+        # the fused norm site (unfolded conv2d) against the fast pair (norm conv input, then conv3d)
+        conv = torch.nn.Conv3d(5, 5, 3).to(dt)
+        conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
+        ns = NormSilu(g, 5 ** 0.5, 0.0)
+        assert unfolded_norm_causal_conv(conv, x, c, pad, norm=ns) is None  # CUDA only
+        got = unfolded_causal_conv(conv, x, c, pad, ns)
+        want = P.FAST_OPS.without({"norm_causal_conv"}).causal_conv(conv, x, c, pad, norm=ns)
+        assert got[0].is_contiguous(memory_format=CL) and torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+        n += 1
+        p, nx = K.causal_pad_cl(x.float(), None if c is None else c.float(), pad)  # the kernel's unfold in fp32
+        u, nu = K.causal_pad_cl(x.float(), None if c is None else c.float(), pad, unfold=3)
+        assert torch.equal(u, unfolded(p, 3)) and torch.equal(nu, nx)
+        assert unfolded_causal_conv(conv.float(), x.float(), None if c is None else c.float(), pad,
+                                    NormSilu(g.float(), 5 ** 0.5, 0.0)) is None  # half dtypes only
+    # only the measured shape of conv: channels in = out <= UNFOLD_MAX_CHANNELS, stride 1
+    x = lay(torch.randn(1, 5, 1, 4, 6, dtype=torch.bfloat16), "cl3d")
+    g = (torch.rand(5, 1, 1, 1) + 0.5).to(torch.bfloat16)
+    for conv in (torch.nn.Conv3d(5, 4, 3), torch.nn.Conv3d(5, 5, 3, stride=(1, 2, 2)), torch.nn.Conv3d(5, 5, (1, 3, 3))):
+        conv = conv.to(torch.bfloat16)
+        assert unfolded_causal_conv(conv, x, None, pad, NormSilu(g, 5 ** 0.5, 0.0)) is None, conv
+    wide = lay(torch.randn(1, 128, 1, 2, 2, dtype=torch.bfloat16), "cl3d")
+    g128 = torch.ones(128, 1, 1, 1, dtype=torch.bfloat16)
+    conv = torch.nn.Conv3d(128, 128, 3).to(torch.bfloat16)
+    assert unfolded_causal_conv(conv, wide, None, pad, NormSilu(g128, 128 ** 0.5, 0.0)) is None
     # layouts the aten chain writes contiguous are left to the 1-D kernel
     xc = torch.randn(1, 5, 2, 4, 6)
     assert K.causal_pad_cl(xc, None, (1, 1, 1, 1, 2, 0)) is None

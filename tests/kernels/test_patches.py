@@ -91,7 +91,8 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
     assert_same(got, want)
     _same_cache(got_cache, want_cache)
     assert_same(got_decode, want_decode)
-    used = {"causal_pad", "norm_causal_pad", "upsample", "upsample_interleave", "conv3d", "conv2d", "residual_add"}
+    used = {"causal_pad", "norm_causal_pad", "upsample", "upsample_interleave", "conv3d", "conv2d", "residual_add",
+            "norm_causal_conv"}  # asked first at every norm site; the reference declines, the pair above runs
     if arch.startswith("wan2.2"):
         used.add("dupup_add")
     assert {n for n, c in calls.items() if c} == used
@@ -306,3 +307,46 @@ def test_a_strided_view_is_not_passed_on_as_shortcut_input() -> None:
     x = torch.randn(1, 6, 2, 4, 10)[..., ::2]  # not dense: F.pad's clone has other strides
     got = triton_causal_pad(x, None, (0, 0, 0, 0, 0, 0), emit_cache=False)
     assert got is None or got[0] is not x
+
+
+# --- the fast tier's unfolded conv weight -----------------------------------------------
+
+
+def test_unfolded_weight_turns_a_conv3d_into_a_conv2d_over_unfolded_taps() -> None:
+    """conv2d(time taps stacked on channels, unfolded weight) == conv3d, against a naive unfolding in fp64."""
+    import torch.nn.functional as F
+
+    from vaed.patches.fast import unfolded_weight
+
+    g = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv3d(4, 4, 3).double()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g, dtype=torch.float64))
+    padded = torch.randn(2, 4, 5, 6, 7, generator=g, dtype=torch.float64)  # B, C, TP, HP, WP
+    images = torch.stack([torch.cat([padded[:, :, t + k] for k in range(3)], 1) for t in range(3)], 1).flatten(0, 1)
+    got = F.conv2d(images, unfolded_weight(conv), conv.bias).unflatten(0, (2, 3)).permute(0, 2, 1, 3, 4)
+    torch.testing.assert_close(got, F.conv3d(padded, conv.weight, conv.bias), rtol=1e-12, atol=1e-12)
+
+
+def test_unfolded_weight_is_cached_until_the_weight_changes() -> None:
+    from vaed.patches.fast import unfolded_weight
+
+    conv = torch.nn.Conv3d(2, 2, 3)
+    first = unfolded_weight(conv)
+    assert unfolded_weight(conv) is first
+    with torch.no_grad():
+        conv.weight.mul_(2)  # in place (what load_state_dict does): the version moves
+    second = unfolded_weight(conv)
+    assert second is not first and torch.equal(second, first * 2)
+    conv.weight = torch.nn.Parameter(torch.ones_like(conv.weight))  # replaced
+    assert torch.equal(unfolded_weight(conv), torch.ones(2, 6, 3, 3))
+
+
+def test_unfolded_weight_of_an_inference_tensor_is_cached_by_identity() -> None:
+    """Convs built under inference_mode (the start-up checks') have no version counter."""
+    from vaed.patches.fast import unfolded_weight
+
+    with torch.inference_mode():
+        conv = torch.nn.Conv3d(2, 2, 3)
+        first = unfolded_weight(conv)
+        assert unfolded_weight(conv) is first and first.shape == (2, 6, 3, 3)

@@ -20,6 +20,13 @@ dtype after every op and reduces the norm in a separate fp32 pass over a
 float copy; this drops those two passes and the intermediate roundings
 (values differ from stock by about one bf16 ulp; accuracy against an fp32
 decode is no worse). The exact lossless norm stays in ``causal_input``.
+
+``unfold=KT`` writes the conv input with its KT time taps unfolded into
+channels instead: an NHWC image batch ``[B*TO, KT*C, HP, WP]`` (TO = TP -
+KT + 1 output frames) whose channel block k of image t is padded frame t + k,
+so a KT x kh x kw conv3d runs as one conv2d over KT*C channels (see
+``vaed.patches.fast``). Each padded frame is computed once and stored to
+each slot it feeds; the next cache is the same as without it.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ def _causal_pad_cl_kernel(
     sdb, sdt, sdh, sdw,
     scale, bias, eps,
     NORM: tl.constexpr, LOWP: tl.constexpr, EMIT: tl.constexpr, IDX64: tl.constexpr,
-    BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    KT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b, tp, hp) of the padded output
     wp = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -110,7 +117,16 @@ def _causal_pad_cl_kernel(
         else:
             cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=inside, other=0.0)
             val = tl.where(inside, cv, val)
-    tl.store(p_ptr + row * (WP * C) + wp * C + c, val, mask=live)
+    if KT == 0:
+        tl.store(p_ptr + row * (WP * C) + wp * C + c, val, mask=live)
+    else:
+        # unfolded: padded frame tp is time tap k of output frame tp - k, channels k*C..k*C+C-1
+        to = TP - KT + 1
+        for k in tl.static_range(KT):
+            t = tp - k
+            if (t >= 0) & (t < to):
+                img = (b * to + t) * HP + hp
+                tl.store(p_ptr + img * (WP * KT * C) + wp * (KT * C) + k * C + c, val, mask=live)
     if EMIT:
         kk = tp - (TP - K)  # next-cache frame this row feeds, if >= 0
         if kk >= 0:
@@ -134,6 +150,7 @@ def causal_pad_cl(
     norm: RmsSiluArgs | None = None,
     norm_cl: tuple[torch.Tensor, float, float] | None = None,
     emit_cache: bool = True,
+    unfold: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Channels-last causal conv input; None when not handled (caller falls back).
 
@@ -142,7 +159,9 @@ def causal_pad_cl(
     are aten's (the same oracle), so the conv sees what it would see on the
     lossless path. ``norm`` is the exact prologue (as in ``causal_pad``,
     aten's denominator passed in); ``norm_cl`` = (gamma, scale, bias) the
-    lossy one-pass prologue. At most one of them.
+    lossy one-pass prologue. At most one of them. ``unfold=KT > 0`` returns the
+    input with KT time taps unfolded into channels (module docstring) in place
+    of the padded tensor.
     """
     if zero_history and cache is not None:
         raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
@@ -162,9 +181,13 @@ def causal_pad_cl(
         return None
     B, C, T, H, W = x.shape
     _, _, TP, HP, WP = p_shape
-    if C > _MAX_C or B * TP * HP >= 2**31:
+    if C > _MAX_C or B * TP * HP >= 2**31 or unfold < 0 or TP < unfold:
         return None
-    padded = rt.empty_with_strides(p_shape, p_stride, x)
+    if unfold:
+        images = (B * (TP - unfold + 1), unfold * C, HP, WP)
+        padded = torch.empty(images, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    else:
+        padded = rt.empty_with_strides(p_shape, p_stride, x)
     nxt = rt.empty_with_strides(n_shape, n_stride, x) if emit_cache else None
     hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
     src_c = cache if use_cache else x
@@ -187,8 +210,8 @@ def causal_pad_cl(
         *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5), *sd,
         scale, bias, NORM_EPS,
         NORM=mode, LOWP=low_precision(x.dtype), EMIT=nxt is not None,
-        IDX64=not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=block_w * C),
-        BLOCK_W=block_w, BLOCK_C=block_c,
+        IDX64=not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=block_w * C * max(unfold, 1)),
+        KT=unfold, BLOCK_W=block_w, BLOCK_C=block_c,
         num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(x),
     )
     return padded, nxt

@@ -77,6 +77,19 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
     elif name == "conv2d":
         conv2 = nn.Conv2d(4, 4, 3, padding=1).to(device=device, dtype=dtype)
         cases.append(((conv2, _t((2, 4, 5, 7), g, device, dtype, False)), {}))
+    elif name == "norm_causal_conv":
+        # channels_last_3d (the decoder's layout), cache and first chunk; CUDA and half dtypes
+        # only: the fused conv declines elsewhere by design (vaed.patches.fast.UNFOLD_DTYPES)
+        if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+            return []
+        gamma = (torch.rand(6, 1, 1, 1, generator=g) + 0.5).to(device=device, dtype=dtype)
+        conv3 = nn.Conv3d(6, 6, 3).to(device=device, dtype=dtype)
+        conv3.weight.data = conv3.weight.data.contiguous(memory_format=CL)
+        norm = NormSilu(gamma, 6**0.5, 0.0)
+        x = _t((1, 6, 2, 3, 5), g, device, dtype, True)
+        cache = _t((1, 6, 2, 3, 5), g, device, dtype, True)
+        cases.append(((conv3, x, cache, (1, 1, 1, 1, 2, 0)), {"norm": norm}))
+        cases.append(((conv3, x[:, :, :1], None, (1, 1, 1, 1, 2, 0)), {"norm": norm}))
     elif name == "residual_add":
         cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, True), _t((1, 4, 2, 3, 5), g, device, dtype, True)), {}))
     else:  # pragma: no cover - OP_NAMES and this function move together
@@ -115,6 +128,10 @@ def check_op(ops: OpSet, name: str, device: torch.device, dtype: torch.dtype) ->
     op: Callable[..., Any] = getattr(ops, name)
     ref: Callable[..., Any] = getattr(REFERENCE_OPS, name)
     run = op.kernel if isinstance(op, FusedOp) else op
+    if name == "norm_causal_conv":
+        # unfused (None) by design in the reference: compare the whole norm site, fused when it is
+        ref = REFERENCE_OPS.causal_conv
+        run = op.kernel if isinstance(op, FusedOp) else ops.causal_conv
     exact = ops.exact and device.type == "cuda"
     try:
         with torch.no_grad():

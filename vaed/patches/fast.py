@@ -17,7 +17,14 @@ causal-input site, the exact norm prologue included (aten's denominator, the
 1-D kernel's arithmetic): bit-exact, a candidate to replace the 1-D kernel
 (26 % of a steady 480p chunk, ~350 us a call) once measured.
 
-Everything else (upsample gathers, DupUp3D add, cuDNN convs) is the lossless
+* ``norm_causal_conv``: at norm sites whose conv is 3x3x3 with at most
+  ``UNFOLD_MAX_CHANNELS`` channels in and out (Wan2.1's six full-resolution
+  96-channel convs per chunk), the conv input kernel above writes the three
+  time taps unfolded into channels and the conv runs as one conv2d over
+  3*C channels. cuDNN serves that conv2d from a Hopper kernel where conv3d
+  gets an sm80-family one. Another kernel, so other rounding: fast only.
+
+Everything else (upsample gathers, DupUp3D add, the other cuDNN convs) is the lossless
 ops. Each fast op falls back per call to the lossless op, then to the
 reference, so a contiguous-layout or CPU decoder still runs.
 """
@@ -25,8 +32,11 @@ reference, so a contiguous-layout or CPU decoder still runs.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.patches.ops import (
@@ -37,7 +47,17 @@ from vaed.patches.ops import (
     PadTuple,
     reference_causal_pad,
     triton_causal_pad,
+    unfused_norm_causal_conv,
 )
+
+# Widest conv (channels in = out) that runs as an unfolded conv2d. On an H200 (bf16,
+# scripts/probe_conv.py, steady 480x832 chunk) a 96-channel 3x3x3 conv took 3.135 ms as
+# conv3d (254 TFLOP/s, sm80-family cuDNN kernel) and 1.96 ms as the conv2d over unfolded
+# taps (406 TFLOP/s, sm90 kernel); 192 channels already reach 535 TFLOP/s as conv3d.
+UNFOLD_MAX_CHANNELS = 96
+# Half dtypes only: in fp32 cuDNN runs convs in TF32 by default, whose rounding follows the
+# algorithm, so the conv2d would land far outside an fp32 tolerance of the conv3d.
+UNFOLD_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def tiled_causal_pad(
@@ -73,6 +93,70 @@ def fast_norm_causal_pad(
     return tiled_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
 
 
+# conv -> (its weight, the weight's version, the weight as [C_out, KT*C_in, kh, kw])
+_UNFOLDED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, int, torch.Tensor]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def unfolded_weight(conv: nn.Module) -> torch.Tensor:
+    """The conv3d weight [C_out, C_in, KT, kh, kw] as a conv2d weight whose input channel
+    k*C_in + c is time tap k of channel c (the unfolded input's order); rebuilt when the
+    weight is replaced or changed in place."""
+    w = conv.weight
+    version = -1 if w.is_inference() else w._version  # inference tensors keep no version counter
+    hit = _UNFOLDED_WEIGHTS.get(conv)
+    if hit is not None and hit[0] is w and hit[1] == version:
+        return hit[2]
+    c_out, c_in, kt, kh, kw = w.shape
+    w2d = w.detach().permute(0, 2, 1, 3, 4).reshape(c_out, kt * c_in, kh, kw)
+    w2d = w2d.contiguous(memory_format=torch.channels_last)
+    _UNFOLDED_WEIGHTS[conv] = (w, version, w2d)
+    return w2d
+
+
+def unfolded_norm_causal_conv(
+    conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, *, norm: NormSilu
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Lossy: the fast norm+SiLU conv input with the time taps unfolded into channels, then one
+    conv2d; None (the op set's own input build and conv3d run) unless the conv qualifies.
+
+    CUDA only: cuDNN's conv3d returns channels_last_3d for the decoder's channels_last_3d
+    input, the layout this returns; a CPU conv3d picks its output layout by size."""
+    if not x.is_cuda:
+        return None
+    return unfolded_causal_conv(conv, x, cache, pad, norm)
+
+
+def unfolded_causal_conv(
+    conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, norm: NormSilu
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``unfolded_norm_causal_conv`` on any device (the interpreter tests run it on the CPU):
+    (conv output in channels_last_3d, next cache), or None when the conv does not qualify."""
+    w = conv.weight
+    if w.dim() != 5 or x.dtype not in UNFOLD_DTYPES:
+        return None
+    c_out, c_in, kt = w.shape[0], w.shape[1], w.shape[2]
+    if (
+        c_in != c_out or c_in > UNFOLD_MAX_CHANNELS or kt < 2 or pad[4] != kt - 1
+        or tuple(conv.stride) != (1, 1, 1) or tuple(conv.dilation) != (1, 1, 1)
+        or tuple(conv.padding) != (0, 0, 0) or conv.groups != 1
+    ):
+        return None
+    r = causal_pad_cl(x, cache, pad, norm_cl=(norm.gamma, norm.scale, norm.bias), unfold=kt)
+    if r is None:
+        return None
+    images, nxt = r
+    y = F.conv2d(images, unfolded_weight(conv), conv.bias)
+    if not y.is_contiguous(memory_format=torch.channels_last):
+        y = y.contiguous(memory_format=torch.channels_last)
+    # [B*TO, C, H, W] channels-last is [B, TO, H, W, C] in memory: channels_last_3d [B, C, TO, H, W]
+    # (with conv3d's strides on size-1 dims too)
+    n, c, h, w_ = y.shape
+    shape = (x.shape[0], c, n // x.shape[0], h, w_)
+    return y.as_strided(shape, (shape[2] * h * w_ * c, 1, h * w_ * c, w_ * c, c)), nxt
+
+
 LOSSLESS_TILED_OPS: OpSet = dataclasses.replace(
     LOSSLESS_OPS,
     name="lossless-tiled",
@@ -85,4 +169,5 @@ FAST_OPS: OpSet = dataclasses.replace(
     name="fast",
     exact=False,
     norm_causal_pad=FusedOp("norm_causal_pad", fast_norm_causal_pad, reference_causal_pad),
+    norm_causal_conv=FusedOp("norm_causal_conv", unfolded_norm_causal_conv, unfused_norm_causal_conv),
 )

@@ -61,8 +61,7 @@ def cached_conv(
 ) -> torch.Tensor:
     """One diffusers call site: snapshot the cache, run the conv with the old one, store the new one."""
     idx = feat_idx[0]
-    padded, nxt = ops.causal_conv_input(x, feat_cache[idx], tuple(conv._padding), norm=norm)
-    out = ops.conv3d(conv, padded)
+    out, nxt = ops.causal_conv(conv, x, feat_cache[idx], tuple(conv._padding), norm=norm)
     feat_cache[idx] = nxt
     feat_idx[0] += 1
     return out

@@ -29,6 +29,12 @@ Op signatures (every op set honours all of them):
 ``conv2d(conv, x)`` -> ``conv(x)`` for WanResample's 3x3 image conv (it pads
     itself; a sharded variant swaps in halo rows and one-sided padding here).
 ``residual_add(x, h)`` -> ``x + h`` (the residual block's output).
+``norm_causal_conv(conv, x, cache, pad, *, norm)`` -> ``(conv output, next
+    cache)`` or None: the conv input with the norm fused in *and* the conv, in
+    one op, for an op set whose conv takes another input layout (the fast
+    tier's unfolded time taps). None -- always, in the reference and lossless
+    sets -- means "not fused": :meth:`OpSet.causal_conv` then runs the set's
+    own ``norm_causal_pad`` and ``conv3d``.
 
 ``REFERENCE_OPS`` holds the plain-torch chains, op for op what stock diffusers
 runs. ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
@@ -84,6 +90,12 @@ class DupUpAddOp(Protocol):
     def __call__(
         self, main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
     ) -> torch.Tensor: ...
+
+
+class NormCausalConvOp(Protocol):
+    def __call__(
+        self, conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, *, norm: NormSilu
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
 
 
 ConvOp = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -149,6 +161,13 @@ def reference_conv2d(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def reference_residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return x + h
+
+
+def unfused_norm_causal_conv(
+    conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, *, norm: NormSilu
+) -> None:
+    """No fused conv: the op set's ``norm_causal_pad`` and ``conv3d`` run (``OpSet.causal_conv``)."""
+    return None
 
 
 # --- Triton launchers (None = not handled here) -----------------------------------
@@ -221,6 +240,7 @@ class OpSet:
     conv3d: ConvOp
     conv2d: ConvOp
     residual_add: AddOp
+    norm_causal_conv: NormCausalConvOp
 
     def causal_conv_input(
         self,
@@ -235,6 +255,24 @@ class OpSet:
         """The conv input builder: routes to ``norm_causal_pad`` when a norm is fused in."""
         op = self.causal_pad if norm is None else self.norm_causal_pad
         return op(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
+
+    def causal_conv(
+        self,
+        conv: nn.Module,
+        x: torch.Tensor,
+        cache: torch.Tensor | None,
+        pad: PadTuple,
+        *,
+        norm: NormSilu | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One cached causal conv: (conv output, next cache). A norm site tries the fused
+        ``norm_causal_conv`` first; otherwise, and when it declines, input build then ``conv3d``."""
+        if norm is not None:
+            fused = self.norm_causal_conv(conv, x, cache, pad, norm=norm)
+            if fused is not None:
+                return fused
+        padded, nxt = self.causal_conv_input(x, cache, pad, norm=norm)
+        return self.conv3d(conv, padded), nxt
 
     def upsample2x(self, x: torch.Tensor, interleave: bool) -> torch.Tensor:
         return self.upsample_interleave(x, True) if interleave else self.upsample(x, False)
@@ -254,7 +292,7 @@ class OpSet:
         return tuple(n for n in OP_NAMES if getattr(self, n) is not getattr(REFERENCE_OPS, n))
 
 
-# every switchable op, in forward order; the first five are the fused paths
+# every switchable op, in forward order; the first five and the last are the fused paths
 OP_NAMES: tuple[str, ...] = (
     "causal_pad",
     "norm_causal_pad",
@@ -264,6 +302,7 @@ OP_NAMES: tuple[str, ...] = (
     "conv3d",
     "conv2d",
     "residual_add",
+    "norm_causal_conv",
 )
 
 REFERENCE_OPS = OpSet(
@@ -278,6 +317,7 @@ REFERENCE_OPS = OpSet(
     conv3d=reference_conv3d,
     conv2d=reference_conv2d,
     residual_add=reference_residual_add,
+    norm_causal_conv=unfused_norm_causal_conv,
 )
 
 LOSSLESS_OPS = OpSet(
@@ -292,4 +332,5 @@ LOSSLESS_OPS = OpSet(
     conv3d=reference_conv3d,
     conv2d=reference_conv2d,
     residual_add=reference_residual_add,
+    norm_causal_conv=unfused_norm_causal_conv,
 )

@@ -48,13 +48,13 @@ PATCH_TABLE: tuple[PatchRow, ...] = (
     PatchRow(
         "WanDecoder3d",
         fw.decoder_forward,
-        ("causal_pad", "norm_causal_pad", "conv3d"),
+        ("causal_pad", "norm_causal_pad", "conv3d", "norm_causal_conv"),
         "decoder (conv_in, norm_out+SiLU -> conv_out)",
     ),
     PatchRow(
         "WanResidualBlock",
         fw.resblock_forward,
-        ("norm_causal_pad", "conv3d", "residual_add"),
+        ("norm_causal_pad", "conv3d", "residual_add", "norm_causal_conv"),
         "residual block (norm+SiLU fused into both conv inputs)",
     ),
     PatchRow(
