@@ -26,10 +26,10 @@ DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
 # step is small (a latent frame's finite check and contiguous copy, ~100k values
 # at 480x832), but with torch's default (one thread per core, 16 on the H200
 # host) each such op wakes the whole OpenMP pool and waits for its slowest
-# thread: latent frame 0's kernel launches then took 8-50 ms instead of ~9 ms,
-# and the GPU waited on them. scripts/bench_service.py, 14 calls at 480x832:
-# first frame through the client median 37.9 ms, max 70.6, 8/14 <= 40 ms with
-# 16 threads; median 26.4 ms, max 29.0, 14/14 with 1.
+# thread: latent frame 0's kernel launches then took 10-50 ms instead of 8-18 ms,
+# and the GPU waited on them. scripts/bench_service.py on an H200, 14 calls at
+# 480x832: first frame through the client median 37.9 ms, max 70.6, 8/14 <= 40
+# ms with 16 threads; median 28.0 ms, max 31.7, 14/14 with this default.
 GPU_SERVER_CPU_THREADS = 1
 
 PRECISIONS = ("lossless", "fast")
