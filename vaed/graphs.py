@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 # Graphs kept per device. Per shape and tier a video uses three signatures
 # (first chunk, second chunk, steady); 12 cover two warm-up shapes x two tiers.
 DEFAULT_MAX_GRAPHS = 12
+# Signatures remembered as "ran once" or "stays eager" (each a tuple of ~30 cache
+# entries' shapes): bounded, so clients cycling through sizes cannot grow them;
+# a forgotten one only runs eagerly once more (or retries its capture).
+MAX_REMEMBERED_SIGNATURES = 1024
 
 CacheList = list[Any]  # diffusers' feat_cache: tensors, None, or the "Rep" marker
 DecoderCall = Callable[[torch.Tensor, CacheList], torch.Tensor]
@@ -107,6 +111,29 @@ class GraphStats:
     failed: int = 0        # captures that failed (the signature stays eager)
 
 
+class RecentSet:
+    """A set that keeps only its ``limit`` most recently added members."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._members: collections.OrderedDict[Any, None] = collections.OrderedDict()
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def add(self, item: Any) -> None:
+        self._members[item] = None
+        self._members.move_to_end(item)
+        while len(self._members) > self.limit:
+            self._members.popitem(last=False)
+
+    def discard(self, item: Any) -> None:
+        self._members.pop(item, None)
+
+
 class DecoderGraphs:
     """Per-device cache of captured decoder calls (the engine owns one; device thread only)."""
 
@@ -119,8 +146,8 @@ class DecoderGraphs:
         self.backend = backend or CudaGraphBackend(device)
         self.stats = GraphStats()
         self._graphs: collections.OrderedDict[Any, CapturedCall] = collections.OrderedDict()
-        self._eager_only: set[Any] = set()
-        self._seen_once: set[Any] = set()  # signatures run eagerly once, captured on their next call
+        self._eager_only = RecentSet(MAX_REMEMBERED_SIGNATURES)  # captures that ran out of memory
+        self._seen_once = RecentSet(MAX_REMEMBERED_SIGNATURES)  # run eagerly once, captured on their next call
 
     def __len__(self) -> int:
         return len(self._graphs)

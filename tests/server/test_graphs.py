@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vaed.engine import DecodeEngine, OutputSpec, warm_up
-from vaed.graphs import DecoderGraphs, GraphBackend, RerunBackend, signature
+from vaed.graphs import DecoderGraphs, GraphBackend, RecentSet, RerunBackend, signature
 
 RAW = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True)
 
@@ -131,3 +131,32 @@ def test_engine_refuses_an_unknown_graph_mode() -> None:
 def test_graphs_stay_off_on_cpu() -> None:
     engine = DecodeEngine.load("random:wan2.1-tiny", device="cpu", dtype="float32", cuda_graphs="on")
     assert engine.graphs is None
+
+
+def test_recent_set_keeps_the_latest_members() -> None:
+    recent = RecentSet(3)
+    for item in "abcd":
+        recent.add(item)
+    assert len(recent) == 3 and "a" not in recent and all(i in recent for i in "bcd")
+    recent.add("b")  # re-adding makes it the newest
+    recent.add("e")
+    assert "c" not in recent and all(i in recent for i in "bde")
+    recent.discard("d")
+    recent.discard("zz")  # absent: nothing happens
+    assert len(recent) == 2
+
+
+def test_signatures_seen_once_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client cycling through sizes leaves at most MAX_REMEMBERED_SIGNATURES behind."""
+    import vaed.graphs as G
+
+    monkeypatch.setattr(G, "MAX_REMEMBERED_SIGNATURES", 4)
+    graphs = DecoderGraphs(torch.device("cpu"), backend=RerunBackend())
+
+    class State:
+        cache: list[Any] = [None]
+
+    for size in range(1, 11):  # ten sizes, each called once: each runs eagerly
+        x = torch.zeros(1, 2, 1, size, size)
+        graphs.run(State(), "lossless", True, x, lambda x, cache: x + 1)
+    assert len(graphs._seen_once) == 4 and graphs.stats.eager == 10 and len(graphs) == 0
