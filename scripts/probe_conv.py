@@ -11,7 +11,9 @@ channels_last_3d, random weights), then for each distinct call times:
 * ``sum2d``    -- kt ``F.conv2d`` calls on time-shifted views, summed;
 * ``last2d``   -- first chunk only: the history frames are zeros, so only
   the last time tap contributes (one ``F.conv2d``);
-* ``gemm``     -- 1x1x1 convs as one ``F.linear`` over the pixels.
+* ``gemm``     -- 1x1x1 convs as one ``F.linear`` over the pixels;
+* ``nobias``   -- the call without its bias (torch adds a cuDNN conv's bias
+  in a separate pass: the difference is that pass).
 
 Each with its max abs error against an fp32 conv3d of the same bf16 inputs,
 and the whole chunk's total per variant (each call at its best variant).
@@ -121,6 +123,8 @@ def probe(vae: Any, counts: collections.Counter, label: str, dev: str, reps: int
         pad = 0 if kind == "3d" else 1  # WanResample's conv2d pads itself; causal convs are pre-padded
         ref = conv(x.float(), w.float(), None if b is None else b.float(), stride, pad)
         variants: dict[str, Callable[[], torch.Tensor]] = {"conv3d" if kind == "3d" else "conv2d": lambda: conv(x, w, b, stride, pad)}
+        if b is not None:  # what the separate bias pass costs (torch adds a conv's bias after cuDNN)
+            variants["nobias"] = lambda: conv(x, w, None, stride, pad)
         results: dict[str, tuple[float, float]] = {}
         if kind == "3d" and ws[2:] == (1, 1, 1) and xs[0] == 1:
             wl = w.reshape(ws[0], ws[1])
@@ -163,11 +167,11 @@ def probe(vae: Any, counts: collections.Counter, label: str, dev: str, reps: int
                     ref_v = conv(xz.float(), w.float(), None if b is None else b.float(), stride, pad)
                     err = (out.float() - ref_v).abs().max().item()
                 else:
-                    err = (out.float() - ref).abs().max().item()
+                    err = (out.float() - ref).abs().max().item() if name != "nobias" else math.nan
             results[name] = (sec, err)
         base = next(iter(results))
         # what the call would cost at its best formulation (an unfold2d pays for its copy)
-        costs = {k: sec for k, (sec, _) in results.items() if k not in ("unfold", "unfold2d")}
+        costs = {k: sec for k, (sec, _) in results.items() if k not in ("unfold", "unfold2d", "nobias")}
         if "unfold2d" in results:
             costs["unfold2d"] = results["unfold2d"][0] + results["unfold"][0]
         totals["now"] += n * results[base][0]

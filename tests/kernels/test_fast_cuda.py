@@ -160,6 +160,54 @@ def test_unfolded_conv_passes_its_start_up_check_on_the_gpu() -> None:
         assert check_op(P.FAST_OPS, "norm_causal_conv", torch.device("cuda"), torch.bfloat16) is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels", [96, 256, 1024])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_residual_add_exact_and_no_less_accurate(dtype, channels, with_bias) -> None:
+    """x + bias + h: bit-exact against its fp32 reference on the GPU, aten's strides, and no
+    further from a float64 sum than stock's two roundings ((x + bias) rounded, then + h)."""
+    g = torch.Generator(device="cuda").manual_seed(channels)
+    x = lay(torch.randn(1, channels, 4, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
+    h = lay(torch.randn(1, channels, 4, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
+    bias = torch.randn(channels, device="cuda", generator=g).to(dtype) if with_bias else None
+    got = K.bias_residual_add(x, h, bias)
+    assert got is not None
+    assert_same(got, K.bias_residual_add_reference(x, h, bias))
+    stock = P.REFERENCE_OPS.residual_add(x, h, bias)
+    assert got.stride() == stock.stride()
+    truth = x.double() + h.double() + (0 if bias is None else bias.double().view(1, -1, 1, 1, 1))
+    assert (got.double() - truth).abs().mean() <= (stock.double() - truth).abs().mean() * 1.0001
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels", [96, 384])
+def test_deferred_conv_bias_in_the_norm_prologue(dtype, channels) -> None:
+    """The fast prologue with the producing conv's bias (NormSilu.x_bias): within a rounding of
+    stock's chain (bias added and rounded, then the norm) and no further from float64."""
+    g = torch.Generator(device="cuda").manual_seed(channels)
+    x = lay(torch.randn(1, channels, 2, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
+    gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
+    xb = torch.randn(channels, device="cuda", generator=g).to(dtype)
+    pad = (1, 1, 1, 1, 2, 0)
+    got = K.causal_pad_cl(x, None, pad, norm_cl=(gamma, channels**0.5, 0.0, xb))
+    assert got is not None
+    stock = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), None, pad, norm=(gamma, channels**0.5, 0.0))
+    truth = K.causal_pad_reference(
+        x.double() + xb.double().view(1, -1, 1, 1, 1), None, pad, norm=(gamma.double(), channels**0.5, 0.0)
+    )
+    for a, b in zip(got, stock):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=4e-2)
+    assert (got[0].double() - truth[0]).abs().mean() <= (stock[0].double() - truth[0]).abs().mean() * 1.05
+
+
+def test_deferred_bias_ops_pass_their_start_up_checks_on_the_gpu() -> None:
+    from vaed.patches.checks import check_op_set
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert check_op_set(P.FAST_OPS, torch.device("cuda"), dtype) == {}, dtype
+
+
 # --- whole decodes --------------------------------------------------------------------------
 
 

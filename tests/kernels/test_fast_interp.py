@@ -98,6 +98,58 @@ SCRIPT = textwrap.dedent(
         assert torch.equal(u, unfolded(p, 3)) and torch.equal(nu, nx)
         assert unfolded_causal_conv(conv.float(), x.float(), None if c is None else c.float(), pad,
                                     NormSilu(g.float(), 5 ** 0.5, 0.0)) is None  # half dtypes only
+    # a deferred conv bias (NormSilu.x_bias): the fast prologue adds it before the norm, as the
+    # reference does with x + bias first; the unfolded conv leaves its own bias out on request
+    for dt in (torch.float32, torch.bfloat16):
+        tol = {"atol": 1e-5, "rtol": 1e-4} if dt == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        x = lay(torch.randn(2, 5, 2, 4, 6, dtype=dt), "cl3d")
+        c = lay(torch.randn(2, 5, 2, 4, 6, dtype=dt), "cl3d")
+        g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
+        xb = (torch.randn(5) * 3).to(dt)
+        want = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), c, pad, norm=(g, 5 ** 0.5, 0.0))
+        got = K.causal_pad_cl(x, c, pad, norm_cl=(g, 5 ** 0.5, 0.0, xb))
+        without = K.causal_pad_cl(x, c, pad, norm_cl=(g, 5 ** 0.5, 0.0))
+        for a, b in zip(got, want):
+            assert a.stride() == b.stride()
+            torch.testing.assert_close(a, b, **tol)
+        assert not torch.allclose(got[0].float(), without[0].float(), **tol)  # the bias is not ignored
+        n += 1
+        got = P.FAST_OPS.norm_causal_pad(x, c, pad, norm=NormSilu(g, 5 ** 0.5, 0.0, xb))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **tol)
+        n += 1
+    x = lay(torch.randn(2, 5, 3, 4, 6, dtype=torch.bfloat16), "cl3d")
+    g = (torch.rand(5, 1, 1, 1) + 0.5).to(torch.bfloat16)
+    xb = torch.randn(5, dtype=torch.bfloat16)
+    conv = torch.nn.Conv3d(5, 5, 3).to(torch.bfloat16)
+    conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
+    deferred = NormSilu(g, 5 ** 0.5, 0.0, xb)
+    got, _ = unfolded_causal_conv(conv, x, None, pad, deferred, bias=False)
+    padded, _ = P.REFERENCE_OPS.causal_conv_input(x, None, pad, norm=deferred)
+    want = torch.nn.functional.conv3d(padded.float(), conv.weight.float())
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    with_bias, _ = unfolded_causal_conv(conv, x, None, pad, deferred)
+    torch.testing.assert_close(with_bias.float(), want + conv.bias.float().view(1, -1, 1, 1, 1), atol=3e-2, rtol=3e-2)
+    n += 1
+    # the residual add with conv2's bias: (x + bias) + h in fp32, one rounding; exact against its
+    # reference where the interpreter's cast rounds (fp32, fp16), within a bf16 ulp otherwise
+    for dt, with_bias, b in itertools.product((torch.float32, torch.float16, torch.bfloat16), (True, False), (1, 2)):
+        x = lay(torch.randn(b, 7, 3, 4, 5, dtype=dt), "cl3d")
+        h = lay(torch.randn(b, 7, 3, 4, 5, dtype=dt), "cl3d")
+        bias = torch.randn(7, dtype=dt) if with_bias else None
+        got = K.bias_residual_add(x, h, bias)
+        want = K.bias_residual_add_reference(x, h, bias)
+        assert got.stride() == (x + h).stride() and got.dtype == dt
+        if dt == torch.bfloat16:
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
+        else:
+            assert torch.equal(got, want), (dt, with_bias, b)
+        torch.testing.assert_close(P.FAST_OPS.residual_add(x, h, bias).float(),
+                                   P.REFERENCE_OPS.residual_add(x, h, bias).float(), atol=3e-2, rtol=3e-2)
+        n += 1
+    x = torch.randn(1, 7, 3, 4, 5)
+    assert K.bias_residual_add(x, x, None) is None  # contiguous: the reference's aten add
+    assert K.bias_residual_add(lay(x, "cl3d"), x, None) is None  # strides differ
     # only the measured shape of conv: channels in = out <= UNFOLD_MAX_CHANNELS, stride 1
     x = lay(torch.randn(1, 5, 1, 4, 6, dtype=torch.bfloat16), "cl3d")
     g = (torch.rand(5, 1, 1, 1) + 0.5).to(torch.bfloat16)
@@ -113,8 +165,16 @@ SCRIPT = textwrap.dedent(
     assert K.causal_pad_cl(xc, None, (1, 1, 1, 1, 2, 0)) is None
     for dt in (torch.float32, torch.bfloat16):
         assert check_op_set(P.FAST_OPS, torch.device("cpu"), dt) == {}, dt
-    # whole tiny decodes: fast within tolerance of stock; the tiled lossless ops exactly stock (with
+    # whole tiny decodes (the residual kernel counted: every residual block hands it conv2's
+    # bias under the fast tier): fast within tolerance of stock; the tiled lossless ops exactly stock (with
     # the norm prologue and the bf16 DupUp3D add off: the interpreter's exp and bf16 cast are not CUDA's)
+    import vaed.patches.fast as fast_module
+    residual_calls = []
+    real_residual = fast_module.bias_residual_add
+    def counted_residual(x, h, bias=None):
+        residual_calls.append(bias is not None)
+        return real_residual(x, h, bias)
+    fast_module.bias_residual_add = counted_residual
     for arch, dt in (("wan2.1-tiny", torch.float32), ("wan2.2-tiny", torch.bfloat16)):
         if True:
             vae = build_random_vae(arch).to(dtype=dt).eval().requires_grad_(False)
@@ -125,8 +185,10 @@ SCRIPT = textwrap.dedent(
                 rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
                 assert set(rep.op_sets) == {"lossless", "fast"} and rep.ops == "lossless", rep
                 assert rep.op_sets["fast"] == P.FAST_OPS, rep
+                residual_calls.clear()
                 with P.using(rep.ops_for("fast")):
                     fast = vae.decode(z, return_dict=False)[0]
+                assert residual_calls and all(residual_calls), (arch, residual_calls)
                 with P.using(P.LOSSLESS_TILED_OPS.without({"norm_causal_pad", "dupup_add"})):
                     tiled = vae.decode(z, return_dict=False)[0]
             assert fast.stride() == want.stride() and tiled.stride() == want.stride()

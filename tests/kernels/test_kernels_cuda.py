@@ -150,6 +150,20 @@ def test_dupup_add_exact(dtype, layout, ft, first) -> None:
     assert_same(got, K.dupup_add_reference(main, src, ft, 2, first))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("main_c,src_c", [(96, 192), (256, 512), (512, 1024), (1024, 1024), (24, 6)])
+@pytest.mark.parametrize("ft,first", [(1, False), (2, False), (2, True)])
+def test_dupup_add_tile_kernel_exact_at_decoder_widths(dtype, main_c, src_c, ft, first) -> None:
+    """The channels_last_3d tile kernel at Wan2.2's up-block widths (repeat counts 1..16), B = 2."""
+    g = torch.Generator(device="cuda").manual_seed(main_c + ft)
+    src = lay(torch.randn(2, src_c, 2, 5, 7, device="cuda", dtype=dtype, generator=g), "cl3d")
+    t = 2 * ft - (ft - 1 if first else 0)
+    main = lay(torch.randn(2, main_c, t, 10, 14, device="cuda", dtype=dtype, generator=g), "cl3d")
+    got = K.dupup_add(main, src, ft, 2, first)
+    assert got is not None
+    assert_same(got, K.dupup_add_reference(main, src, ft, 2, first))
+
+
 def test_int64_indexing_past_2_31() -> None:
     """Padded output of 2.3e9 elements (> 2^31): offsets must not wrap."""
     x = torch.zeros(1, 16, 1, 4096, 16384, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=CL)

@@ -54,6 +54,25 @@ SCRIPT = textwrap.dedent(
                 src = lay(torch.randn(1, 4, 2, 3, 4, dtype=dt), "cl3d")
                 m = lay(torch.randn(1, 2, 2 * ft - (ft - 1 if first else 0), 6, 8, dtype=dt), l)
                 same(K.dupup_add(m, src, ft, 2, first), K.dupup_add_reference(m, src, ft, 2, first)); n += 1
+    # DupUp3D add into a channels_last_3d main: the 2-D tile kernel (launches counted), B = 2,
+    # repeat counts 1..16 (source channels C/8 .. 4C), source in either layout
+    from vaed.kernels import dupup as D
+    tile_launches = [0]
+    tile_kernel = D._cl_kernel
+    def counted():
+        tile_launches[0] += 1
+        return tile_kernel()
+    D._cl_kernel = counted
+    n_tile = 0
+    for dt, (cm, cs), ft, first, sl in itertools.product(
+        (torch.float16, torch.float32), ((3, 6), (8, 8), (8, 32), (6, 3)), (1, 2), (False, True), ("cl3d", "contiguous")):
+        if ft == 1 and first:
+            continue
+        src = lay(torch.randn(2, cs, 2, 3, 5, dtype=dt), sl)
+        m = lay(torch.randn(2, cm, 2 * ft - (ft - 1 if first else 0), 6, 10, dtype=dt), "cl3d")
+        same(K.dupup_add(m, src, ft, 2, first), K.dupup_add_reference(m, src, ft, 2, first)); n += 1; n_tile += 1
+    assert tile_launches[0] == n_tile, (tile_launches[0], n_tile)
+    D._cl_kernel = tile_kernel
     # one-sided spatial padding (a shard's interior edge), with and without the next-cache write
     for dt, l, cf, pad in itertools.product(
         (torch.bfloat16, torch.float32), ("cl3d", "contiguous"), (0, 2), ((0, 1, 1, 0, 2, 0), (2, 0, 0, 1, 2, 0))):

@@ -12,7 +12,7 @@ Without a norm: pure data movement, bit-exact against
 ``RmsSiluArgs`` with aten's fp32 denominator): the exact WanRMS_norm + SiLU
 prologue, the same arithmetic as ``causal_input``'s, bit-exact too.
 
-``norm_cl=(gamma, scale, bias)`` is the *lossy* fast-tier prologue (the
+``norm_cl=(gamma, scale, bias[, x_bias])`` is the *lossy* fast-tier prologue (the
 SGLang channels-last RMSNorm+SiLU way): the per-pixel L2 norm over channels
 is reduced in fp32 inside the tile, and normalize * scale * gamma + bias and
 SiLU run in fp32 with one rounding at the end. Stock rounds to the activation
@@ -20,6 +20,10 @@ dtype after every op and reduces the norm in a separate fp32 pass over a
 float copy; this drops those two passes and the intermediate roundings
 (values differ from stock by about one bf16 ulp; accuracy against an fp32
 decode is no worse). The exact lossless norm stays in ``causal_input``.
+``x_bias`` (a [C] tensor) is the producing conv's bias, left out of that
+conv and added here in fp32 before the norm: the conv's separate bias pass
+over its output (torch adds a cuDNN conv's bias in its own kernel) is gone,
+and with it one more rounding.
 
 ``unfold=KT`` writes the conv input with its KT time taps unfolded into
 channels instead: an NHWC image batch ``[B*TO, KT*C, HP, WP]`` (TO = TP -
@@ -42,13 +46,16 @@ tl = None  # filled in by rt.jit_lazy
 triton = None
 libdevice = None
 
+# the fast prologue: (gamma, scale, bias) or (gamma, scale, bias, x_bias | None)
+NormCl = tuple[torch.Tensor, float, float] | tuple[torch.Tensor, float, float, torch.Tensor | None]
+
 _TILE = 4096  # elements per program: BLOCK_W * BLOCK_C
 _MAX_C = 4096
 NORM_EPS = 1e-12  # F.normalize's eps
 
 
 def _causal_pad_cl_kernel(
-    x_ptr, c_ptr, p_ptr, n_ptr, g_ptr, d_ptr,
+    x_ptr, c_ptr, p_ptr, n_ptr, g_ptr, d_ptr, xb_ptr,
     C, H, W, TP, HP, WP,
     Z, HIST, K, PH, PW,
     sxb, sxc, sxt, sxh, sxw,
@@ -56,7 +63,7 @@ def _causal_pad_cl_kernel(
     snb, snc, snt, snh, snw,
     sdb, sdt, sdh, sdw,
     scale, bias, eps,
-    NORM: tl.constexpr, LOWP: tl.constexpr, EMIT: tl.constexpr, IDX64: tl.constexpr,
+    NORM: tl.constexpr, XBIAS: tl.constexpr, LOWP: tl.constexpr, EMIT: tl.constexpr, IDX64: tl.constexpr,
     KT: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0)  # (b, tp, hp) of the padded output
@@ -107,6 +114,8 @@ def _causal_pad_cl_kernel(
             if NORM == 2:
                 # lossy fast tier: channel norm reduced in the tile, fp32 throughout, one rounding
                 v = xv.to(tl.float32)
+                if XBIAS:  # the producing conv's bias (masked channels stay 0)
+                    v = v + tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
                 ss = tl.sum(v * v, axis=1)  # per pixel, over channels
                 inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
                 g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
@@ -148,7 +157,7 @@ def causal_pad_cl(
     zero_history: bool = False,
     cache_t: int = CACHE_T,
     norm: RmsSiluArgs | None = None,
-    norm_cl: tuple[torch.Tensor, float, float] | None = None,
+    norm_cl: NormCl | None = None,
     emit_cache: bool = True,
     unfold: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -158,8 +167,8 @@ def causal_pad_cl(
     channels_last_3d in the aten chain, with ``C <= 4096``. Output layouts
     are aten's (the same oracle), so the conv sees what it would see on the
     lossless path. ``norm`` is the exact prologue (as in ``causal_pad``,
-    aten's denominator passed in); ``norm_cl`` = (gamma, scale, bias) the
-    lossy one-pass prologue. At most one of them. ``unfold=KT > 0`` returns the
+    aten's denominator passed in); ``norm_cl`` = (gamma, scale, bias[, x_bias])
+    the lossy one-pass prologue. At most one of them. ``unfold=KT > 0`` returns the
     input with KT time taps unfolded into channels (module docstring) in place
     of the padded tensor.
     """
@@ -192,24 +201,26 @@ def causal_pad_cl(
     hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
     src_c = cache if use_cache else x
     d, sd = x, (0, 0, 0, 0)
+    x_bias = None
     if norm is not None:
         mode, g, scale, bias = 1, norm.gamma, float(norm.scale), float(norm.bias)
         d = norm.denom
         sd = (d.stride(0), d.stride(2), d.stride(3), d.stride(4))
     elif norm_cl is not None:
         mode, g, scale, bias = 2, norm_cl[0], float(norm_cl[1]), float(norm_cl[2])
+        x_bias = _x_bias(norm_cl)
     else:
         mode, g, scale, bias = 0, x, 1.0, 0.0
     block_c = _pow2(C)
     block_w = max(1, min(_pow2(WP), _TILE // block_c))
     grid = (B * TP * HP, -(-WP // block_w))
     _kernel()[grid](  # type: ignore[index]
-        x, src_c, padded, padded if nxt is None else nxt, g, d,
+        x, src_c, padded, padded if nxt is None else nxt, g, d, g if x_bias is None else x_bias,
         C, H, W, TP, HP, WP,
         pad[4] - hist, hist, n_shape[2] if emit_cache else 0, pad[2], pad[0],
         *x.stride(), *src_c.stride(), *(nxt.stride() if nxt is not None else (0,) * 5), *sd,
         scale, bias, NORM_EPS,
-        NORM=mode, LOWP=low_precision(x.dtype), EMIT=nxt is not None,
+        NORM=mode, XBIAS=x_bias is not None, LOWP=low_precision(x.dtype), EMIT=nxt is not None,
         IDX64=not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=block_w * C * max(unfold, 1)),
         KT=unfold, BLOCK_W=block_w, BLOCK_C=block_c,
         num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(x),
@@ -224,7 +235,7 @@ def _eligible(
     zero_history: bool,
     cache_t: int,
     norm: RmsSiluArgs | None,
-    norm_cl: tuple[torch.Tensor, float, float] | None,
+    norm_cl: NormCl | None,
 ) -> bool:
     """The 1-D kernel's input checks (same inputs, same contract), plus the lossy norm's."""
     if not _eligible_1d(x, cache, pad, zero_history, cache_t, norm):
@@ -235,4 +246,11 @@ def _eligible(
             return False
         if not isinstance(norm_cl[2], float):
             return False
+        xb = _x_bias(norm_cl)
+        if xb is not None and (xb.device != x.device or xb.numel() != x.shape[1] or not xb.is_contiguous()):
+            return False
     return True
+
+
+def _x_bias(norm_cl: NormCl) -> torch.Tensor | None:
+    return norm_cl[3] if len(norm_cl) > 3 else None  # type: ignore[misc]

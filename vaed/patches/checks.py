@@ -2,8 +2,9 @@
 
 Each op that differs from ``REFERENCE_OPS`` runs a few tiny cases (both
 layouts, cache / no cache, asymmetric padding, the "Rep" marker, the
-interleave, first and later DupUp3D chunks) in the decoder's dtype. A
-:class:`~vaed.patches.ops.FusedOp` is checked through its kernel alone, so a
+interleave, first and later DupUp3D chunks, deferred conv biases) in the
+decoder's dtype. A :class:`~vaed.patches.ops.FusedOp` is checked through its
+kernel alone, so a
 kernel that silently declined would fail rather than pass on its fallback.
 Exact op sets compare with ``torch.equal`` and equal strides; lossy ones (and
 any op set on a CPU under the Triton interpreter, whose exp is numpy's and
@@ -61,6 +62,9 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
             cases.append(((x, None, (1, 1, 1, 1, 2, 0)), {"norm": norm, "emit_cache": False}))
             if norm is None:
                 cases.append(((one, None, (0, 0, 0, 0, 2, 0)), {"zero_history": True}))
+            else:  # a deferred conv bias, added before the norm
+                x_bias = torch.randn(6, generator=g).to(device=device, dtype=dtype)
+                cases.append(((x, cache, (1, 1, 1, 1, 2, 0)), {"norm": NormSilu(gamma, 6**0.5, 0.0, x_bias)}))
     elif name in ("upsample", "upsample_interleave"):
         for cl in (True, False):
             cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, cl), name == "upsample_interleave"), {}))
@@ -74,6 +78,7 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
         conv = nn.Conv3d(6, 4, 3).to(device=device, dtype=dtype)
         conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
         cases.append(((conv, _t((1, 6, 4, 5, 7), g, device, dtype, True)), {}))
+        cases.append(((conv, _t((1, 6, 4, 5, 7), g, device, dtype, True)), {"bias": False}))
     elif name == "conv2d":
         conv2 = nn.Conv2d(4, 4, 3, padding=1).to(device=device, dtype=dtype)
         cases.append(((conv2, _t((2, 4, 5, 7), g, device, dtype, False)), {}))
@@ -90,8 +95,14 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
         cache = _t((1, 6, 2, 3, 5), g, device, dtype, True)
         cases.append(((conv3, x, cache, (1, 1, 1, 1, 2, 0)), {"norm": norm}))
         cases.append(((conv3, x[:, :, :1], None, (1, 1, 1, 1, 2, 0)), {"norm": norm}))
+        x_bias = torch.randn(6, generator=g).to(device=device, dtype=dtype)
+        deferred = NormSilu(gamma, 6**0.5, 0.0, x_bias)
+        cases.append(((conv3, x, cache, (1, 1, 1, 1, 2, 0)), {"norm": deferred, "bias": False}))
     elif name == "residual_add":
-        cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, True), _t((1, 4, 2, 3, 5), g, device, dtype, True)), {}))
+        for with_bias in (False, True):
+            bias = torch.randn(4, generator=g).to(device=device, dtype=dtype) if with_bias else None
+            x, h = _t((1, 4, 2, 3, 5), g, device, dtype, True), _t((1, 4, 2, 3, 5), g, device, dtype, True)
+            cases.append(((x, h, bias), {}))
     else:  # pragma: no cover - OP_NAMES and this function move together
         raise ValueError(f"no start-up check for op {name!r}")
     return cases

@@ -17,6 +17,12 @@ causal-input site, the exact norm prologue included (aten's denominator, the
 1-D kernel's arithmetic): bit-exact, a candidate to replace the 1-D kernel
 (26 % of a steady 480p chunk, ~350 us a call) once measured.
 
+* ``defer_bias``: a residual block's convs run without their bias; conv1's
+  is added in norm2's prologue (in the tile kernel, before the norm) and
+  conv2's in ``residual_add``, one kernel for ``x + bias + h``
+  (``bias_residual_add``). torch adds a cuDNN conv's bias in a pass of its
+  own: 5.2 ms of a 40.1 ms steady 480p chunk, 10.3 of 126 ms at Wan2.2
+  704x1280 (H200, bf16).
 * ``norm_causal_conv``: at norm sites whose conv is 3x3x3 with at most
   ``UNFOLD_MAX_CHANNELS`` channels in and out (Wan2.1's six full-resolution
   96-channel convs per chunk), the conv input kernel above writes the three
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaed.kernels.causal_input_cl import causal_pad_cl
+from vaed.kernels.residual import bias_residual_add
 from vaed.patches.ops import (
     LOSSLESS_OPS,
     FusedOp,
@@ -46,6 +53,7 @@ from vaed.patches.ops import (
     OpSet,
     PadTuple,
     reference_causal_pad,
+    reference_residual_add,
     triton_causal_pad,
     unfused_norm_causal_conv,
 )
@@ -86,7 +94,7 @@ def fast_norm_causal_pad(
     if norm is not None:
         r = causal_pad_cl(
             x, cache, pad, zero_history=zero_history, emit_cache=emit_cache,
-            norm_cl=(norm.gamma, norm.scale, norm.bias),
+            norm_cl=(norm.gamma, norm.scale, norm.bias, norm.x_bias),
         )
         if r is not None:
             return r
@@ -116,7 +124,13 @@ def unfolded_weight(conv: nn.Module) -> torch.Tensor:
 
 
 def unfolded_norm_causal_conv(
-    conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, *, norm: NormSilu
+    conv: nn.Module,
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: PadTuple,
+    *,
+    norm: NormSilu,
+    bias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Lossy: the fast norm+SiLU conv input with the time taps unfolded into channels, then one
     conv2d; None (the op set's own input build and conv3d run) unless the conv qualifies.
@@ -125,11 +139,17 @@ def unfolded_norm_causal_conv(
     input, the layout this returns; a CPU conv3d picks its output layout by size."""
     if not x.is_cuda:
         return None
-    return unfolded_causal_conv(conv, x, cache, pad, norm)
+    return unfolded_causal_conv(conv, x, cache, pad, norm, bias=bias)
 
 
 def unfolded_causal_conv(
-    conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, norm: NormSilu
+    conv: nn.Module,
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: PadTuple,
+    norm: NormSilu,
+    *,
+    bias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``unfolded_norm_causal_conv`` on any device (the interpreter tests run it on the CPU):
     (conv output in channels_last_3d, next cache), or None when the conv does not qualify."""
@@ -143,11 +163,11 @@ def unfolded_causal_conv(
         or tuple(conv.padding) != (0, 0, 0) or conv.groups != 1
     ):
         return None
-    r = causal_pad_cl(x, cache, pad, norm_cl=(norm.gamma, norm.scale, norm.bias), unfold=kt)
+    r = causal_pad_cl(x, cache, pad, norm_cl=(norm.gamma, norm.scale, norm.bias, norm.x_bias), unfold=kt)
     if r is None:
         return None
     images, nxt = r
-    y = F.conv2d(images, unfolded_weight(conv), conv.bias)
+    y = F.conv2d(images, unfolded_weight(conv), conv.bias if bias else None)
     if not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     # [B*TO, C, H, W] channels-last is [B, TO, H, W, C] in memory: channels_last_3d [B, C, TO, H, W]
@@ -155,6 +175,11 @@ def unfolded_causal_conv(
     n, c, h, w_ = y.shape
     shape = (x.shape[0], c, n // x.shape[0], h, w_)
     return y.as_strided(shape, (shape[2] * h * w_ * c, 1, h * w_ * c, w_ * c, c)), nxt
+
+
+def fused_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Lossy: ``x + bias + h`` in one pass, one rounding (None: the reference's two adds)."""
+    return bias_residual_add(x, h, bias)
 
 
 LOSSLESS_TILED_OPS: OpSet = dataclasses.replace(
@@ -170,4 +195,6 @@ FAST_OPS: OpSet = dataclasses.replace(
     exact=False,
     norm_causal_pad=FusedOp("norm_causal_pad", fast_norm_causal_pad, reference_causal_pad),
     norm_causal_conv=FusedOp("norm_causal_conv", unfolded_norm_causal_conv, unfused_norm_causal_conv),
+    residual_add=FusedOp("residual_add", fused_residual_add, reference_residual_add),
+    defer_bias=True,
 )

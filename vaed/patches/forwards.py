@@ -15,6 +15,7 @@ configuration the port does not cover (active dropout, a non-default norm).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -57,24 +58,48 @@ def norm_silu_spec(norm: Any, act: Any, x: torch.Tensor) -> NormSilu | None:
 
 
 def cached_conv(
-    ops: OpSet, conv: Any, x: torch.Tensor, feat_cache: list, feat_idx: list, norm: NormSilu | None = None
+    ops: OpSet,
+    conv: Any,
+    x: torch.Tensor,
+    feat_cache: list,
+    feat_idx: list,
+    norm: NormSilu | None = None,
+    *,
+    bias: bool = True,
 ) -> torch.Tensor:
     """One diffusers call site: snapshot the cache, run the conv with the old one, store the new one."""
     idx = feat_idx[0]
-    out, nxt = ops.causal_conv(conv, x, feat_cache[idx], tuple(conv._padding), norm=norm)
+    out, nxt = ops.causal_conv(conv, x, feat_cache[idx], tuple(conv._padding), norm=norm, bias=bias)
     feat_cache[idx] = nxt
     feat_idx[0] += 1
     return out
 
 
 def norm_silu_cached_conv(
-    ops: OpSet, norm: Any, act: Any, conv: Any, x: torch.Tensor, feat_cache: list, feat_idx: list
-) -> torch.Tensor:
-    """conv(SiLU(norm(x))) at a call site; the norm goes into the op when it is the standard one."""
+    ops: OpSet,
+    norm: Any,
+    act: Any,
+    conv: Any,
+    x: torch.Tensor,
+    feat_cache: list,
+    feat_idx: list,
+    *,
+    x_bias: torch.Tensor | None = None,
+    defer_bias: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """conv(SiLU(norm(x + x_bias))) at a call site: (output, the conv's bias when it was left
+    out for the caller to add, else None). The norm goes into the op when it is the standard
+    one, and ``x_bias`` (a previous conv's deferred bias) with it."""
+    pending = conv.bias if defer_bias and conv.bias is not None else None
     spec = norm_silu_spec(norm, act, x)
     if spec is None:
-        return cached_conv(ops, conv, act(norm(x)), feat_cache, feat_idx)
-    return cached_conv(ops, conv, x, feat_cache, feat_idx, norm=spec)
+        if x_bias is not None:
+            x = x + x_bias.view(1, -1, 1, 1, 1)
+        out = cached_conv(ops, conv, act(norm(x)), feat_cache, feat_idx, bias=pending is None)
+    else:
+        spec = dataclasses.replace(spec, x_bias=x_bias) if x_bias is not None else spec
+        out = cached_conv(ops, conv, x, feat_cache, feat_idx, norm=spec, bias=pending is None)
+    return out, pending
 
 
 # --- the forwards ------------------------------------------------------------------
@@ -98,9 +123,10 @@ def resblock_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None,
         return type(self).forward(self, x, feat_cache, feat_idx)
     ops = ops_for(self)
     h = self.conv_shortcut(x)
-    x = norm_silu_cached_conv(ops, self.norm1, self.nonlinearity, self.conv1, x, feat_cache, feat_idx)
-    x = norm_silu_cached_conv(ops, self.norm2, self.nonlinearity, self.conv2, x, feat_cache, feat_idx)
-    return ops.residual_add(x, h)
+    act, defer = self.nonlinearity, ops.defers_bias_for(x)
+    x, b1 = norm_silu_cached_conv(ops, self.norm1, act, self.conv1, x, feat_cache, feat_idx, defer_bias=defer)
+    x, b2 = norm_silu_cached_conv(ops, self.norm2, act, self.conv2, x, feat_cache, feat_idx, x_bias=b1, defer_bias=defer)
+    return ops.residual_add(x, h, b2)
 
 
 def decoder_forward(
@@ -114,7 +140,8 @@ def decoder_forward(
     x = self.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
     for up_block in self.up_blocks:
         x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
-    return norm_silu_cached_conv(ops, self.norm_out, self.nonlinearity, self.conv_out, x, feat_cache, feat_idx)
+    x, _ = norm_silu_cached_conv(ops, self.norm_out, self.nonlinearity, self.conv_out, x, feat_cache, feat_idx)
+    return x
 
 
 def resample_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006

@@ -25,16 +25,24 @@ Op signatures (every op set honours all of them):
     output) followed by nearest-exact 2x.
 ``dupup_add(main, source, factor_t, factor_s, first_chunk)``
     -> ``main + DupUp3D(source)`` (Wan2.2 residual up-block shortcut).
-``conv3d(conv, x)`` -> the module's convolution of an already padded input.
+``conv3d(conv, x, *, bias=True)`` -> the module's convolution of an already
+    padded input; ``bias=False`` leaves the module's bias out (the caller hands
+    it to the op that reads the output: see ``defer_bias``).
 ``conv2d(conv, x)`` -> ``conv(x)`` for WanResample's 3x3 image conv (it pads
     itself; a sharded variant swaps in halo rows and one-sided padding here).
-``residual_add(x, h)`` -> ``x + h`` (the residual block's output).
-``norm_causal_conv(conv, x, cache, pad, *, norm)`` -> ``(conv output, next
-    cache)`` or None: the conv input with the norm fused in *and* the conv, in
+``residual_add(x, h, bias=None)`` -> ``x + h`` (the residual block's output),
+    ``(x + bias) + h`` with conv2's deferred per-channel bias.
+``norm_causal_conv(conv, x, cache, pad, *, norm, bias=True)`` -> ``(conv
+    output, next cache)`` or None: the conv input with the norm fused in *and* the conv, in
     one op, for an op set whose conv takes another input layout (the fast
     tier's unfolded time taps). None -- always, in the reference and lossless
     sets -- means "not fused": :meth:`OpSet.causal_conv` then runs the set's
     own ``norm_causal_pad`` and ``conv3d``.
+
+A ``NormSilu`` may carry ``x_bias``: the producing conv's bias, not yet added
+to ``x``; the norm ops add it before the norm. ``OpSet.defer_bias`` makes the
+residual-block forward leave conv1's bias to norm2 and conv2's to the residual
+add (False in the exact sets, whose fused paths would round differently).
 
 ``REFERENCE_OPS`` holds the plain-torch chains, op for op what stock diffusers
 runs. ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
@@ -67,6 +75,17 @@ class NormSilu:
     gamma: torch.Tensor  # (C, 1, 1, 1), the module's parameter as stored
     scale: float  # dim ** 0.5
     bias: float  # the module's python-float bias (0.0)
+    # the producing conv's bias ([C]), left out of that conv: added to x before the norm
+    x_bias: torch.Tensor | None = None
+
+
+def with_input_bias(x: torch.Tensor, norm: NormSilu | None) -> tuple[torch.Tensor, NormSilu | None]:
+    """``x`` with a norm's pending ``x_bias`` added (aten, one rounding, x's layout) and the
+    norm without it: for ops that cannot fold the bias into their own pass."""
+    x_bias = getattr(norm, "x_bias", None)  # the sharded forwards pass a NormSilu look-alike without it
+    if norm is None or x_bias is None:
+        return x, norm
+    return x + x_bias.view(1, -1, 1, 1, 1), dataclasses.replace(norm, x_bias=None)
 
 
 class CausalPadOp(Protocol):
@@ -94,12 +113,26 @@ class DupUpAddOp(Protocol):
 
 class NormCausalConvOp(Protocol):
     def __call__(
-        self, conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, *, norm: NormSilu
+        self,
+        conv: nn.Module,
+        x: torch.Tensor,
+        cache: torch.Tensor | None,
+        pad: PadTuple,
+        *,
+        norm: NormSilu,
+        bias: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None: ...
 
 
+class Conv3dOp(Protocol):
+    def __call__(self, conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor: ...
+
+
+class ResidualAddOp(Protocol):
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 ConvOp = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-AddOp = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -132,6 +165,7 @@ def reference_causal_pad(
     zero_history: bool = False,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x, norm = with_input_bias(x, norm)
     n = None if norm is None else (norm.gamma, norm.scale, norm.bias)
     return K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=n, emit_cache=emit_cache)
 
@@ -150,21 +184,29 @@ def reference_dupup_add(
     return K.dupup_add_reference(main, source, factor_t, factor_s, first_chunk)
 
 
-def reference_conv3d(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
     # WanCausalConv3d's own padding is (0, 0, 0) after its __init__: the input is pre-padded
-    return conv._conv_forward(x, conv.weight, conv.bias)  # type: ignore[operator]
+    return conv._conv_forward(x, conv.weight, conv.bias if bias else None)  # type: ignore[operator]
 
 
 def reference_conv2d(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return conv(x)
 
 
-def reference_residual_add(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def reference_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if bias is not None:  # what the conv's own bias pass would have done first
+        x = x + bias.view(1, -1, 1, 1, 1)
     return x + h
 
 
 def unfused_norm_causal_conv(
-    conv: nn.Module, x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, *, norm: NormSilu
+    conv: nn.Module,
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: PadTuple,
+    *,
+    norm: NormSilu,
+    bias: bool = True,
 ) -> None:
     """No fused conv: the op set's ``norm_causal_pad`` and ``conv3d`` run (``OpSet.causal_conv``)."""
     return None
@@ -206,6 +248,7 @@ def triton_causal_pad(
         return x, None
     if not rt.triton_available() or not rt.device_ok(x):
         return None  # decided before the fp32 norm pass below is paid for
+    x, norm = with_input_bias(x, norm)
     args = exact_norm_args(x, norm)
     if tiled and not unpadded:
         r = K.causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args)
@@ -237,10 +280,13 @@ class OpSet:
     upsample: UpsampleOp
     upsample_interleave: UpsampleOp
     dupup_add: DupUpAddOp
-    conv3d: ConvOp
+    conv3d: Conv3dOp
     conv2d: ConvOp
-    residual_add: AddOp
+    residual_add: ResidualAddOp
     norm_causal_conv: NormCausalConvOp
+    # the residual-block forward leaves conv1's bias to norm2 (NormSilu.x_bias) and conv2's
+    # to residual_add: one pass over each conv output fewer, one rounding fewer (lossy)
+    defer_bias: bool = False
 
     def causal_conv_input(
         self,
@@ -264,15 +310,23 @@ class OpSet:
         pad: PadTuple,
         *,
         norm: NormSilu | None = None,
+        bias: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One cached causal conv: (conv output, next cache). A norm site tries the fused
-        ``norm_causal_conv`` first; otherwise, and when it declines, input build then ``conv3d``."""
+        """One cached causal conv: (conv output, next cache); ``bias=False`` leaves the conv's
+        bias out. A norm site tries the fused ``norm_causal_conv`` first; otherwise, and when
+        it declines, input build then ``conv3d``."""
         if norm is not None:
-            fused = self.norm_causal_conv(conv, x, cache, pad, norm=norm)
+            fused = self.norm_causal_conv(conv, x, cache, pad, norm=norm, bias=bias)
             if fused is not None:
                 return fused
         padded, nxt = self.causal_conv_input(x, cache, pad, norm=norm)
-        return self.conv3d(conv, padded), nxt
+        return self.conv3d(conv, padded, bias=bias), nxt
+
+    def defers_bias_for(self, x: torch.Tensor) -> bool:
+        """Whether the forwards defer conv biases on ``x``'s device: only where the kernels
+        that fold them in can run (elsewhere every fused op declines, and a conv adds its
+        own bias as cheaply as a later op would, so the set keeps its reference's bytes)."""
+        return self.defer_bias and self.uses_triton and rt.triton_available() and rt.device_ok(x)
 
     def upsample2x(self, x: torch.Tensor, interleave: bool) -> torch.Tensor:
         return self.upsample_interleave(x, True) if interleave else self.upsample(x, False)
