@@ -126,7 +126,7 @@ def resblock_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None,
     act, defer = self.nonlinearity, ops.defers_bias_for(x)
     x, b1 = norm_silu_cached_conv(ops, self.norm1, act, self.conv1, x, feat_cache, feat_idx, defer_bias=defer)
     x, b2 = norm_silu_cached_conv(ops, self.norm2, act, self.conv2, x, feat_cache, feat_idx, x_bias=b1, defer_bias=defer)
-    return ops.residual_add(x, h, b2)
+    return ops.residual_add(x, h) if b2 is None else ops.residual_add(x, h, b2)
 
 
 def decoder_forward(
