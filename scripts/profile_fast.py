@@ -131,8 +131,9 @@ def max_abs(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def profile_chunk(vae: Any, z: torch.Tensor, ops: P.OpSet | None, label: str) -> None:
-    """Top-15 kernels of one steady chunk (latent frame k = 4, cache filled by frames 0..k-1)."""
+def profile_chunk(vae: Any, z: torch.Tensor, ops: P.OpSet | None, label: str, shapes: bool = False) -> None:
+    """Top-15 kernels of one steady chunk (latent frame k = 4, cache filled by frames 0..k-1);
+    ``shapes``: also the top-25 aten ops by input shapes (where copies and adds come from)."""
     from torch.profiler import ProfilerActivity, profile
 
     k = min(4, z.shape[2] - 1)
@@ -146,7 +147,7 @@ def profile_chunk(vae: Any, z: torch.Tensor, ops: P.OpSet | None, label: str) ->
         run()
     sync()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if DEVICE.startswith("cuda") else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         if ops is not None:
             with P.using(ops):
                 run()
@@ -165,6 +166,12 @@ def profile_chunk(vae: Any, z: torch.Tensor, ops: P.OpSet | None, label: str) ->
     except Exception:  # noqa: BLE001 - older torch names it cuda
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70)
     print(table, flush=True)
+    if shapes:
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        rows = sorted((e for e in by_shape if e.key.startswith("aten::")), key=lambda e: -device_seconds(e))[:25]
+        print(f"--- {label}: aten ops by input shapes (device ms, calls, shapes)")
+        for e in rows:
+            print(f"{device_seconds(e) * 1e3:8.3f} {e.count:4d}  {e.key:28s} {str(e.input_shapes)[:160]}")
 
 
 def free(*objs: Any) -> None:
@@ -174,11 +181,19 @@ def free(*objs: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(name: str, runs: int, smooth: bool, do_profile: bool) -> dict[str, Any]:
+def run_case(name: str, runs: int, smooth: bool, do_profile: bool, profile_only: bool = False, shapes: bool = False) -> dict[str, Any]:
     spec, (frames, height, width) = CASES[name]
     g = torch.Generator(device=DEVICE).manual_seed(0)
     print(f"\n==================== {name}: {spec} {height}x{width}x{frames} bf16 ====================", flush=True)
 
+    if profile_only:
+        vae = load_model(spec, DEVICE, torch.bfloat16, decoder_only=True).vae
+        rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
+        z = torch.randn(latent_shape(vae, frames, height, width), generator=g, device=DEVICE)
+        zb1 = P.to_decoder_layout(z.to(torch.bfloat16), "channels_last")
+        profile_chunk(vae, zb1, rep.ops_for("fast"), f"{name} fast", shapes=shapes)
+        free(vae)
+        return {}
     # fp32 stock reference (plain diffusers: contiguous, nothing installed)
     vae32 = load_model(spec, DEVICE, torch.float32, decoder_only=True).vae
     shape = latent_shape(vae32, frames, height, width)
@@ -246,7 +261,7 @@ def run_case(name: str, runs: int, smooth: bool, do_profile: bool) -> dict[str, 
         if P.installed_report(vae) is None:
             P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
         profile_chunk(vae, zb["white"], variants["lossless"], f"{name} lossless")
-        profile_chunk(vae, zb["white"], variants["fast"], f"{name} fast")
+        profile_chunk(vae, zb["white"], variants["fast"], f"{name} fast", shapes=shapes)
     free(vae)
     return results
 
@@ -257,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="cpu only for a smoke test under TRITON_INTERPRET=1")
     parser.add_argument("--runs", type=int, default=2, help="timed runs per variant (min is reported)")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--profile-only", action="store_true", help="only the fast tier's steady-chunk profile")
+    parser.add_argument("--shapes", action="store_true", help="also list the fast chunk's aten ops by input shapes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     global DEVICE
@@ -270,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for name in args.cases:
         smooth = name in ("wan2.1-480p", "tiny")
-        summary[name] = run_case(name, args.runs, smooth=smooth, do_profile=not args.no_profile)
+        summary[name] = run_case(name, args.runs, smooth=smooth, do_profile=not args.no_profile,
+                                 profile_only=args.profile_only, shapes=args.shapes)
     print("\n==================== summary (seconds, min of runs) ====================")
     for case, res in summary.items():
+        if not res:  # --profile-only
+            continue
         base = res["lossless"]
         print(f"{case:12s} " + "  ".join(f"{k} {v:.3f} ({base / v:.2f}x of lossless)" for k, v in res.items()))
     print(f"total {time.perf_counter() - t0:.0f} s")

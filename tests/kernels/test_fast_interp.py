@@ -149,7 +149,16 @@ SCRIPT = textwrap.dedent(
         n += 1
     x = torch.randn(1, 7, 3, 4, 5)
     assert K.bias_residual_add(x, x, None) is None  # contiguous: the reference's aten add
-    assert K.bias_residual_add(lay(x, "cl3d"), x, None) is None  # strides differ
+    assert K.bias_residual_add(lay(x, "cl3d"), x, None) is None  # one of them not channels-last
+    # one frame (T = 1): producers leave different strides on the size-1 dim; still one pass
+    x1 = lay(torch.randn(1, 7, 1, 4, 5), "cl3d")
+    h1 = lay(torch.randn(1, 7, 1, 4, 5), "cl3d")
+    h1 = h1.as_strided(h1.shape, (140, 1, 7, 35, 7))  # same bytes, another T stride
+    assert x1.stride() != h1.stride()
+    b7 = torch.randn(7)
+    got = K.bias_residual_add(x1, h1, b7)
+    assert got is not None and got.stride() == (x1 + h1).stride()
+    assert torch.equal(got, K.bias_residual_add_reference(x1, h1, b7))
     # only the measured shape of conv: channels in = out <= UNFOLD_MAX_CHANNELS, stride 1
     x = lay(torch.randn(1, 5, 1, 4, 6, dtype=torch.bfloat16), "cl3d")
     g = (torch.rand(5, 1, 1, 1) + 0.5).to(torch.bfloat16)
