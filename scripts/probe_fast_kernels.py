@@ -8,6 +8,9 @@ add with conv2's bias (``bias_residual_add``) and the DupUp3D add. Each
 distinct call is replayed and printed with its time, the bytes it must move
 (every input read once, every output written once) and achieved GB/s, beside
 a device copy of the same byte count (the bandwidth a kernel could reach).
+Calls a kernel declines (its fallback runs) are listed with their strides,
+each resample conv2d with its input, weight and output strides, and each
+conv3d whose output is not channels_last_3d.
 
     python scripts/probe_fast_kernels.py                                   # Wan2.1 480x832
     python scripts/probe_fast_kernels.py --model random:wan2.2 --hw 44x80  # Wan2.2 704x1280
@@ -53,15 +56,34 @@ def record(vae: Any, z: torch.Tensor, ops: P.OpSet) -> list[Call]:
             out = fn(*args, **kwargs)
             if chunk[0] == 2 and out is not None:
                 calls.append((name, fn, args, kwargs))
+            elif chunk[0] == 2:  # a decline: the call ran its fallback (aten or the 1-D kernel)
+                strides = [tuple(t.stride()) for t in _tensors(args)[:3]]
+                print(f"declined: {describe(name, args, kwargs)} strides {strides}", flush=True)
             return out
         return wrapped
+
+    def conv2d_spy(conv: Any, x: torch.Tensor) -> torch.Tensor:
+        y = conv2d(conv, x)
+        if chunk[0] == 2:
+            print(f"conv2d {tuple(x.shape)} in {x.stride()} weight {conv.weight.stride()} -> out {y.stride()}", flush=True)
+        return y
 
     saved = (fast.causal_pad_cl, fast.bias_residual_add, K.causal_pad_cl)
     fast.causal_pad_cl = spy("causal_pad_cl", saved[0])
     K.causal_pad_cl = spy("causal_pad_cl", saved[2])  # the exact tile path at norm-free sites
     fast.bias_residual_add = spy("bias_residual_add", saved[1])
     ref = getattr(ops.dupup_add, "reference", ops.dupup_add)
-    ops = dataclasses.replace(ops, dupup_add=FusedOp("dupup_add", spy("dupup_add", K.dupup_add), ref))
+    def conv3d_spy(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        y = conv3d(conv, x, bias=bias)
+        if chunk[0] == 2 and not y.is_contiguous(memory_format=torch.channels_last_3d):
+            print(f"conv3d {tuple(x.shape)} in {x.stride()} weight {conv.weight.stride()} -> out {y.stride()} "
+                  "(not channels_last_3d)", flush=True)
+        return y
+
+    conv2d, conv3d = ops.conv2d, ops.conv3d
+    ops = dataclasses.replace(
+        ops, dupup_add=FusedOp("dupup_add", spy("dupup_add", K.dupup_add), ref), conv2d=conv2d_spy, conv3d=conv3d_spy
+    )
     try:
         n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
         cache: list = [None] * n
@@ -121,13 +143,16 @@ def main() -> None:
     parser.add_argument("--model", default="random:wan2.1")
     parser.add_argument("--hw", default="60x104", help="latent HxW")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--no-timing", action="store_true", help="only the declines and conv2d layouts")
     args = parser.parse_args()
     h, w = (int(v) for v in args.hw.split("x"))
     vae = load_model(args.model, "cuda", torch.bfloat16, decoder_only=True).vae
     rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
     z = P.to_decoder_layout(torch.randn(1, vae.config.z_dim, 3, h, w, device="cuda", dtype=torch.bfloat16), "channels_last")
     print(f"{args.model} latent {h}x{w}, torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    report(record(vae, z, rep.ops_for("fast")), args.reps)
+    calls = record(vae, z, rep.ops_for("fast"))
+    if not args.no_timing:
+        report(calls, args.reps)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,9 @@ def test_upsample_exact(dtype, layout, interleave) -> None:
     got = K.upsample_nearest2x(x, interleave)
     assert got is not None
     assert_same(got, K.upsample_nearest2x_reference(x, interleave))
+    nhwc = K.upsample_nearest2x(x, interleave, channels_last=True)
+    assert nhwc.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(nhwc, got)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -49,6 +49,9 @@ SCRIPT = textwrap.dedent(
         for il in (False, True):
             xe = lay(torch.randn(1, 4, 2, 3, 5, dtype=dt), l)
             same(K.upsample_nearest2x(xe, il), K.upsample_nearest2x_reference(xe, il)); n += 1
+            nhwc = K.upsample_nearest2x(xe, il, channels_last=True)  # the fast tier's layout
+            assert nhwc.is_contiguous(memory_format=torch.channels_last), nhwc.stride()
+            assert torch.equal(nhwc, K.upsample_nearest2x_reference(xe, il)); n += 1
         if dt != torch.bfloat16 and pad[:4] == (1, 1, 1, 1):
             for ft, first in ((1, False), (2, False), (2, True)):
                 src = lay(torch.randn(1, 4, 2, 3, 4, dtype=dt), "cl3d")

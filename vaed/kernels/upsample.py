@@ -84,8 +84,12 @@ def _upsample_kernel(
 _kernel = rt.jit_lazy(_upsample_kernel, globals())
 
 
-def upsample_nearest2x(x: torch.Tensor, interleave: bool = False) -> torch.Tensor | None:
-    """Fused ``upsample_nearest2x_reference``: returns (b*t', c, 2h, 2w) or None (caller falls back)."""
+def upsample_nearest2x(x: torch.Tensor, interleave: bool = False, *, channels_last: bool = False) -> torch.Tensor | None:
+    """Fused ``upsample_nearest2x_reference``: returns (b*t', c, 2h, 2w) or None (caller falls back).
+
+    The output has the reference's strides, or with ``channels_last`` the same values in NHWC
+    whatever the reference's layout: the interleave's stack makes the reference's images NCHW,
+    so the next conv2d would write NCHW and the frames after it would leave channels_last_3d."""
     if not rt.triton_available() or x.dim() != 5 or x.dtype not in rt.SUPPORTED_DTYPES:
         return None
     if not rt.device_ok(x) or x.numel() == 0:
@@ -98,6 +102,8 @@ def upsample_nearest2x(x: torch.Tensor, interleave: bool = False) -> torch.Tenso
     if interleave and c % 2:
         return None
     shape, stride = _out_layout(tuple(x.shape), tuple(x.stride()), interleave)
+    if channels_last:
+        stride = rt.dense_strides(shape, _ORDER4_NHWC)
     if rt.matches_order(shape, stride, _ORDER4_NHWC) and not rt.matches_order(shape, stride, _ORDER4_NCHW):
         cl = True
     elif rt.matches_order(shape, stride, _ORDER4_NCHW):

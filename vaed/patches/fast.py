@@ -30,8 +30,11 @@ causal-input site, the exact norm prologue included (aten's denominator, the
   3*C channels. cuDNN serves that conv2d from a Hopper kernel where conv3d
   gets an sm80-family one. Another kernel, so other rounding: fast only.
 
-Everything else (upsample gathers, DupUp3D add, the other cuDNN convs) is the lossless
-ops. Each fast op falls back per call to the lossless op, then to the
+* ``upsample`` / ``upsample_interleave``: the lossless gather, its images
+  always NHWC (the interleave's reference layout is NCHW, which made every
+  up block's first frames leave channels_last_3d).
+
+Everything else (DupUp3D add, the other cuDNN convs) is the lossless ops. Each fast op falls back per call to the lossless op, then to the
 reference, so a contiguous-layout or CPU decoder still runs.
 """
 
@@ -44,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vaed import kernels as K
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.residual import bias_residual_add
 from vaed.patches.ops import (
@@ -54,6 +58,8 @@ from vaed.patches.ops import (
     PadTuple,
     reference_causal_pad,
     reference_residual_add,
+    reference_upsample,
+    reference_upsample_interleave,
     triton_causal_pad,
     unfused_norm_causal_conv,
 )
@@ -177,6 +183,18 @@ def unfolded_causal_conv(
     return y.as_strided(shape, (shape[2] * h * w_ * c, 1, h * w_ * c, w_ * c, c)), nxt
 
 
+def channels_last_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor | None:
+    """Layout only: the upsample's images in NHWC whatever aten's chain would give (the
+    upsample3d interleave gives NCHW), so the resample conv2d writes channels-last and the
+    frames after it stay channels_last_3d; NCHW there cost the next block its tile kernels and
+    cuDNN its layout conversions. Other strides, another conv2d algorithm: fast tier only."""
+    return K.upsample_nearest2x(x, interleave, channels_last=True)
+
+
+def channels_last_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> torch.Tensor | None:
+    return K.upsample_nearest2x(x, interleave, channels_last=True)
+
+
 def fused_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Lossy: ``x + bias + h`` in one pass, one rounding (None: the reference's two adds)."""
     return bias_residual_add(x, h, bias)
@@ -196,5 +214,7 @@ FAST_OPS: OpSet = dataclasses.replace(
     norm_causal_pad=FusedOp("norm_causal_pad", fast_norm_causal_pad, reference_causal_pad),
     norm_causal_conv=FusedOp("norm_causal_conv", unfolded_norm_causal_conv, unfused_norm_causal_conv),
     residual_add=FusedOp("residual_add", fused_residual_add, reference_residual_add),
+    upsample=FusedOp("upsample", channels_last_upsample, reference_upsample),
+    upsample_interleave=FusedOp("upsample_interleave", channels_last_upsample_interleave, reference_upsample_interleave),
     defer_bias=True,
 )
