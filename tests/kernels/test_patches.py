@@ -350,3 +350,57 @@ def test_unfolded_weight_of_an_inference_tensor_is_cached_by_identity() -> None:
         conv = torch.nn.Conv3d(2, 2, 3)
         first = unfolded_weight(conv)
         assert unfolded_weight(conv) is first and first.shape == (2, 6, 3, 3)
+
+
+def test_biases_are_deferred_only_where_the_fused_kernels_run() -> None:
+    """A CPU tensor without the Triton interpreter: every fast kernel declines, so the fast tier
+    keeps each conv's bias in the conv (and the exact sets never defer)."""
+    x = torch.randn(1, 4, 1, 2, 2)
+    assert P.FAST_OPS.defer_bias and not P.LOSSLESS_OPS.defer_bias and not P.REFERENCE_OPS.defer_bias
+    assert not P.FAST_OPS.defers_bias_for(x)
+    assert not P.LOSSLESS_OPS.defers_bias_for(x)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deferred_biases_reach_norm2_and_the_residual_add(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference ops with ``defer_bias`` forced on (fp64): every residual block runs conv1 and
+    conv2 without their bias, norm2 gets conv1's as ``x_bias`` and the residual add conv2's, and
+    the decode equals stock up to fp64 rounding (the biases are added where the next op reads)."""
+    from vaed.patches import ops as ops_module
+
+    vae = _vae(arch, torch.float64)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        want, _ = _chunked(vae, z)
+    seen: collections.Counter = collections.Counter()
+
+    def conv3d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        seen["conv3d without bias"] += not bias
+        return P.REFERENCE_OPS.conv3d(conv, x, bias=bias)
+
+    def norm_causal_pad(x: torch.Tensor, cache: Any, pad: Any, **kw: Any) -> Any:
+        seen["norm with x_bias"] += kw["norm"].x_bias is not None
+        return P.REFERENCE_OPS.norm_causal_pad(x, cache, pad, **kw)
+
+    def residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen["residual add with bias"] += bias is not None
+        return P.REFERENCE_OPS.residual_add(x, h, bias)
+
+    deferring = dataclasses.replace(
+        P.REFERENCE_OPS, name="deferring", uses_triton=True, defer_bias=True,
+        conv3d=conv3d, norm_causal_pad=norm_causal_pad, residual_add=residual_add,
+    )
+    monkeypatch.setattr(ops_module.rt, "triton_available", lambda: True)
+    monkeypatch.setattr(ops_module.rt, "device_ok", lambda t: True)
+    blocks = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanResidualBlock")
+    with torch.no_grad():
+        P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
+        with P.using(deferring):
+            got, _ = _chunked(vae, z)
+    chunks = z.shape[2]
+    assert seen == {
+        "conv3d without bias": 2 * blocks * chunks,
+        "norm with x_bias": blocks * chunks,
+        "residual add with bias": blocks * chunks,
+    }, seen
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -8,9 +8,10 @@ output. This op reads ``source`` through the same index map and adds it to
 
 Two kernels, one index map: a channels_last_3d output (the GPU decoder's
 layout) goes to a 2-D tile kernel (pixels x channels, the repeat count a
-compile-time constant); other layouts to the flat kernel, whose per-element
-64-bit index divisions made it ~10x slower than HBM bandwidth at Wan2.2's
-704x1280 (3.4 ms a call on an H200, 8 % of a steady chunk).
+compile-time constant, no per-element division by a runtime value); other
+layouts to the flat kernel. On an H200 at Wan2.2 704x1280 (bf16, steady
+chunk, 3 calls) the flat kernel took 10.2 ms, 8 % of the chunk; the tile
+kernel takes 0.93 ms.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ Op signatures (every op set honours all of them):
 ``residual_add(x, h, bias=None)`` -> ``x + h`` (the residual block's output),
     ``(x + bias) + h`` with conv2's deferred per-channel bias.
 ``norm_causal_conv(conv, x, cache, pad, *, norm, bias=True)`` -> ``(conv
-    output, next cache)`` or None: the conv input with the norm fused in *and* the conv, in
-    one op, for an op set whose conv takes another input layout (the fast
-    tier's unfolded time taps). None -- always, in the reference and lossless
+    output, next cache)`` or None: the conv input with the norm fused in *and*
+    the conv, in one op, for an op set whose conv takes another input layout
+    (the fast tier's unfolded time taps). None -- always, in the reference and lossless
     sets -- means "not fused": :meth:`OpSet.causal_conv` then runs the set's
     own ``norm_causal_pad`` and ``conv3d``.
 
