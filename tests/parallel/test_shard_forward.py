@@ -18,6 +18,7 @@ from vaed.engine import DecodeEngine
 from vaed.parallel.forward import ShardContext, check_shardable, decoder_forward
 from vaed.parallel.inner_ops import ATEN_OPS, resolve_inner_ops
 from vaed.parallel.plan import ShardPlan
+from vaed.patches.fast import FAST_OPS
 from vaed.engine import OutputSpec
 
 
@@ -35,7 +36,7 @@ def engine(request: pytest.FixtureRequest) -> DecodeEngine:
     return DecodeEngine.load(request.param, device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize(("axis", "kernels"), [("height", "off"), ("width", "auto")])
+@pytest.mark.parametrize(("axis", "kernels"), [("height", "off"), ("width", "auto"), ("height", "fast")])
 def test_shard_forward_on_one_rank_equals_the_one_gpu_decode(
     solo_group: None, engine: DecodeEngine, axis: str, kernels: str
 ) -> None:
@@ -45,7 +46,9 @@ def test_shard_forward_on_one_rank_equals_the_one_gpu_decode(
     z = torch.randn(1, engine.z_dim, 3, 3, 5, generator=torch.Generator().manual_seed(0))
     want = engine.decode_video(z, OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True))
     plan = ShardPlan(axis, (3,) if axis == "height" else (5,))  # type: ignore[arg-type]
-    ctx = ShardContext(None, 0, plan, resolve_inner_ops(kernels))
+    # "fast": the fast tier's op set, as a sharded fast session runs it (its kernels decline on
+    # the CPU, so its reference chains run; it must take the norms the sharded forwards build)
+    ctx = ShardContext(None, 0, plan, FAST_OPS if kernels == "fast" else resolve_inner_ops(kernels))
     cache: list = [None] * engine.num_convs
     outs = []
     with torch.inference_mode():

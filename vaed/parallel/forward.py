@@ -41,8 +41,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import all_gather_along, exchange_edges, exchange_halo, fill_halo, memory_format_of
-from .inner_ops import InnerOps, NormArgs
+from vaed.patches.ops import NormSilu
+
+from .comm import (
+    all_gather_along,
+    exchange_edges,
+    exchange_halo,
+    fill_halo,
+    memory_format_of,
+)
+from .inner_ops import InnerOps
 from .plan import ShardPlan
 
 
@@ -79,8 +87,9 @@ def _split_halo(ctx: ShardContext, pad: tuple[int, ...]) -> int:
     return ph0 if ctx.plan.axis == "height" else pw0
 
 
-def _norm_args(norm: Any) -> NormArgs:
-    return NormArgs(norm.gamma, float(norm.scale), float(norm.bias))
+def _norm_args(norm: Any) -> NormSilu:
+    """WanRMS_norm(channel_first, python-float bias) + SiLU, fused into a conv input build."""
+    return NormSilu(norm.gamma, float(norm.scale), float(norm.bias))
 
 
 def cached_conv(

@@ -18,7 +18,6 @@ used on CPU, with `kernels="off"`, and when no fused op set is importable.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,15 +29,6 @@ log = logging.getLogger(__name__)
 
 CACHE_T = 2  # diffusers' CACHE_T: frames a causal conv keeps for the next chunk
 PadTuple = tuple[int, int, int, int, int, int]
-
-
-@dataclass(frozen=True)
-class NormArgs:
-    """WanRMS_norm(channel_first, python-float bias) + SiLU, fused into a conv input build."""
-
-    gamma: torch.Tensor  # (C, 1, 1, 1)
-    scale: float
-    bias: float
 
 
 class InnerOps(Protocol):

@@ -82,7 +82,7 @@ class NormSilu:
 def with_input_bias(x: torch.Tensor, norm: NormSilu | None) -> tuple[torch.Tensor, NormSilu | None]:
     """``x`` with a norm's pending ``x_bias`` added (aten, one rounding, x's layout) and the
     norm without it: for ops that cannot fold the bias into their own pass."""
-    x_bias = getattr(norm, "x_bias", None)  # the sharded forwards pass a NormSilu look-alike without it
+    x_bias = getattr(norm, "x_bias", None)  # norms arrive duck-typed: a NormSilu, or a WanRMS_norm itself
     if norm is None or x_bias is None:
         return x, norm
     return x + x_bias.view(1, -1, 1, 1, 1), dataclasses.replace(norm, x_bias=None)
