@@ -157,7 +157,7 @@ def test_dupup_add_exact(dtype, layout, ft, first) -> None:
 @pytest.mark.parametrize("main_c,src_c", [(96, 192), (256, 512), (512, 1024), (1024, 1024), (24, 6)])
 @pytest.mark.parametrize("ft,first", [(1, False), (2, False), (2, True)])
 def test_dupup_add_tile_kernel_exact_at_decoder_widths(dtype, main_c, src_c, ft, first) -> None:
-    """The channels_last_3d tile kernel at Wan2.2's up-block widths (repeat counts 1..16), B = 2."""
+    """The channels_last_3d tile kernel at Wan2.2's up-block widths (repeat counts 2..32), B = 2."""
     g = torch.Generator(device="cuda").manual_seed(main_c + ft)
     src = lay(torch.randn(2, src_c, 2, 5, 7, device="cuda", dtype=dtype, generator=g), "cl3d")
     t = 2 * ft - (ft - 1 if first else 0)
