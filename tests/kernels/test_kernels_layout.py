@@ -44,3 +44,14 @@ def test_upsample_and_dupup_layouts(layout: str, interleave: bool) -> None:
         m = lay(torch.randn(1, 2, 2 * ft - (ft - 1 if first else 0), 6, 8), layout)
         ref = dupup_add_reference(m, src, ft, 2, first)
         assert _out_strides(tuple(m.shape), tuple(m.stride()), 2 * ft) == ref.stride()
+
+
+def test_channel_tile_holds_every_channel_of_a_run_of_pixels() -> None:
+    """The tile kernels' launch shape: 4096 elements a program, all channels, 8 warps when full."""
+    from vaed.kernels._runtime import channel_tile
+
+    assert channel_tile(96, 834) == (32, 128, 8)  # Wan2.1 full resolution: 96 channels pad to 128
+    assert channel_tile(1024) == (4, 1024, 8)
+    assert channel_tile(4096, 100) == (1, 4096, 8)
+    assert channel_tile(16, 5) == (8, 16, 4)  # a narrow row caps the pixels: a smaller tile
+    assert channel_tile(3000) == (1, 4096, 8)

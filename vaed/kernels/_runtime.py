@@ -99,6 +99,27 @@ def launch_opts(t: torch.Tensor) -> dict[str, Any]:
     return {}
 
 
+# Elements per program of the channels-last tile kernels (pixels x all channels): 4096
+# bf16 values, 16 per thread at 8 warps.
+CHANNEL_TILE = 4096
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def channel_tile(channels: int, pixels: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK pixels, BLOCK_C, num_warps) of a tile kernel whose program holds every channel
+    of a run of pixels: ``CHANNEL_TILE`` elements, no more pixels than ``pixels`` (rounded up
+    to a power of two) when given, 8 warps for a full tile and 4 for a smaller one."""
+    block_c = pow2(channels)
+    block_p = max(1, CHANNEL_TILE // block_c)
+    if pixels is not None:
+        block_p = max(1, min(pow2(pixels), block_p))
+    return block_p, block_c, 8 if block_p * block_c >= CHANNEL_TILE else 4
+
+
 def offsets_fit_int32(tensors: tuple[torch.Tensor | None, ...], slack: int = 0) -> bool:
     """True when every element offset of every tensor (+ ``slack`` for a block's overhang)
     fits in int32, so a kernel may index in 32 bits (~2x fewer integer instructions)."""

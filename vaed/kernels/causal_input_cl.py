@@ -49,7 +49,6 @@ libdevice = None
 # the fast prologue: (gamma, scale, bias) or (gamma, scale, bias, x_bias | None)
 NormCl = tuple[torch.Tensor, float, float] | tuple[torch.Tensor, float, float, torch.Tensor | None]
 
-_TILE = 4096  # elements per program: BLOCK_W * BLOCK_C
 _MAX_C = 4096
 NORM_EPS = 1e-12  # F.normalize's eps
 
@@ -145,10 +144,6 @@ def _causal_pad_cl_kernel(
 _kernel = rt.jit_lazy(_causal_pad_cl_kernel, globals())
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def causal_pad_cl(
     x: torch.Tensor,
     cache: torch.Tensor | None,
@@ -211,8 +206,7 @@ def causal_pad_cl(
         x_bias = _x_bias(norm_cl)
     else:
         mode, g, scale, bias = 0, x, 1.0, 0.0
-    block_c = _pow2(C)
-    block_w = max(1, min(_pow2(WP), _TILE // block_c))
+    block_w, block_c, num_warps = rt.channel_tile(C, WP)
     grid = (B * TP * HP, -(-WP // block_w))
     _kernel()[grid](  # type: ignore[index]
         x, src_c, padded, padded if nxt is None else nxt, g, d, g if x_bias is None else x_bias,
@@ -223,7 +217,7 @@ def causal_pad_cl(
         NORM=mode, XBIAS=x_bias is not None, LOWP=low_precision(x.dtype), EMIT=nxt is not None,
         IDX64=not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=block_w * C * max(unfold, 1)),
         KT=unfold, BLOCK_W=block_w, BLOCK_C=block_c,
-        num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(x),
+        num_warps=num_warps, **rt.launch_opts(x),
     )
     return padded, nxt
 

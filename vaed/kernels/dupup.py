@@ -139,12 +139,7 @@ def _dupup_add_cl_kernel(
 
 
 _cl_kernel = rt.jit_lazy(_dupup_add_cl_kernel, globals())
-_CL_TILE = 4096  # elements per program: BLOCK_W * BLOCK_C
 _CL_MAX_C = 4096
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def dupup_add(
@@ -183,15 +178,14 @@ def dupup_add(
     out = rt.empty_with_strides(shape, o_stride, main)
     repeats = c * factor_t * factor_s * factor_s // sc
     if order == rt.ORDER_CL3D and c <= _CL_MAX_C:
-        block_c = _pow2(c)
-        block_w = max(1, min(_pow2(w), _CL_TILE // block_c))
+        block_w, block_c, num_warps = rt.channel_tile(c, w)
         _cl_kernel()[(b * t * h, -(-w // block_w))](  # type: ignore[index]
             main, source, out,
             c, t, h, w, *main.stride(), *source.stride(), t_off,
             REPEATS=repeats, FT=factor_t, FS=factor_s,
             IDX64=not rt.offsets_fit_int32((main, source, out), slack=block_w * c),
             BLOCK_W=block_w, BLOCK_C=block_c,
-            num_warps=8 if block_w * block_c >= 4096 else 4, **rt.launch_opts(main),
+            num_warps=num_warps, **rt.launch_opts(main),
         )
         return out
     rows = out.numel() // inner

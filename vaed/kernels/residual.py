@@ -24,7 +24,6 @@ tl = None  # filled in by rt.jit_lazy
 triton = None
 libdevice = None
 
-_TILE = 4096  # elements per program: BLOCK_P * BLOCK_C
 _MAX_C = 4096
 
 
@@ -59,10 +58,6 @@ def _bias_residual_add_kernel(
 _kernel = rt.jit_lazy(_bias_residual_add_kernel, globals())
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def bias_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``bias_residual_add_reference`` in one kernel; None when not handled (caller falls back)."""
     if not rt.triton_available() or x.dim() != 5 or h.shape != x.shape or x.numel() == 0:
@@ -86,13 +81,12 @@ def bias_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | Non
     if torch.is_grad_enabled() and (x.requires_grad or h.requires_grad):
         return None
     out = rt.empty_with_strides(shape, out_stride, x)
-    block_c = _pow2(c)
-    block_p = max(1, _TILE // block_c)
+    block_p, block_c, num_warps = rt.channel_tile(c)
     pixels = x.numel() // c
     _kernel()[(-(-pixels // block_p),)](  # type: ignore[index]
         x, h, x if bias is None else bias, out, pixels, c,
         HAS_BIAS=bias is not None, IDX64=not rt.offsets_fit_int32((x,), slack=block_p * c),
-        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=8 if block_p * block_c >= 4096 else 4,
+        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=num_warps,
         **rt.launch_opts(x),
     )
     return out

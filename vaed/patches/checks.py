@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vaed.patches.layout import is_dense
 from vaed.patches.ops import OP_NAMES, REFERENCE_OPS, FusedOp, NormSilu, OpSet
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,6 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
     return cases
 
 
-def _dense(t: torch.Tensor) -> bool:
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
-    return t.is_contiguous() or (fmt is not None and t.is_contiguous(memory_format=fmt))
-
-
 def _compare(got: Any, want: Any, exact: bool, same_layout: bool = True) -> str | None:
     """None when ``got`` matches ``want`` (structure, shape, dtype, strides, then values)."""
     if isinstance(want, tuple):
@@ -128,7 +124,7 @@ def _compare(got: Any, want: Any, exact: bool, same_layout: bool = True) -> str 
         return None if got is want else "returned None where the reference returns a tensor (or back)"
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"shape/dtype {tuple(got.shape)}/{got.dtype} != {tuple(want.shape)}/{want.dtype}"
-    if got.stride() != want.stride() and (same_layout or not _dense(got)):
+    if got.stride() != want.stride() and (same_layout or not is_dense(got)):
         # a lossy op may hand out the same values in another dense layout (the fast tier's
         # channels-last upsample); an exact one keeps aten's strides
         return f"strides {got.stride()} != {want.stride()}"

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vaed.patches.context import ops_for
+from vaed.patches.layout import is_dense
 from vaed.patches.ops import NormSilu, OpSet
 
 # dtypes the op-set path takes; others (e.g. float8 activations, where diffusers'
@@ -33,10 +34,6 @@ def _op_path_ok(x: torch.Tensor) -> bool:
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     return x.dtype in _DTYPES
-
-
-def _dense(x: torch.Tensor) -> bool:
-    return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 def norm_silu_spec(norm: Any, act: Any, x: torch.Tensor) -> NormSilu | None:
@@ -181,7 +178,7 @@ def res_up_block_forward(
     ops = ops_for(self)
     # the blocks below never write into x, so a dense x can serve as the shortcut
     # source directly (a clone would keep its strides, hence the same bytes)
-    x_copy = x if _dense(x) else x.clone()
+    x_copy = x if is_dense(x) else x.clone()
     for resnet in self.resnets:
         x = resnet(x, feat_cache=feat_cache, feat_idx=feat_idx) if feat_cache is not None else resnet(x)
     if self.upsampler is not None:

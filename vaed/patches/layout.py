@@ -23,6 +23,12 @@ def resolve_layout(layout: str, device: torch.device) -> str:
     return layout
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` is dense in the row-major layout or its channels-last one (4-D or 5-D)."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return t.is_contiguous() or (fmt is not None and t.is_contiguous(memory_format=fmt))
+
+
 def to_decoder_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Make a 5-D activation channels_last_3d or contiguous ("auto": by device)."""
     if x.dim() != 5:
