@@ -47,11 +47,12 @@ def test_upsample_and_dupup_layouts(layout: str, interleave: bool) -> None:
 
 
 def test_channel_tile_holds_every_channel_of_a_run_of_pixels() -> None:
-    """The tile kernels' launch shape: 4096 elements a program, all channels, 8 warps when full."""
+    """The tile kernels' launch shape: 2048 elements a program, all channels, 4 warps."""
     from vaed.kernels._runtime import channel_tile
 
-    assert channel_tile(96, 834) == (32, 128, 8)  # Wan2.1 full resolution: 96 channels pad to 128
-    assert channel_tile(1024) == (4, 1024, 8)
-    assert channel_tile(4096, 100) == (1, 4096, 8)
+    assert channel_tile(96, 834) == (16, 128, 4)  # Wan2.1 full resolution: 96 channels pad to 128
+    assert channel_tile(1024) == (2, 1024, 4)
+    assert channel_tile(4096, 100) == (1, 4096, 4)  # one pixel's channels exceed the tile
     assert channel_tile(16, 5) == (8, 16, 4)  # a narrow row caps the pixels: a smaller tile
-    assert channel_tile(3000) == (1, 4096, 8)
+    assert channel_tile(3000) == (1, 4096, 4)
+    assert channel_tile(192, 2) == (2, 256, 4)

@@ -99,9 +99,13 @@ def launch_opts(t: torch.Tensor) -> dict[str, Any]:
     return {}
 
 
-# Elements per program of the channels-last tile kernels (pixels x all channels): 4096
-# bf16 values, 16 per thread at 8 warps.
-CHANNEL_TILE = 4096
+# Elements per program of the channels-last tile kernels (pixels x all channels) and their
+# warps: 2048 bf16 values, 16 per thread. scripts/sweep_channel_tiles.py over every tile-kernel
+# call of a steady chunk (H200, bf16, fast tier) put 2048/4 ahead of 4096/8 and 8192/16 at
+# each size: 8.02 / 8.12 / 8.63 ms at 480x832, 15.01 / 15.75 / 16.84 at 720x1280, 10.53 /
+# 10.58 / 11.36 at Wan2.2 704x1280.
+CHANNEL_TILE = 2048
+CHANNEL_TILE_WARPS = 4
 
 
 def pow2(n: int) -> int:
@@ -111,13 +115,18 @@ def pow2(n: int) -> int:
 
 def channel_tile(channels: int, pixels: int | None = None) -> tuple[int, int, int]:
     """(BLOCK pixels, BLOCK_C, num_warps) of a tile kernel whose program holds every channel
-    of a run of pixels: ``CHANNEL_TILE`` elements, no more pixels than ``pixels`` (rounded up
-    to a power of two) when given, 8 warps for a full tile and 4 for a smaller one."""
+    of a run of pixels: ``CHANNEL_TILE`` elements (more when one pixel's channels need it),
+    no more pixels than ``pixels`` (rounded up to a power of two) when given.
+
+    Per-channel vectors (a gamma, a bias) must be loaded at the tile's shape
+    (``tl.broadcast_to(ptr + c, (BLOCK, BLOCK_C))``): a [1, BLOCK_C] load gets a layout of its
+    own, one element a thread, and converting between the two went through shared memory
+    with a barrier -- it made the norm prologue with a deferred bias up to 1.7x slower."""
     block_c = pow2(channels)
     block_p = max(1, CHANNEL_TILE // block_c)
     if pixels is not None:
         block_p = max(1, min(pow2(pixels), block_p))
-    return block_p, block_c, 8 if block_p * block_c >= CHANNEL_TILE else 4
+    return block_p, block_c, CHANNEL_TILE_WARPS
 
 
 def offsets_fit_int32(tensors: tuple[torch.Tensor | None, ...], slack: int = 0) -> bool:

@@ -101,7 +101,7 @@ def _causal_pad_cl_kernel(
                 v = v * scale
                 if LOWP:
                     v = v.to(xv.dtype).to(tl.float32)
-                g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                g = tl.load(tl.broadcast_to(g_ptr + c, (BLOCK_W, BLOCK_C)), mask=cm, other=0.0).to(tl.float32)
                 v = v * g
                 if LOWP:
                     v = v.to(xv.dtype).to(tl.float32)
@@ -114,10 +114,10 @@ def _causal_pad_cl_kernel(
                 # lossy fast tier: channel norm reduced in the tile, fp32 throughout, one rounding
                 v = xv.to(tl.float32)
                 if XBIAS:  # the producing conv's bias (masked channels stay 0)
-                    v = v + tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                    v = v + tl.load(tl.broadcast_to(xb_ptr + c, (BLOCK_W, BLOCK_C)), mask=cm, other=0.0).to(tl.float32)
                 ss = tl.sum(v * v, axis=1)  # per pixel, over channels
                 inv = 1.0 / tl.maximum(tl.sqrt(ss), eps)
-                g = tl.load(g_ptr + c, mask=cm, other=0.0).to(tl.float32)
+                g = tl.load(tl.broadcast_to(g_ptr + c, (BLOCK_W, BLOCK_C)), mask=cm, other=0.0).to(tl.float32)
                 v = v * (inv[:, None] * scale) * g + bias
                 v = v / (1.0 + tl.exp(-v))
                 xv = v.to(xv.dtype)

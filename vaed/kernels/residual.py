@@ -50,7 +50,10 @@ def _bias_residual_add_kernel(
     v = tl.load(x_ptr + offs, mask=live, other=0.0)
     acc = v.to(tl.float32)
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :]
+        # loaded at the tile's shape: a [BLOCK_C] load gets a layout of its own, and the
+        # conversion between the two goes through shared memory
+        bias = tl.load(tl.broadcast_to(b_ptr + c[None, :], (BLOCK_P, BLOCK_C)), mask=c[None, :] < C, other=0.0)
+        acc = acc + bias.to(tl.float32)
     acc = acc + tl.load(h_ptr + offs, mask=live, other=0.0).to(tl.float32)
     tl.store(o_ptr + offs, acc.to(v.dtype), mask=live)
 
