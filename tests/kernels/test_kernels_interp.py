@@ -74,6 +74,16 @@ SCRIPT = textwrap.dedent(
         src = lay(torch.randn(2, cs, 2, 3, 5, dtype=dt), sl)
         m = lay(torch.randn(2, cm, 2 * ft - (ft - 1 if first else 0), 6, 10, dtype=dt), "cl3d")
         same(K.dupup_add(m, src, ft, 2, first), K.dupup_add_reference(m, src, ft, 2, first)); n += 1; n_tile += 1
+    # an upsampler's deferred conv bias: added to main and rounded first, as the conv's own
+    # bias pass rounds, so still exact; the flat kernel declines it
+    for dt, first in itertools.product((torch.float16, torch.float32), (False, True)):
+        src = lay(torch.randn(2, 4, 2, 3, 5, dtype=dt), "cl3d")
+        m = lay(torch.randn(2, 8, 4 - int(first), 6, 10, dtype=dt), "cl3d")
+        bias = torch.randn(8, dtype=dt)
+        got = K.dupup_add(m, src, 2, 2, first, bias)
+        same(got, K.dupup_add_reference(m, src, 2, 2, first, bias)); n += 1; n_tile += 1
+        assert not torch.equal(got, K.dupup_add_reference(m, src, 2, 2, first))
+        assert K.dupup_add(m.contiguous(), src, 2, 2, first, bias) is None
     assert tile_launches[0] == n_tile, (tile_launches[0], n_tile)
     D._cl_kernel = tile_kernel
     # one-sided spatial padding (a shard's interior edge), with and without the next-cache write

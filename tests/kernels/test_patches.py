@@ -83,8 +83,7 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
         calls.clear()  # the start-up checks called each op
         assert rep.ops == "counting" and rep.stock_reason is None and rep.op_sets == {"counting": ops}
         expect = ["WanCausalConv3d", "WanDecoder3d", "WanResample", "WanResidualBlock"]
-        if arch.startswith("wan2.2"):
-            expect.append("WanResidualUpBlock")
+        expect.append("WanResidualUpBlock" if arch.startswith("wan2.2") else "WanUpBlock")
         assert _patched(vae) == sorted(expect)
         got, got_cache = _chunked(vae, z)
         got_decode = vae.decode(z, return_dict=False)[0]
@@ -278,7 +277,7 @@ def test_table_names_only_known_ops() -> None:
 
     assert set(ops_used()) == set(P.OP_NAMES)
     assert {row.cls for row in P.PATCH_TABLE} == {
-        "WanCausalConv3d", "WanDecoder3d", "WanResidualBlock", "WanResample", "WanResidualUpBlock",
+        "WanCausalConv3d", "WanDecoder3d", "WanResidualBlock", "WanResample", "WanUpBlock", "WanResidualUpBlock",
     }  # fmt: skip
 
 
@@ -362,10 +361,12 @@ def test_biases_are_deferred_only_where_the_fused_kernels_run() -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_deferred_biases_reach_norm2_and_the_residual_add(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reference ops with ``defer_bias`` forced on (fp64): every residual block runs conv1 and
-    conv2 without their bias, norm2 gets conv1's as ``x_bias`` and the residual add conv2's, and
-    the decode equals stock up to fp64 rounding (the biases are added where the next op reads)."""
+def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference ops with ``defer_bias`` forced on (fp64): every residual block runs conv1,
+    conv2 and a conv shortcut without their bias, norm2 gets conv1's as ``x_bias`` and the
+    residual add the rest; every upsampler's image conv runs without its bias, which reaches
+    the next block's norm1 and residual add (Wan2.1) or the DupUp3D add (Wan2.2). The decode
+    equals stock up to fp64 rounding (the biases are added where the next op reads)."""
     from vaed.patches import ops as ops_module
 
     vae = _vae(arch, torch.float64)
@@ -378,6 +379,10 @@ def test_deferred_biases_reach_norm2_and_the_residual_add(arch: str, monkeypatch
         seen["conv3d without bias"] += not bias
         return P.REFERENCE_OPS.conv3d(conv, x, bias=bias)
 
+    def conv2d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        seen["conv2d without bias"] += not bias
+        return P.REFERENCE_OPS.conv2d(conv, x, bias=bias)
+
     def norm_causal_pad(x: torch.Tensor, cache: Any, pad: Any, **kw: Any) -> Any:
         seen["norm with x_bias"] += kw["norm"].x_bias is not None
         return P.REFERENCE_OPS.norm_causal_pad(x, cache, pad, **kw)
@@ -386,21 +391,33 @@ def test_deferred_biases_reach_norm2_and_the_residual_add(arch: str, monkeypatch
         seen["residual add with bias"] += bias is not None
         return P.REFERENCE_OPS.residual_add(x, h, bias)
 
+    def dupup_add(*args: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen["dupup add with bias"] += bias is not None
+        return P.REFERENCE_OPS.dupup_add(*args, bias=bias)
+
     deferring = dataclasses.replace(
-        P.REFERENCE_OPS, name="deferring", uses_triton=True, defer_bias=True,
-        conv3d=conv3d, norm_causal_pad=norm_causal_pad, residual_add=residual_add,
+        P.REFERENCE_OPS, name="deferring", uses_triton=True, defer_bias=True, conv3d=conv3d, conv2d=conv2d,
+        norm_causal_pad=norm_causal_pad, residual_add=residual_add, dupup_add=dupup_add,
     )
     monkeypatch.setattr(ops_module.rt, "triton_available", lambda: True)
     monkeypatch.setattr(ops_module.rt, "device_ok", lambda t: True)
-    blocks = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanResidualBlock")
+    decoder = vae.decoder
+    blocks = [m for m in decoder.modules() if type(m).__name__ == "WanResidualBlock"]
+    conv_shortcuts = sum(1 for b in blocks if type(b.conv_shortcut).__name__ == "WanCausalConv3d")
+    upsamplers = sum(1 for m in decoder.modules() if type(m).__name__ == "WanResample")
+    wan21 = type(decoder.up_blocks[0]).__name__ == "WanUpBlock"
+    assert conv_shortcuts >= 1 and upsamplers == 3
     with torch.no_grad():
         P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
         with P.using(deferring):
             got, _ = _chunked(vae, z)
     chunks = z.shape[2]
-    assert seen == {
-        "conv3d without bias": 2 * blocks * chunks,
-        "norm with x_bias": blocks * chunks,
-        "residual add with bias": blocks * chunks,
-    }, seen
+    expect = {
+        "conv3d without bias": (2 * len(blocks) + conv_shortcuts) * chunks,
+        "conv2d without bias": upsamplers * chunks,
+        "norm with x_bias": (len(blocks) + (upsamplers if wan21 else 0)) * chunks,
+        "residual add with bias": len(blocks) * chunks,
+        "dupup add with bias": 0 if wan21 else upsamplers * chunks,
+    }
+    assert seen == {k: n for k, n in expect.items() if n}, seen
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

@@ -47,8 +47,17 @@ def dupup_reference(
 
 
 def dupup_add_reference(
-    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+    main: torch.Tensor,
+    source: torch.Tensor,
+    factor_t: int,
+    factor_s: int,
+    first_chunk: bool,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``main + DupUp3D(source)``; with ``bias`` (the conv bias left out of ``main``), added to
+    ``main`` first as the conv's own bias pass would have."""
+    if bias is not None:
+        main = main + bias.view(1, -1, 1, 1, 1)
     return main + dupup_reference(source, main.shape[1], factor_t, factor_s, first_chunk)
 
 
@@ -105,12 +114,12 @@ _kernel = rt.jit_lazy(_dupup_add_kernel, globals())
 
 
 def _dupup_add_cl_kernel(
-    m_ptr, s_ptr, o_ptr,
+    m_ptr, s_ptr, b_ptr, o_ptr,
     C, T, H, W,
     smb, smc, smt, smh, smw,
     ssb, ssc, sst, ssh, ssw,
     T_OFF,
-    REPEATS: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, IDX64: tl.constexpr,
+    REPEATS: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, HAS_BIAS: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # channels_last_3d output: a program owns BLOCK_W pixels of one (b, t, h) row with all
@@ -130,6 +139,9 @@ def _dupup_add_cl_kernel(
     b = row // (H * T)
     live = (w < W) & (c < C)
     a = tl.load(m_ptr + b * smb + c * smc + t * smt + h * smh + w * smw, mask=live, other=0.0)
+    if HAS_BIAS:  # the conv's deferred bias, rounded as its own pass would have: exact
+        bias = tl.load(tl.broadcast_to(b_ptr + c, (BLOCK_W, BLOCK_C)), mask=c < C, other=0.0)
+        a = (a.to(tl.float32) + bias.to(tl.float32)).to(a.dtype)
     tf = t + T_OFF
     k = ((c * FT + tf % FT) * FS + h % FS) * FS + w % FS  # channel in the repeat_interleave'd tensor
     src = b * ssb + (k // REPEATS) * ssc + (tf // FT) * sst + (h // FS) * ssh + (w // FS) * ssw
@@ -143,9 +155,15 @@ _CL_MAX_C = 4096
 
 
 def dupup_add(
-    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+    main: torch.Tensor,
+    source: torch.Tensor,
+    factor_t: int,
+    factor_s: int,
+    first_chunk: bool,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Fused ``dupup_add_reference``; None when not handled (caller falls back)."""
+    """Fused ``dupup_add_reference``; None when not handled (caller falls back). A ``bias``
+    is taken by the channels-last tile kernel only."""
     if factor_t < 1 or factor_s < 1:
         raise ValueError(f"factors must be >= 1, got {factor_t}, {factor_s}")
     if not rt.triton_available() or main.dim() != 5 or source.dim() != 5:
@@ -157,6 +175,11 @@ def dupup_add(
     if torch.is_grad_enabled() and (main.requires_grad or source.requires_grad):
         return None
     if torch.compiler.is_compiling():
+        return None
+    if bias is not None and (
+        bias.shape != (main.shape[1],) or bias.dtype != main.dtype or bias.device != main.device
+        or not bias.is_contiguous()
+    ):
         return None
     b, c, t, h, w = main.shape
     sb, sc, st, sh, sw = source.shape
@@ -180,14 +203,16 @@ def dupup_add(
     if order == rt.ORDER_CL3D and c <= _CL_MAX_C:
         block_w, block_c, num_warps = rt.channel_tile(c, w)
         _cl_kernel()[(b * t * h, -(-w // block_w))](  # type: ignore[index]
-            main, source, out,
+            main, source, main if bias is None else bias, out,
             c, t, h, w, *main.stride(), *source.stride(), t_off,
-            REPEATS=repeats, FT=factor_t, FS=factor_s,
+            REPEATS=repeats, FT=factor_t, FS=factor_s, HAS_BIAS=bias is not None,
             IDX64=not rt.offsets_fit_int32((main, source, out), slack=block_w * c),
             BLOCK_W=block_w, BLOCK_C=block_c,
             num_warps=num_warps, **rt.launch_opts(main),
         )
         return out
+    if bias is not None:
+        return None
     rows = out.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
     _kernel()[grid](  # type: ignore[index]

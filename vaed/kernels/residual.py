@@ -77,8 +77,9 @@ def bias_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | Non
     c = shape[1]
     if c > _MAX_C:
         return None
-    if bias is not None and (
-        bias.numel() != c or bias.dtype != x.dtype or bias.device != x.device or not bias.is_contiguous()
+    if bias is not None and (  # x's dtype, or fp32 when the forwards summed several biases
+        bias.numel() != c or bias.dtype not in (x.dtype, torch.float32) or bias.device != x.device
+        or not bias.is_contiguous()
     ):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or h.requires_grad):

@@ -76,6 +76,8 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
             for cl in (True, False):
                 main = _t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, cl)
                 cases.append(((main, src, 2, 2, first), {}))
+            bias = torch.randn(2, generator=g).to(device=device, dtype=dtype)  # an upsampler's deferred bias
+            cases.append(((_t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, True), src, 2, 2, first), {"bias": bias}))
     elif name == "conv3d":
         conv = nn.Conv3d(6, 4, 3).to(device=device, dtype=dtype)
         conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
@@ -84,6 +86,7 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
     elif name == "conv2d":
         conv2 = nn.Conv2d(4, 4, 3, padding=1).to(device=device, dtype=dtype)
         cases.append(((conv2, _t((2, 4, 5, 7), g, device, dtype, False)), {}))
+        cases.append(((conv2, _t((2, 4, 5, 7), g, device, dtype, False)), {"bias": False}))
     elif name == "norm_causal_conv":
         # channels_last_3d (the decoder's layout), cache and first chunk; CUDA and half dtypes
         # only: the fused conv declines elsewhere by design (vaed.patches.fast.UNFOLD_DTYPES)
@@ -101,8 +104,9 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
         deferred = NormSilu(gamma, 6**0.5, 0.0, x_bias)
         cases.append(((conv3, x, cache, (1, 1, 1, 1, 2, 0)), {"norm": deferred, "bias": False}))
     elif name == "residual_add":
-        for with_bias in (False, True):
-            bias = torch.randn(4, generator=g).to(device=device, dtype=dtype) if with_bias else None
+        # no bias, conv2's (x's dtype), several summed (fp32)
+        for bias_dtype in (None, dtype, torch.float32):
+            bias = None if bias_dtype is None else torch.randn(4, generator=g).to(device=device, dtype=bias_dtype)
             x, h = _t((1, 4, 2, 3, 5), g, device, dtype, True), _t((1, 4, 2, 3, 5), g, device, dtype, True)
             cases.append(((x, h) if bias is None else (x, h, bias), {}))
     else:  # pragma: no cover - OP_NAMES and this function move together

@@ -23,15 +23,18 @@ Op signatures (every op set honours all of them):
     -> images [B*T', C', 2H, 2W]: WanResample's frame flattening (and, with
     ``interleave``, the upsample3d channel->time interleave of the time_conv
     output) followed by nearest-exact 2x.
-``dupup_add(main, source, factor_t, factor_s, first_chunk)``
-    -> ``main + DupUp3D(source)`` (Wan2.2 residual up-block shortcut).
+``dupup_add(main, source, factor_t, factor_s, first_chunk, bias=None)``
+    -> ``main + DupUp3D(source)`` (Wan2.2 residual up-block shortcut);
+    ``(main + bias) + DupUp3D(source)`` with the upsampler conv's deferred bias.
 ``conv3d(conv, x, *, bias=True)`` -> the module's convolution of an already
     padded input; ``bias=False`` leaves the module's bias out (the caller hands
     it to the op that reads the output: see ``defer_bias``).
-``conv2d(conv, x)`` -> ``conv(x)`` for WanResample's 3x3 image conv (it pads
-    itself; a sharded variant swaps in halo rows and one-sided padding here).
+``conv2d(conv, x, *, bias=True)`` -> ``conv(x)`` for WanResample's 3x3 image conv
+    (it pads itself; a sharded variant swaps in halo rows and one-sided padding
+    here); ``bias=False`` as for ``conv3d``.
 ``residual_add(x, h, bias=None)`` -> ``x + h`` (the residual block's output),
-    ``(x + bias) + h`` with conv2's deferred per-channel bias.
+    ``(x + bias) + h`` with the deferred per-channel biases reaching it (conv2's, the
+    shortcut conv's, the block input's): x's dtype, or fp32 when several were summed.
 ``norm_causal_conv(conv, x, cache, pad, *, norm, bias=True)`` -> ``(conv
     output, next cache)`` or None: the conv input with the norm fused in *and*
     the conv, in one op, for an op set whose conv takes another input layout
@@ -41,8 +44,13 @@ Op signatures (every op set honours all of them):
 
 A ``NormSilu`` may carry ``x_bias``: the producing conv's bias, not yet added
 to ``x``; the norm ops add it before the norm. ``OpSet.defer_bias`` makes the
-residual-block forward leave conv1's bias to norm2 and conv2's to the residual
-add (False in the exact sets, whose fused paths would round differently).
+forwards leave conv biases to the op that next reads the conv's output: a
+residual block's conv1 bias to norm2, conv2's and the shortcut conv's to the
+residual add, an upsampler's image conv bias to the next block (Wan2.1) or
+the DupUp3D add (Wan2.2). False in the exact sets, whose fused paths would
+round differently. (torch adds a cuDNN conv's bias in a pass of its own over
+the rounded output, so an op that adds the bias and rounds before anything
+else reproduces it bit for bit: the DupUp3D add does.)
 
 ``REFERENCE_OPS`` holds the plain-torch chains, op for op what stock diffusers
 runs. ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
@@ -107,7 +115,13 @@ class UpsampleOp(Protocol):
 
 class DupUpAddOp(Protocol):
     def __call__(
-        self, main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+        self,
+        main: torch.Tensor,
+        source: torch.Tensor,
+        factor_t: int,
+        factor_s: int,
+        first_chunk: bool,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -128,11 +142,12 @@ class Conv3dOp(Protocol):
     def __call__(self, conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor: ...
 
 
+class Conv2dOp(Protocol):
+    def __call__(self, conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor: ...
+
+
 class ResidualAddOp(Protocol):
     def __call__(self, x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-ConvOp = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -179,9 +194,14 @@ def reference_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> t
 
 
 def reference_dupup_add(
-    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, first_chunk: bool
+    main: torch.Tensor,
+    source: torch.Tensor,
+    factor_t: int,
+    factor_s: int,
+    first_chunk: bool,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return K.dupup_add_reference(main, source, factor_t, factor_s, first_chunk)
+    return K.dupup_add_reference(main, source, factor_t, factor_s, first_chunk, bias)
 
 
 def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
@@ -189,13 +209,13 @@ def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> 
     return conv._conv_forward(x, conv.weight, conv.bias if bias else None)  # type: ignore[operator]
 
 
-def reference_conv2d(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return conv(x)
+def reference_conv2d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+    return conv._conv_forward(x, conv.weight, conv.bias if bias else None)  # type: ignore[operator]
 
 
 def reference_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if bias is not None:  # what the conv's own bias pass would have done first
-        x = x + bias.view(1, -1, 1, 1, 1)
+        x = x + bias.to(x.dtype).view(1, -1, 1, 1, 1)
     return x + h
 
 
@@ -281,11 +301,11 @@ class OpSet:
     upsample_interleave: UpsampleOp
     dupup_add: DupUpAddOp
     conv3d: Conv3dOp
-    conv2d: ConvOp
+    conv2d: Conv2dOp
     residual_add: ResidualAddOp
     norm_causal_conv: NormCausalConvOp
-    # the residual-block forward leaves conv1's bias to norm2 (NormSilu.x_bias) and conv2's
-    # to residual_add: one pass over each conv output fewer, one rounding fewer (lossy)
+    # the forwards leave conv biases to the op that next reads the conv output (module
+    # docstring): one pass over each such output fewer, one rounding fewer (lossy)
     defer_bias: bool = False
 
     def causal_conv_input(

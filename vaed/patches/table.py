@@ -65,9 +65,15 @@ PATCH_TABLE: tuple[PatchRow, ...] = (
         _resample_ok,
     ),
     PatchRow(
+        "WanUpBlock",
+        fw.up_block_forward,
+        ("conv2d",),
+        "up block (carries its upsampler's deferred conv bias into the next block)",
+    ),
+    PatchRow(
         "WanResidualUpBlock",
         fw.res_up_block_forward,
-        ("dupup_add",),
+        ("dupup_add", "conv2d"),
         "residual up-block (DupUp3D shortcut add)",
     ),
 )
