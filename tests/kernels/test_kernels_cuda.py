@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from vaed import kernels as K
+from vaed.kernels.dupup import dupup_reference
 
 from harness import assert_same, every_value, lay
 
@@ -165,6 +166,12 @@ def test_dupup_add_tile_kernel_exact_at_decoder_widths(dtype, main_c, src_c, ft,
     got = K.dupup_add(main, src, ft, 2, first)
     assert got is not None
     assert_same(got, K.dupup_add_reference(main, src, ft, 2, first))
+    # with the upsampler conv's deferred bias: added and rounded first, still bit-exact
+    bias = torch.randn(main_c, device="cuda", dtype=dtype, generator=g)
+    got = K.dupup_add(main, src, ft, 2, first, bias)
+    assert got is not None
+    assert_same(got, K.dupup_add_reference(main, src, ft, 2, first, bias))
+    assert_same(got, (main + bias.view(1, -1, 1, 1, 1)) + dupup_reference(src, main_c, ft, 2, first))
 
 
 def test_int64_indexing_past_2_31() -> None:
