@@ -62,8 +62,8 @@ def record(vae: Any, z: torch.Tensor, ops: P.OpSet) -> list[Call]:
             return out
         return wrapped
 
-    def conv2d_spy(conv: Any, x: torch.Tensor) -> torch.Tensor:
-        y = conv2d(conv, x)
+    def conv2d_spy(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        y = conv2d(conv, x, bias=bias)
         if chunk[0] == 2:
             print(f"conv2d {tuple(x.shape)} in {x.stride()} weight {conv.weight.stride()} -> out {y.stride()}", flush=True)
         return y
