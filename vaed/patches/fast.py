@@ -17,12 +17,15 @@ causal-input site, the exact norm prologue included (aten's denominator, the
 1-D kernel's arithmetic): bit-exact, a candidate to replace the 1-D kernel
 (26 % of a steady 480p chunk, ~350 us a call) once measured.
 
-* ``defer_bias``: a residual block's convs run without their bias; conv1's
-  is added in norm2's prologue (in the tile kernel, before the norm) and
-  conv2's in ``residual_add``, one kernel for ``x + bias + h``
-  (``bias_residual_add``). torch adds a cuDNN conv's bias in a pass of its
-  own: 5.2 ms of a 40.1 ms steady 480p chunk, 10.3 of 126 ms at Wan2.2
-  704x1280 (H200, bf16).
+* ``defer_bias``: convs run without their bias where the next op reading
+  the output adds it. A residual block's conv1 bias is added in norm2's
+  prologue (in the tile kernel, before the norm); conv2's and a 1x1x1
+  shortcut conv's in ``residual_add``, one kernel for ``x + bias + h``
+  (``bias_residual_add``); an upsampler's image conv bias in the next
+  block's norm1 and residual add (Wan2.1) or in the DupUp3D add (Wan2.2).
+  torch adds a cuDNN conv's bias in a pass of its own: 5.2 ms of a 40.1 ms
+  steady 480p chunk, 10.3 of 126 ms at Wan2.2 704x1280 (H200, bf16); 0.2 /
+  0.3 ms are left (time_conv, attention, conv_in, conv_out).
 * ``norm_causal_conv``: at norm sites whose conv is 3x3x3 with at most
   ``UNFOLD_MAX_CHANNELS`` channels in and out (Wan2.1's six full-resolution
   96-channel convs per chunk), the conv input kernel above writes the three
