@@ -62,34 +62,53 @@ def _interp_cached() -> bool:
     return interpreter_active()
 
 
-def jit_lazy(raw: Callable[..., Any], module_globals: dict[str, Any]) -> Callable[[], Any]:
+def jit_lazy(
+    raw: Callable[..., Any], module_globals: dict[str, Any], helpers: tuple[Callable[..., Any], ...] = ()
+) -> Callable[[], Any]:
     """Decorate ``raw`` with ``triton.jit`` on first use.
 
     The kernel body resolves ``tl`` from its module globals at compile time, so
-    the module's ``tl`` is filled in before decorating.
+    the module's ``tl`` is filled in before decorating. ``helpers`` are device
+    functions the kernel calls (written undecorated, like kernels, and imported
+    into its module under their own names): each is jitted too and its name in
+    the kernel's module bound to the jitted form.
     """
     state: dict[str, Any] = {}
 
     def get() -> Any:
         if "k" not in state:
-            loaded = load_triton()
-            if loaded is None:
-                raise RuntimeError("triton is not importable")
-            triton, tl = loaded
-            module_globals["tl"] = tl
-            module_globals["triton"] = triton
-            k = triton.jit(raw)
-            # libdevice expf is CUDA's expf, which aten's kernels call (tl.exp is
-            # ex2.approx). The CPU interpreter has no libdevice: there tl.math
-            # maps to numpy, so CPU runs of exp-using kernels are not bit-exact.
-            if type(k).__name__ == "InterpretedFunction":
-                module_globals["libdevice"] = tl.math
-            else:
-                module_globals["libdevice"] = importlib.import_module("triton.language.extra.libdevice")
-            state["k"] = k
+            for helper in helpers:
+                module_globals[helper.__name__] = _jit(helper)
+            state["k"] = _jit(raw)
         return state["k"]
 
     return get
+
+
+_JITTED: dict[Callable[..., Any], Any] = {}  # raw function -> its triton.jit form (helpers are shared)
+
+
+def _jit(raw: Callable[..., Any]) -> Any:
+    """``triton.jit(raw)`` with ``tl``, ``triton`` and ``libdevice`` filled into raw's module."""
+    if raw in _JITTED:
+        return _JITTED[raw]
+    loaded = load_triton()
+    if loaded is None:
+        raise RuntimeError("triton is not importable")
+    triton, tl = loaded
+    module_globals = raw.__globals__
+    module_globals["tl"] = tl
+    module_globals["triton"] = triton
+    k = triton.jit(raw)
+    # libdevice expf is CUDA's expf, which aten's kernels call (tl.exp is
+    # ex2.approx). The CPU interpreter has no libdevice: there tl.math
+    # maps to numpy, so CPU runs of exp-using kernels are not bit-exact.
+    if type(k).__name__ == "InterpretedFunction":
+        module_globals["libdevice"] = tl.math
+    else:
+        module_globals["libdevice"] = importlib.import_module("triton.language.extra.libdevice")
+    _JITTED[raw] = k
+    return k
 
 
 def launch_opts(t: torch.Tensor) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vaed.kernels import _runtime as rt
-from vaed.kernels.rms_silu import RmsSiluArgs, low_precision, rms_silu_reference
+from vaed.kernels.rms_silu import RmsSiluArgs, low_precision, rms_silu_exact_tile, rms_silu_reference
 
 CACHE_T = 2
 _BLOCK = 1024
@@ -150,22 +150,8 @@ def _causal_pad_kernel(
             xv = tl.load(x_ptr + b * sxb + c * sxc + xt * sxt + h * sxh + w * sxw, mask=inside, other=0.0)
             if NORM:
                 d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=inside, other=1.0)
-                d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
-                v = tl.math.div_rn(xv.to(tl.float32), d)
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                v = v * scale
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                g = tl.load(g_ptr + (c + q * 0), mask=inside, other=0.0).to(tl.float32)  # c may be a row scalar
-                v = v * g
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                v = v + bias
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
-                xv = v.to(xv.dtype)
+                # c may be a row scalar: gamma's pointers at the tile's shape
+                xv = rms_silu_exact_tile(xv, d, g_ptr + (c + q * 0), inside, scale, bias, LOWP)
             val = tl.where(inside, xv, val)
         else:
             cv = tl.load(c_ptr + b * scb + c * scc + f * sct + h * sch + w * scw, mask=inside, other=0.0)
@@ -176,7 +162,7 @@ def _causal_pad_kernel(
         tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside)
 
 
-_kernel = rt.jit_lazy(_causal_pad_kernel, globals())
+_kernel = rt.jit_lazy(_causal_pad_kernel, globals(), helpers=(rms_silu_exact_tile,))
 
 
 def causal_pad(

@@ -40,7 +40,7 @@ import torch
 from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input import CACHE_T, _stock_layouts
 from vaed.kernels.causal_input import _eligible as _eligible_1d
-from vaed.kernels.rms_silu import RmsSiluArgs, low_precision
+from vaed.kernels.rms_silu import RmsSiluArgs, low_precision, rms_silu_exact_tile
 
 tl = None  # filled in by rt.jit_lazy
 triton = None
@@ -94,22 +94,7 @@ def _causal_pad_cl_kernel(
                 # exact: the aten chain op for op, as in causal_input's prologue (denominator from aten)
                 px = (wp < WP) & (w >= 0) & (w < W)  # [BLOCK_W, 1]
                 d = tl.load(d_ptr + b * sdb + xt * sdt + h * sdh + w * sdw, mask=px, other=1.0)
-                d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
-                v = tl.math.div_rn(xv.to(tl.float32), d)
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                v = v * scale
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                g = tl.load(tl.broadcast_to(g_ptr + c, (BLOCK_W, BLOCK_C)), mask=cm, other=0.0).to(tl.float32)
-                v = v * g
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                v = v + bias
-                if LOWP:
-                    v = v.to(xv.dtype).to(tl.float32)
-                v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
-                xv = v.to(xv.dtype)
+                xv = rms_silu_exact_tile(xv, d, tl.broadcast_to(g_ptr + c, (BLOCK_W, BLOCK_C)), cm, scale, bias, LOWP)
             if NORM == 2:
                 # lossy fast tier: channel norm reduced in the tile, fp32 throughout, one rounding
                 v = xv.to(tl.float32)
@@ -141,7 +126,7 @@ def _causal_pad_cl_kernel(
             tl.store(n_ptr + b * snb + c * snc + kk * snt + h * snh + w * snw, val, mask=inside)
 
 
-_kernel = rt.jit_lazy(_causal_pad_cl_kernel, globals())
+_kernel = rt.jit_lazy(_causal_pad_cl_kernel, globals(), helpers=(rms_silu_exact_tile,))
 
 
 def causal_pad_cl(

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 # F.normalize's default eps; clamp_min(eps) is applied to the fp32 norm.
 NORM_EPS = 1e-12
 
+tl = None  # filled in by rt.jit_lazy (for rms_silu_exact_tile, a device helper)
+libdevice = None
+
 
 @dataclass(frozen=True)
 class RmsSiluArgs:
@@ -92,3 +95,27 @@ def rms_silu_reference(x: torch.Tensor, gamma: torch.Tensor, scale: float, bias:
     xf = x.float() if low_precision(x.dtype) else x
     normalized = F.normalize(xf, dim=1).to(x.dtype)
     return F.silu(normalized * scale * gamma + bias)
+
+
+def rms_silu_exact_tile(xv, d, g_ptrs, g_mask, scale, bias, LOWP: tl.constexpr):
+    """Device helper of the causal-input kernels' exact prologue (jitted by ``rt.jit_lazy``):
+    ``rms_silu_reference`` on a tile of raw activations ``xv``, op for op. ``d`` is aten's
+    fp32 L2 norm of each pixel (not yet clamped); ``g_ptrs`` / ``g_mask`` address gamma at
+    the tile's shape (loaded here, where the arithmetic needs it: both kernels compile to the
+    PTX they had with this written out inline). Rounds to xv's dtype after every op when
+    ``LOWP`` (aten's opmath); SiLU with CUDA's expf."""
+    d = tl.where(d != d, d, tl.maximum(d, 1e-12))  # clamp_min(NORM_EPS), NaN kept
+    v = tl.math.div_rn(xv.to(tl.float32), d)
+    if LOWP:
+        v = v.to(xv.dtype).to(tl.float32)
+    v = v * scale
+    if LOWP:
+        v = v.to(xv.dtype).to(tl.float32)
+    v = v * tl.load(g_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+    if LOWP:
+        v = v.to(xv.dtype).to(tl.float32)
+    v = v + bias
+    if LOWP:
+        v = v.to(xv.dtype).to(tl.float32)
+    v = tl.math.div_rn(v, 1.0 + libdevice.exp(-v))
+    return v.to(xv.dtype)
