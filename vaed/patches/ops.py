@@ -193,15 +193,7 @@ def reference_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> t
     return upsample_nearest2x_reference(x, interleave)
 
 
-def reference_dupup_add(
-    main: torch.Tensor,
-    source: torch.Tensor,
-    factor_t: int,
-    factor_s: int,
-    first_chunk: bool,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return K.dupup_add_reference(main, source, factor_t, factor_s, first_chunk, bias)
+reference_dupup_add: DupUpAddOp = K.dupup_add_reference
 
 
 def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
