@@ -6,6 +6,11 @@ output. This op reads ``source`` through the same index map and adds it to
 ``main`` in fp32 (aten's opmath for bf16/fp16), writing the strides aten's
 ``main + shortcut`` would give.
 
+With ``bias`` (the fast tier's upsampler conv bias, left out of the conv that
+wrote ``main``) the tile kernel adds it to ``main`` and rounds before the
+shortcut add: the two roundings of stock's separate bias pass and add, so
+still exact.
+
 Two kernels, one index map: a channels_last_3d output (the GPU decoder's
 layout) goes to a 2-D tile kernel (pixels x channels, the repeat count a
 compile-time constant, no per-element division by a runtime value); other
