@@ -7,9 +7,12 @@ decoder serves) and says why.
 
 Range: 0.38.x - 0.42.x. Tested (CPU reference equality, H200 bit-exactness)
 on 0.42.1. Read against the diffusers history: the ported forwards
-(WanCausalConv3d, WanRMS_norm, WanResample, WanResidualBlock,
+(WanCausalConv3d, WanRMS_norm, WanResample, WanResidualBlock, WanUpBlock,
 WanResidualUpBlock, DupUp3D, WanDecoder3d) have the same bodies from 0.38.0
 through 0.42.1 (later changes are return annotations and docstrings only).
+WanUpBlock's body (its resnets, then its upsampler) was read in 0.42.1 and in
+an earlier snapshot of diffusers' main branch; the two differ only in passing
+the cache by keyword or by position.
 0.37 and older normalize bf16/fp16 activations without the fp32 upcast that
 0.38 added to WanRMS_norm ("Stabilize low-precision custom autoencoder RMS
 normalization"), which the fused norm prologue reproduces -- so they are out.
