@@ -80,12 +80,13 @@ def strip_debug(ptx: str) -> str:
 def variants() -> list[tuple[str, Any, dict[str, Any]]]:
     out: list[tuple[str, Any, dict[str, Any]]] = []
     for norm, lowp, cl, idx64 in itertools.product((0, 1), (True, False), (True, False), (False, True)):
-        consts = dict(NORM=norm, LOWP=lowp, CL=cl, IDX64=idx64, BLOCK=1024, DIV=96)
+        consts = {"NORM": norm, "LOWP": lowp, "CL": cl, "IDX64": idx64, "BLOCK": 1024, "DIV": 96}
         out.append((f"1d_norm{norm}_lowp{int(lowp)}_cl{int(cl)}_idx64{int(idx64)}", causal_input, consts))
     for norm, lowp, xbias, kt in itertools.product((0, 1, 2), (True, False), (False, True), (0, 3)):
         if xbias and norm != 2:
             continue
-        consts = dict(NORM=norm, XBIAS=xbias, LOWP=lowp, EMIT=True, IDX64=False, KT=kt, BLOCK_W=16, BLOCK_C=128)
+        consts = {"NORM": norm, "XBIAS": xbias, "LOWP": lowp, "EMIT": True, "IDX64": False, "KT": kt,
+                  "BLOCK_W": 16, "BLOCK_C": 128}
         out.append((f"tile_norm{norm}_lowp{int(lowp)}_xbias{int(xbias)}_kt{kt}", causal_input_cl, consts))
     return out
 

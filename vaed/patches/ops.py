@@ -202,7 +202,9 @@ def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> 
 
 
 def reference_conv2d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
-    return conv._conv_forward(x, conv.weight, conv.bias if bias else None)  # type: ignore[operator]
+    if bias:
+        return conv(x)  # the module call stock makes (its hooks included)
+    return conv._conv_forward(x, conv.weight, None)  # type: ignore[operator]
 
 
 def reference_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
