@@ -341,6 +341,31 @@ def test_unfolded_weight_is_cached_until_the_weight_changes() -> None:
     assert torch.equal(unfolded_weight(conv), torch.ones(2, 6, 3, 3))
 
 
+def test_derived_values_are_kept_until_a_source_changes() -> None:
+    """The summed biases of a residual add: built once per module, rebuilt when a source tensor
+    is replaced or changed in place, kept apart per name and per module."""
+    from vaed.patches.derived import derived
+
+    block, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    builds: list[int] = []
+
+    def total() -> torch.Tensor:
+        builds.append(1)
+        return a + b
+
+    first = derived(block, "sum", (a, b), total)
+    assert torch.equal(first, torch.full((3,), 3.0)) and derived(block, "sum", (a, b), total) is first
+    assert len(builds) == 1
+    a.add_(1.0)  # in place: a new version
+    assert torch.equal(derived(block, "sum", (a, b), total), torch.full((3,), 4.0)) and len(builds) == 2
+    b = torch.zeros(3)  # replaced
+    assert torch.equal(derived(block, "sum", (a, b), total), torch.full((3,), 2.0)) and len(builds) == 3
+    derived(other, "sum", (a, b), total)
+    derived(block, "other", (a, b), total)
+    assert len(builds) == 5
+
+
 def test_unfolded_weight_of_an_inference_tensor_is_cached_by_identity() -> None:
     """Convs built under inference_mode (the start-up checks') have no version counter."""
     from vaed.patches.fast import unfolded_weight

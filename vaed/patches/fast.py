@@ -46,7 +46,6 @@ the biases are not deferred either: ``OpSet.defers_bias_for``).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +54,7 @@ from torch import nn
 from vaed import kernels as K
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.residual import bias_residual_add
+from vaed.patches.derived import derived
 from vaed.patches.ops import (
     LOSSLESS_OPS,
     FusedOp,
@@ -112,26 +112,18 @@ def fast_norm_causal_pad(
     return tiled_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
 
 
-# conv -> (its weight, the weight's version, the weight as [C_out, KT*C_in, kh, kw])
-_UNFOLDED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, int, torch.Tensor]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def unfolded_weight(conv: nn.Module) -> torch.Tensor:
     """The conv3d weight [C_out, C_in, KT, kh, kw] as a conv2d weight whose input channel
     k*C_in + c is time tap k of channel c (the unfolded input's order); rebuilt when the
     weight is replaced or changed in place."""
     w = conv.weight
-    version = -1 if w.is_inference() else w._version  # inference tensors keep no version counter
-    hit = _UNFOLDED_WEIGHTS.get(conv)
-    if hit is not None and hit[0] is w and hit[1] == version:
-        return hit[2]
-    c_out, c_in, kt, kh, kw = w.shape
-    w2d = w.detach().permute(0, 2, 1, 3, 4).reshape(c_out, kt * c_in, kh, kw)
-    w2d = w2d.contiguous(memory_format=torch.channels_last)
-    _UNFOLDED_WEIGHTS[conv] = (w, version, w2d)
-    return w2d
+
+    def build() -> torch.Tensor:
+        c_out, c_in, kt, kh, kw = w.shape
+        w2d = w.detach().permute(0, 2, 1, 3, 4).reshape(c_out, kt * c_in, kh, kw)
+        return w2d.contiguous(memory_format=torch.channels_last)
+
+    return derived(conv, "unfolded_weight", (w,), build)
 
 
 def unfolded_norm_causal_conv(

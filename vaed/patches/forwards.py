@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vaed.patches.context import ops_for
+from vaed.patches.derived import derived
 from vaed.patches.layout import is_dense
 from vaed.patches.ops import NormSilu, OpSet
 
@@ -134,7 +135,9 @@ def resblock_steps(
     act = self.nonlinearity
     x, b1 = norm_silu_cached_conv(ops, self.norm1, act, self.conv1, x, feat_cache, feat_idx, x_bias=x_bias, defer_bias=defer)
     x, b2 = norm_silu_cached_conv(ops, self.norm2, act, self.conv2, x, feat_cache, feat_idx, x_bias=b1, defer_bias=defer)
-    bias = b2 if h_bias is None else h_bias if b2 is None else _opmath(b2) + _opmath(h_bias)
+    bias = b2 if h_bias is None else h_bias if b2 is None else (  # one vector, summed once
+        derived(self, "residual_bias", (b2, h_bias), lambda: _opmath(b2) + _opmath(h_bias))
+    )
     return ops.residual_add(x, h) if bias is None else ops.residual_add(x, h, bias)
 
 
@@ -159,7 +162,8 @@ def _shortcut(
     h = ops.conv3d(sc, x, bias=False)  # no padding: the conv input is x itself
     if x_bias is None:
         return h, sc.bias
-    return h, _opmath(sc.bias) + _opmath(sc.weight.flatten(1)) @ _opmath(x_bias)
+    w, b = sc.weight, sc.bias
+    return h, derived(sc, "shortcut_bias", (w, b, x_bias), lambda: _opmath(b) + _opmath(w.flatten(1)) @ _opmath(x_bias))
 
 
 def _opmath(t: torch.Tensor) -> torch.Tensor:
