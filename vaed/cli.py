@@ -178,11 +178,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from .logs import install
     from .server import serve
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
-    return asyncio.run(serve(config))
+    # Never blocks the caller: a stalled reader of stderr must not stop the server (vaed.logs).
+    handler = install(args.log_level)
+    try:
+        config = config_from_args(args)
+        return asyncio.run(serve(config))
+    finally:
+        handler.close()
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

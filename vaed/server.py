@@ -23,6 +23,8 @@ from .config import ServerConfig
 from .engine import DecodeEngine
 from .heap import freeze_startup_heap, unfreeze_heap
 from .interceptors import Refusals, RpcLimitInterceptor
+from .logs import DroppedLogCollector
+from .logs import installed as installed_log_handler
 from .metrics import ServerMetrics
 from .parallel.pool import WorkerPool
 from .service import Lifecycle, VaeDecoderService
@@ -104,6 +106,8 @@ class VaedServer:
             max_sessions=config.max_sessions,
         )
         self.metrics = ServerMetrics(load=self.pool) if config.metrics_port is not None else None
+        if self.metrics is not None and (log_handler := installed_log_handler()) is not None:
+            self.metrics.registry.register(DroppedLogCollector(log_handler))
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
