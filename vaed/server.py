@@ -246,7 +246,11 @@ def set_cpu_threads(config: ServerConfig) -> int | None:
 
 
 async def serve(config: ServerConfig) -> int:
-    """`vaed serve`: run until SIGTERM/SIGINT, then drain; a second signal exits at once. Returns the exit code."""
+    """`vaed serve`: run until SIGTERM/SIGINT, then drain; a second signal exits at once. Returns the exit code.
+    SIGHUP (a closed terminal, a log-rotation hook) is logged and ignored: its default kills the
+    process mid-call, and the server has no log file to reopen (it writes stderr)."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP received and ignored; SIGTERM drains and stops"))
     set_cpu_threads(config)
     server = VaedServer(config)
     try:
@@ -254,7 +258,6 @@ async def serve(config: ServerConfig) -> int:
     except (StartupError, ValueError) as exc:
         log.error("%s", exc)
         return 2
-    loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
 
     def on_signal() -> None:

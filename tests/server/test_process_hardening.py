@@ -97,3 +97,35 @@ def test_a_log_stream_nobody_reads_does_not_stop_the_server():
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+@pytest.mark.slow
+def test_sighup_mid_call_is_ignored_and_the_server_keeps_serving():
+    """SIGHUP (a log-rotation hook, a closed terminal) arrives while a session's frames
+    are decoding: the session still gets every frame, the server serves the next call,
+    and SIGTERM then drains and exits 0 as usual."""
+    proc, target = start_cli_server("--grace", "60")
+    reader = _Reader(proc.stdout)
+    try:
+        latents = torch.randn(1, 4, 12, 8, 8)
+        with VaeClient(target, timeout=CALL_TIMEOUT_S) as client:
+            session = client.session()
+            session.push(latents[:, :, :1])
+            frames = iter(session)
+            first = next(frames)
+            session.push(latents[:, :, 1:])  # eleven latent frames decoding while the signal lands
+            proc.send_signal(signal.SIGHUP)
+            session.close()
+            rest = list(frames)
+            assert first.first_frame == 0
+            assert rest[-1].first_frame + rest[-1].num_frames == 45
+            assert reader.wait_for("SIGHUP received and ignored", CALL_TIMEOUT_S), reader.lines[-5:]
+            assert client.decode(latents[:, :, :2]).shape == (1, 5, 64, 64, 3)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(CALL_TIMEOUT_S) == 0
+        assert reader.wait_for("stopped", 10), reader.lines[-5:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
