@@ -355,10 +355,16 @@ class VaeDecoderService:
             del request, raw  # the session holds the only copy of the latents
             session.finish_input()
             worker = self.pool.attach(session)
+            more = asyncio.create_task(self._refuse_a_second_request(requests, session))
             try:
                 async for message in self._frames(session):
+                    if message.final:
+                        await more  # the call succeeds only once its one message was all it sent
                     yield message
             finally:
+                more.cancel()
+                with contextlib.suppress(asyncio.CancelledError, InvalidInput):
+                    await more
                 worker.detach(session)
 
     async def _decode_stream(self, requests: AsyncIterator[bytes], record: CallRecord) -> AsyncIterator[Any]:
@@ -384,6 +390,16 @@ class VaeDecoderService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
                 worker.detach(session)
+
+    @staticmethod
+    async def _refuse_a_second_request(requests: AsyncIterator[bytes], session: Session) -> None:
+        """Decode is unary: read on to the client's half-close, and fail the call if a second
+        message comes first (gRPC's unary handlers would otherwise just ignore it)."""
+        if await anext(requests, None) is not None:
+            exc = InvalidInput("Decode takes exactly one DecodeRequest and a second message arrived; "
+                               "send latents in several messages with DecodeStream")
+            session.fail(exc)
+            raise exc
 
     async def _read_rest(self, requests: AsyncIterator[bytes], session: Session) -> None:
         """Feed the session's later chunks, reading the next one only while its backlog has
