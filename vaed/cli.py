@@ -49,6 +49,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0 = no limit); got {text!r}")
+    return value
+
+
 def _shapes(text: str) -> tuple[tuple[int, int], ...]:
     """--warmup-shapes 480x832,720x1280 | none -> ((480, 832), (720, 1280))."""
     if text.strip().lower() == "none":
@@ -104,6 +114,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-backlog-frames", type=int, default=defaults.max_backlog_frames,
                         help="latent frames a DecodeStream session buffers before the server stops reading "
                              "its client (default %(default)s)")
+    parser.add_argument("--session-first-message-timeout", type=_seconds, metavar="SECONDS",
+                        default=defaults.session_first_message_timeout,
+                        help="seconds a Decode or DecodeStream call may wait for its first message; then it ends "
+                             "DEADLINE_EXCEEDED and frees its session slot; 0 = no limit (default %(default)s)")
+    parser.add_argument("--session-idle-timeout", type=_seconds, metavar="SECONDS",
+                        default=defaults.session_idle_timeout,
+                        help="seconds a DecodeStream session may wait for its next message once everything it "
+                             "sent is decoded and sent back; then it ends DEADLINE_EXCEEDED and frees its "
+                             "slot; 0 = no limit (default %(default)s)")
     parser.add_argument("--grace", type=float, default=defaults.grace,
                         help="seconds SIGTERM lets in-flight streams finish; a second SIGTERM exits at once "
                              "(default %(default)s)")
@@ -165,7 +184,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model, devices=devices, dtype=args.dtype, host=args.host, port=args.port,
         max_sessions=args.max_sessions, max_concurrent_rpcs=args.max_concurrent_rpcs, max_batch=args.max_batch,
         max_latent_frames=args.max_latent_frames, max_pixels=args.max_pixels, queue_chunks=args.queue_chunks,
-        max_backlog_frames=args.max_backlog_frames, grace=args.grace, kernels=args.kernels,
+        max_backlog_frames=args.max_backlog_frames,
+        session_first_message_timeout=args.session_first_message_timeout,
+        session_idle_timeout=args.session_idle_timeout, grace=args.grace, kernels=args.kernels,
         disabled_ops=tuple(args.disabled_ops), layout=args.layout, cuda_graphs=args.cuda_graphs,
         precision=args.precision, cpu_threads=args.cpu_threads,
         parallel=args.parallel, spatial_axis=args.spatial_axis, spatial_min_pixels=args.spatial_min_pixels, warmup=args.warmup, warmup_shapes=args.warmup_shapes,

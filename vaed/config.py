@@ -56,6 +56,17 @@ class ServerConfig:
     max_pixels: int = 1280 * 1280       # output H * W of one frame
     queue_chunks: int = 2               # decoded groups buffered per session (output backpressure)
     max_backlog_frames: int = 4         # latent frames buffered per DecodeStream session (input backpressure)
+    # How long an admitted call may wait for its client's messages (0 = no limit): past it the
+    # call ends DEADLINE_EXCEEDED and frees its slot, so idle calls cannot hold every slot until
+    # their connection ages out (300 s + 60 s grace). 10 s before the first message: the client
+    # library sends it as the call opens (decode, stream) or with the caller's first push
+    # (session(): open it with the first chunk in hand). 30 s between later messages of a
+    # DecodeStream: a streaming generator sends one chunk per generation step, and only the
+    # generator's time counts: not while the server still decodes or sends what it received
+    # (a lockstep client waits for those frames), nor while a full backlog keeps the server
+    # from reading, nor after the client half-closed.
+    session_first_message_timeout: float = 10.0
+    session_idle_timeout: float = 30.0
     frame_message_bytes: int = wire.FRAME_MESSAGE_BYTES
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     grace: float = 30.0                 # seconds SIGTERM waits for in-flight streams

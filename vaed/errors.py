@@ -25,6 +25,10 @@ class NotReady(VaedServerError):
     """Warming up, draining, or no healthy device left."""
 
 
+class ClientIdle(VaedServerError):
+    """The client sent no message within a session timeout; its slot is freed."""
+
+
 class ModelLoadError(VaedServerError):
     """Weights could not be found or loaded."""
 
@@ -40,6 +44,9 @@ _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (NotReady, grpc.StatusCode.UNAVAILABLE),
+    # A time limit ran out, the input was not wrong: what a client's own timeout would say
+    # (the message names the server's flag), and the client library never retries it.
+    (ClientIdle, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
 
 

@@ -4,8 +4,8 @@ Handlers are registered with raw bytes in and out of the deserializer, and all
 three methods read their requests as a stream (the wire is the same for a
 unary request), so the order of work is:
 
-    serving? -> admitted (session slot) -> receive -> parse -> validate header
-    -> copy latents -> session
+    serving? -> admitted (session slot) -> receive (within the session
+    timeouts) -> parse -> validate header -> copy latents -> session
 
 Nothing is received, parsed or copied before the call is authorised (the
 interceptors run first) and admitted; a malformed message is
@@ -40,7 +40,7 @@ from .engine import DTYPES, OutputSpec
 from .errors import InvalidInput, NotReady, status_for
 from .parallel.pool import SessionSlot, WorkerPool
 from .interceptors import REFUSAL_LINGER_SECONDS
-from .session import CallRecord, HostGroup, Limits, Session
+from .session import CallRecord, HostGroup, Limits, Session, first_message
 
 log = logging.getLogger(__name__)
 
@@ -344,8 +344,8 @@ class VaeDecoderService:
             slot.release()
 
     async def _decode(self, requests: AsyncIterator[bytes], record: CallRecord) -> AsyncIterator[Any]:
-        async with self._admitted():
-            raw = await anext(requests, None)
+        async with self._admitted() as slot:
+            raw = await first_message(requests, "Decode", self.config.session_first_message_timeout)
             if raw is None:
                 raise InvalidInput("Decode needs one DecodeRequest message")
             request = parse(pb.DecodeRequest, raw)
@@ -354,7 +354,7 @@ class VaeDecoderService:
             self._accept(session, request.latents)
             del request, raw  # the session holds the only copy of the latents
             session.finish_input()
-            worker = self.pool.attach(session)
+            worker = self.pool.attach(session, slot)
             more = asyncio.create_task(self._refuse_a_second_request(requests, session))
             try:
                 async for message in self._frames(session):
@@ -368,8 +368,8 @@ class VaeDecoderService:
                 worker.detach(session)
 
     async def _decode_stream(self, requests: AsyncIterator[bytes], record: CallRecord) -> AsyncIterator[Any]:
-        async with self._admitted():
-            raw = await anext(requests, None)
+        async with self._admitted() as slot:
+            raw = await first_message(requests, "DecodeStream", self.config.session_first_message_timeout)
             if raw is None:
                 # Opened and half-closed with no chunk: an empty, successful session.
                 record.request_id = checked_request_id("")
@@ -380,7 +380,7 @@ class VaeDecoderService:
             session = self._open(record, first.options)
             self._accept(session, first.latents)
             del first, raw
-            worker = self.pool.attach(session)
+            worker = self.pool.attach(session, slot)
             reader = asyncio.create_task(self._read_rest(requests, session))
             try:
                 async for message in self._frames(session):
@@ -406,8 +406,8 @@ class VaeDecoderService:
         room (gRPC flow control then holds the client); a bad chunk fails the session."""
         try:
             while True:
-                await session.wait_for_room()
-                raw = await anext(requests, None)
+                await session.wait_for_room()  # a full backlog is the server's wait: not idle
+                raw = await session.next_message(requests, self.config.session_idle_timeout)
                 if raw is None:
                     break
                 chunk = parse(pb.LatentChunk, raw)

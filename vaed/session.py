@@ -32,6 +32,13 @@ message only while the backlog holds fewer than `max_backlog_frames` latent
 frames, so gRPC flow control pushes back on a client that outruns the GPU.
 Latents stay on the host until their step: the device holds only the frame
 being decoded and the causal cache.
+
+Idle input: a call's reads of client messages are bounded (`first_message`,
+`Session.next_message`), so a client that opens a call and sends nothing, or
+stops sending mid-session, ends with DEADLINE_EXCEEDED and frees its slot.
+The clock runs only while the server waits for the client and owes it
+nothing: never while a full backlog keeps the server from reading, nor while
+frames of what was received are still decoding or being sent.
 """
 
 from __future__ import annotations
@@ -43,12 +50,12 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator, Callable
 
 import torch
 
 from .engine import OutputSpec
-from .errors import InvalidInput
+from .errors import ClientIdle, InvalidInput
 
 LATENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -222,6 +229,43 @@ class CallRecord:
 _ids = itertools.count()
 
 
+async def _read(requests: AsyncIterator[bytes]) -> bytes | None:
+    return await anext(requests, None)
+
+
+async def _receive(
+    requests: AsyncIterator[bytes],
+    timeout: float,
+    late: Callable[[], ClientIdle],
+    clock_starts: asyncio.Event | None = None,
+) -> bytes | None:
+    """The next message (None when the client half-closed), or raise `late()` once `timeout`
+    seconds (0 = no limit) passed without one, counted from when `clock_starts` is set."""
+    read = asyncio.ensure_future(_read(requests))
+    try:
+        if clock_starts is not None and not clock_starts.is_set():
+            started = asyncio.ensure_future(clock_starts.wait())
+            try:
+                await asyncio.wait((read, started), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                started.cancel()
+        if timeout > 0 and not read.done():
+            await asyncio.wait((read,), timeout=timeout)
+            if not read.done():
+                raise late()
+        return await read
+    finally:
+        read.cancel()  # no-op once it is done; the call ends after a timeout, nothing reads again
+
+
+async def first_message(requests: AsyncIterator[bytes], method: str, timeout: float) -> bytes | None:
+    """A call's first message (None if the client half-closed first), within `timeout` s of now."""
+    return await _receive(requests, timeout, lambda: ClientIdle(
+        f"no {method} message arrived within {timeout:g} s of the call's start "
+        "(the server's --session-first-message-timeout); open the call when its first message is ready"
+    ))
+
+
 class Session:
     """One Decode call or DecodeStream session (see the module docstring)."""
 
@@ -255,6 +299,9 @@ class Session:
         self._room.set()
         self._first: tuple[tuple[int, int, int], torch.dtype] | None = None
         self._frames_in = 0
+        self._groups_sent = 0            # one group per latent frame; handler side only
+        self._delivered = asyncio.Event()  # every latent frame received so far was decoded and sent
+        self._delivered.set()
 
     # -- handler side ----------------------------------------------------------
 
@@ -272,6 +319,7 @@ class Session:
         self.record.shape[2] += t
         self.record.chunks_in += 1
         self._frames_in += t
+        self._delivered.clear()
         with self.lock:
             self._backlog.extend(latents[:, :, i : i + 1] for i in range(t))
             self._update_room()
@@ -295,6 +343,16 @@ class Session:
         """Return once the backlog holds fewer than max_backlog_frames latent frames."""
         await self._room.wait()
 
+    async def next_message(self, requests: AsyncIterator[bytes], timeout: float) -> bytes | None:
+        """The client's next message (None when it half-closed). ClientIdle once it sent nothing
+        for `timeout` s (0 = no limit) after every frame of what it sent so far went out: until
+        then the client may be waiting for those frames, so the wait is the server's, not its."""
+        return await _receive(requests, timeout, lambda: ClientIdle(
+            f"no DecodeStream message arrived for {timeout:g} s after the last frames were sent "
+            f"({self._frames_in} latent frames received; the server's --session-idle-timeout); "
+            "send chunks more often, or half-close the stream when the input ends"
+        ), clock_starts=self._delivered)
+
     async def next_group(self) -> HostGroup | None:
         return await self.channel.get()
 
@@ -303,6 +361,9 @@ class Session:
         with self.lock:
             self._credits += 1
             self.lock.notify_all()
+        self._groups_sent += 1
+        if self._groups_sent >= self._frames_in:
+            self._delivered.set()
 
     @property
     def latent_frames_received(self) -> int:

@@ -2,8 +2,11 @@
 
 Admission happens here, once for the whole server: a call takes a session
 slot (`admit`) before its payload is read, and the slot goes back when the
-session closes. An admitted session goes to the least-loaded healthy worker
-(fewest sessions, then fewest pending latent frames, then device order). A
+session closes. A slot goes to the least-loaded healthy worker (fewest slots,
+then fewest pending latent frames, then device order) and counts in that
+worker's load (`vaed_active_sessions`) from admission on: a call still
+waiting for its first message holds a slot, so it is load an operator and
+the router must see. Its session is attached to the slot's worker. A
 worker whose start-up failed, or whose device faulted later, leaves rotation;
 the server keeps serving while one worker is healthy.
 
@@ -15,6 +18,7 @@ README's multi-GPU figures).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Callable
 
@@ -25,16 +29,17 @@ from ..worker import DeviceWorker
 
 
 class SessionSlot:
-    """A taken admission slot; `release` is idempotent."""
+    """A taken admission slot on one worker (`index` in the pool); `release` is idempotent."""
 
-    def __init__(self, release: Callable[[], None]) -> None:
+    def __init__(self, index: int, release: Callable[["SessionSlot"], None]) -> None:
+        self.index = index
         self._release = release
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._release()
+            self._release(self)
 
 
 class WorkerPool:
@@ -44,7 +49,8 @@ class WorkerPool:
         self.workers = workers
         self.max_sessions = max_sessions
         self._sessions = 0
-        self._lock = threading.Lock()
+        self._slots = [0] * len(workers)  # slots held per worker, admission to release
+        self._lock = threading.Lock()  # the counts above; taken before no other lock
         self.on_change: Callable[[], None] | None = None  # a worker left rotation (called on its thread)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -100,12 +106,17 @@ class WorkerPool:
     # -- sessions ------------------------------------------------------------------
 
     def admit(self) -> SessionSlot:
-        """Take a session slot or raise CapacityExhausted; nothing of the call is read yet."""
+        """Take a session slot on the least-loaded worker or raise CapacityExhausted; nothing of
+        the call is read yet."""
+        pending = [w.load().pending_latent_frames for w in self.workers]  # worker locks, not under ours
+        healthy = [i for i, w in enumerate(self.workers) if w.healthy] or list(range(len(self.workers)))
         with self._lock:
             if self._sessions >= self.max_sessions:
                 raise CapacityExhausted(f"all {self.max_sessions} decode sessions are in use; retry shortly")
+            index = min(healthy, key=lambda i: (self._slots[i], pending[i], i))
             self._sessions += 1
-        return SessionSlot(self._release_slot)
+            self._slots[index] += 1
+        return SessionSlot(index, self._release_slot)
 
     @property
     def admitted(self) -> int:
@@ -113,21 +124,33 @@ class WorkerPool:
         with self._lock:
             return self._sessions
 
-    def _release_slot(self) -> None:
+    def _release_slot(self, slot: SessionSlot) -> None:
         with self._lock:
             self._sessions -= 1
+            self._slots[slot.index] -= 1
 
-    def attach(self, session: Session) -> DeviceWorker:
-        """Give the session to the least-loaded healthy worker."""
-        candidates = [(w.load(), i, w) for i, w in enumerate(self.workers) if w.healthy]
-        if not candidates:
-            raise NotReady("no device is serving; see the server log")
-        _, _, worker = min(candidates, key=lambda c: (c[0].active_sessions, c[0].pending_latent_frames, c[1]))
+    def attach(self, session: Session, slot: SessionSlot) -> DeviceWorker:
+        """Give the session to its slot's worker; if that one left rotation since admission, move
+        the slot to the least-loaded healthy worker."""
+        if not self.workers[slot.index].healthy:
+            healthy = [i for i, w in enumerate(self.workers) if w.healthy]
+            if not healthy:
+                raise NotReady("no device is serving; see the server log")
+            with self._lock:
+                index = min(healthy, key=lambda i: (self._slots[i], i))
+                self._slots[slot.index] -= 1
+                self._slots[index] += 1
+                slot.index = index
+        worker = self.workers[slot.index]
         worker.attach(session)
         return worker
 
     def device_loads(self) -> list[DeviceLoad]:
-        return [w.load() for w in self.workers]
+        """Each worker's load; its sessions are the slots it holds, attached or not yet."""
+        loads = [w.load() for w in self.workers]
+        with self._lock:
+            slots = list(self._slots)
+        return [dataclasses.replace(load, active_sessions=n) for load, n in zip(loads, slots)]
 
     @property
     def active_sessions(self) -> int:

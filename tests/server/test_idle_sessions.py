@@ -1,0 +1,263 @@
+"""Idle calls through the real wire: a call that opens and sends nothing, or stops
+sending mid-session, ends DEADLINE_EXCEEDED (the message names the flag) and frees
+its slot; one the server still owes frames, one held by its full backlog and one
+that half-closed are not idle; the sessions gauge counts a call from admission.
+
+Every wait is a bound on a hang (a minute), never a speed threshold: the servers'
+timeouts are seconds, and without them an idle call holds its slot until its
+connection ages out (300 s + 60 s grace).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+import urllib.request
+from typing import Any, Callable
+
+import grpc
+import pytest
+import torch
+
+from vaed.cli import build_parser, config_from_args
+from vaed.config import ServerConfig
+from vaed_client import VaeClient, wire
+from vaed_client.errors import DeadlineExceededError, ResourceExhaustedError
+
+from harness import make_config, serve_in_thread, start_cli_server
+
+Z = 4  # z_dim of random:wan2.1-tiny
+T = 2.0  # both session timeouts of the in-process server, in seconds
+WAIT_S = 60.0  # the bound on every wait: a hang, not a slow machine
+FIRST_FLAG = "--session-first-message-timeout"
+IDLE_FLAG = "--session-idle-timeout"
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached within {timeout:g} s: {what}"
+        time.sleep(0.02)
+
+
+class _Idle:
+    """A call that opens and sends nothing until `release`, as a stuck or hostile client does."""
+
+    def __init__(self, channel: grpc.Channel, method: str = "DecodeStream") -> None:
+        self._stop = threading.Event()
+
+        def nothing() -> Any:
+            self._stop.wait(WAIT_S)
+            return
+            yield
+
+        self.call = channel.stream_stream(f"/{wire.SERVICE_NAME}/{method}")(nothing(), timeout=2 * WAIT_S)
+
+    def status(self) -> tuple[grpc.StatusCode, str]:
+        """The call's status (it must end within WAIT_S)."""
+        exc = self.call.exception(timeout=WAIT_S)
+        return (grpc.StatusCode.OK, "") if exc is None else (exc.code(), exc.details())
+
+    def release(self) -> None:
+        self._stop.set()
+        self.call.cancel()
+
+
+def _sessions_gauge(text: str) -> float:
+    return sum(float(v) for v in re.findall(r"^vaed_active_sessions\{[^}]*\} (\S+)$", text, re.MULTILINE))
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as reply:
+        return reply.read().decode()
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = make_config(max_sessions=2, session_first_message_timeout=T, session_idle_timeout=T)
+    with serve_in_thread(config) as running:
+        yield running
+
+
+@pytest.fixture()
+def gate(server, monkeypatch):
+    """Holds every decode step until `open` is set; `entered` is set once a step waits."""
+    engine = server.server.pool.engine
+    original = engine.decode_frame
+    entered, open_ = threading.Event(), threading.Event()
+
+    def held(*args: Any) -> Any:
+        entered.set()
+        open_.wait(WAIT_S)
+        return original(*args)
+
+    monkeypatch.setattr(engine, "decode_frame", held)
+    yield entered, open_
+    open_.set()
+
+
+def _slots_free(server) -> bool:
+    return server.server.pool.admitted == 0
+
+
+# -- idle calls end and free their slots ---------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["DecodeStream", "Decode"])
+def test_a_call_that_sends_nothing_ends_deadline_exceeded_and_frees_its_slot(server, method):
+    with grpc.insecure_channel(server.target) as channel:
+        idle = [_Idle(channel, method) for _ in range(2)]  # every slot
+        try:
+            for call in idle:
+                code, details = call.status()
+                assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+                assert FIRST_FLAG in details and f"{T:g} s" in details
+        finally:
+            for call in idle:
+                call.release()
+    _wait_for(lambda: _slots_free(server), "the idle calls' slots are free")
+    with VaeClient(server.target, timeout=WAIT_S) as client:
+        assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
+
+
+def test_a_session_that_stops_sending_ends_deadline_exceeded_after_its_frames(server):
+    frames = 0
+    with VaeClient(server.target, timeout=WAIT_S) as client:
+        session = client.session()
+        session.push(torch.randn(1, Z, 2, 5, 7))
+        with pytest.raises(DeadlineExceededError) as failure:
+            for chunk in session:
+                frames += chunk.frames.shape[1]
+        session.cancel()
+    assert IDLE_FLAG in str(failure.value) and "2 latent frames received" in str(failure.value)
+    assert frames == 5  # everything it sent was decoded and delivered first
+    _wait_for(lambda: _slots_free(server), "the idle session's slot is free")
+
+
+# -- what is not idle ------------------------------------------------------------------------------
+
+def test_a_session_is_not_idle_while_the_server_decodes_what_it_sent(server, gate):
+    """Lockstep: the client waits for a chunk's frames before it sends the next one."""
+    entered, open_ = gate
+    latents = torch.randn(1, Z, 2, 5, 7)
+    with VaeClient(server.target, timeout=WAIT_S) as client:
+        with client.session(format="raw", raw_dtype="float32") as session:
+            session.push(latents[:, :, :1])
+            assert entered.wait(WAIT_S)
+            time.sleep(3 * T)  # the decode is held: the server owes the client, the client waits
+            open_.set()
+            chunks = iter(session)
+            first = next(chunks)  # latent frame 0's frames, then the next chunk
+            session.push(latents[:, :, 1:])
+            session.close()
+            frames = [first.frames] + [chunk.frames for chunk in chunks]
+        one_shot = client.decode(latents, format="raw", raw_dtype="float32")
+    assert torch.equal(torch.cat(frames, 2), one_shot)
+
+
+def test_a_session_held_by_its_full_backlog_is_not_idle(server, gate):
+    """Eight latent frames against a backlog of four: the server stops reading, not the client."""
+    entered, open_ = gate
+    latents = torch.randn(1, Z, 8, 5, 7)
+    with VaeClient(server.target, timeout=WAIT_S) as client:
+        with client.session(format="raw", raw_dtype="float32") as session:
+            for i in range(8):
+                session.push(latents[:, :, i : i + 1])
+            assert entered.wait(WAIT_S)
+            time.sleep(3 * T)
+            open_.set()
+            streamed = session.collect()
+        assert torch.equal(streamed, client.decode(latents, format="raw", raw_dtype="float32"))
+
+
+def test_a_half_closed_session_is_not_idle_while_its_frames_decode(server, gate):
+    entered, open_ = gate
+    latents = torch.randn(1, Z, 3, 5, 7)
+    with VaeClient(server.target, timeout=WAIT_S) as client:
+        with client.session(format="raw", raw_dtype="float32") as session:
+            session.push(latents)
+            session.close()
+            assert entered.wait(WAIT_S)
+            time.sleep(3 * T)
+            open_.set()
+            streamed = session.collect()
+        assert torch.equal(streamed, client.decode(latents, format="raw", raw_dtype="float32"))
+
+
+# -- the sessions gauge --------------------------------------------------------------------------------
+
+def test_calls_count_in_the_sessions_gauge_from_admission():
+    """No timeouts (0): idle calls hold their slots, and the gauge shows them all along."""
+    config = make_config(max_sessions=3, session_first_message_timeout=0, session_idle_timeout=0, metrics_port=0)
+    with serve_in_thread(config) as running:
+        pool = running.server.pool
+        with grpc.insecure_channel(running.target) as channel:
+            idle = [_Idle(channel) for _ in range(3)]
+            try:
+                _wait_for(lambda: pool.admitted == 3, "three calls admitted")
+                assert [load.active_sessions for load in pool.device_loads()] == [3]
+                assert _sessions_gauge(_scrape(running.server.metrics_port)) == 3
+                with VaeClient(running.target, timeout=WAIT_S) as client:
+                    with pytest.raises(ResourceExhaustedError):
+                        client.decode(torch.randn(1, Z, 1, 5, 7))
+                time.sleep(3 * T)  # 0 = no limit: still held
+                assert pool.admitted == 3 and not any(call.call.done() for call in idle)
+            finally:
+                for call in idle:
+                    call.release()
+        _wait_for(lambda: pool.admitted == 0, "cancelled calls free their slots")
+        assert _sessions_gauge(_scrape(running.server.metrics_port)) == 0
+
+
+# -- flags ----------------------------------------------------------------------------------------------
+
+def test_the_timeout_flags_reach_the_config():
+    args = build_parser("serve").parse_args(
+        ["serve", "--device", "cpu", f"{FIRST_FLAG}=2.5", f"{IDLE_FLAG}=0"])
+    config = config_from_args(args)
+    assert (config.session_first_message_timeout, config.session_idle_timeout) == (2.5, 0.0)
+    defaults = config_from_args(build_parser("serve").parse_args(["serve", "--device", "cpu"]))
+    assert (defaults.session_first_message_timeout, defaults.session_idle_timeout) == (
+        ServerConfig.session_first_message_timeout, ServerConfig.session_idle_timeout)
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit):
+            build_parser("serve").parse_args(["serve", f"{IDLE_FLAG}={bad}"])
+
+
+# -- a real `vaed serve` --------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sixteen_idle_streams_hold_every_slot_until_the_timeout_then_a_new_client_decodes():
+    """16 DecodeStream calls that open and send nothing take all 16 slots and the gauge
+    reads 16; after the first-message timeout (4 s here) each ends DEADLINE_EXCEEDED
+    naming the flag, and a new client is admitted and decodes. Without the timeout they
+    held the slots for connection age + grace (360 s by default) with the gauge at 0."""
+    metrics_port = _free_port()
+    proc, target = start_cli_server(
+        "--max-sessions", "16", f"{FIRST_FLAG}=4", f"{IDLE_FLAG}=4", "--metrics-port", str(metrics_port))
+    channel = grpc.insecure_channel(target)
+    idle: list[_Idle] = []
+    try:
+        idle = [_Idle(channel) for _ in range(16)]
+        _wait_for(lambda: _sessions_gauge(_scrape(metrics_port)) == 16, "the gauge reads 16 idle sessions")
+        with VaeClient(target, timeout=WAIT_S) as client:
+            with pytest.raises(ResourceExhaustedError):
+                client.decode(torch.randn(1, Z, 1, 5, 7))
+        for call in idle:
+            code, details = call.status()
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and FIRST_FLAG in details, (code, details)
+        with VaeClient(target, timeout=WAIT_S) as client:
+            assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
+        _wait_for(lambda: _sessions_gauge(_scrape(metrics_port)) == 0, "the gauge is back to 0")
+    finally:
+        for call in idle:
+            call.release()
+        channel.close()
+        proc.kill()
+        proc.wait(30)
