@@ -64,8 +64,11 @@ OPEN_METHOD_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.Health/",)
 RefusedCallback = Callable[[str, str], None]
 
 _SCHEME = "bearer"
-_MISSING = "missing credentials: send metadata 'authorization: Bearer <token>'"
-_MALFORMED = "malformed authorization metadata: expected 'Bearer <token>'"
+# Where vaed's own clients take the token from (vaed_client.channel.read_token).
+_HOW = ("vaed decode/info take --token-file FILE or $VAED_AUTH_TOKEN, "
+        "VaeClient(..., token=...) in Python")
+_MISSING = f"missing credentials: this server requires a bearer token ('authorization: Bearer <token>' metadata); {_HOW}"
+_MALFORMED = f"malformed authorization metadata: expected 'Bearer <token>'; {_HOW}"
 _WRONG = "invalid bearer token"
 
 

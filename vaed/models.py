@@ -127,6 +127,21 @@ def _local_vae_folder(path: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
+# What to try when --model names nothing loadable.
+_WAYS_OUT = (
+    "Pass a local diffusers folder (`--model /path/to/Wan2.1-T2V-1.3B-Diffusers` or its vae/ folder), "
+    "or serve seeded random weights with the same architecture (`--model random:wan2.1` or `random:wan2.2`; "
+    "`random:wan2.1-tiny` decodes fast on a CPU). With HF_HUB_OFFLINE=1 a hub id loads from the local "
+    "hub cache only."
+)
+
+
+def looks_like_path(spec: str) -> bool:
+    """A spec that can only be a folder: a hub id is `name` or `namespace/name`, never
+    absolute, relative to `.`/`~`, with two slashes or a backslash."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec or spec.endswith("/")
+
+
 def _load_pretrained(spec: str) -> Any:
     AutoencoderKLWan = autoencoder_class()
 
@@ -142,6 +157,8 @@ def _load_pretrained(spec: str) -> Any:
                 f"{spec} holds no diffusers VAE: expected {path}/vae/config.json or {path}/config.json"
             )
         return AutoencoderKLWan.from_pretrained(str(folder), **options)
+    if looks_like_path(spec):  # the hub cannot hold it: say so now, without its retries
+        raise ModelLoadError(f"--model {spec}: no such folder ({path.absolute()}). {_WAYS_OUT}")
     try:  # the local hub cache first: no network round trips when the weights are there
         return AutoencoderKLWan.from_pretrained(spec, subfolder="vae", local_files_only=True, **options)
     except Exception as exc:  # not cached (hub errors come in many types)
@@ -154,9 +171,8 @@ def _load_pretrained(spec: str) -> Any:
         return AutoencoderKLWan.from_pretrained(spec, subfolder="vae", **options)
     except Exception as exc:
         raise ModelLoadError(
-            f"could not load VAE weights for {spec!r} ({type(exc).__name__}: {exc}). "
-            "Pass a local diffusers folder (`--model /path/to/Wan2.1-T2V-1.3B-Diffusers` or its vae/ folder), "
-            "or serve seeded random weights with the same architecture (`--model random:wan2.1` or `random:wan2.2`)."
+            f"could not load VAE weights for {spec!r}: no such folder here, and the hub failed "
+            f"({type(exc).__name__}: {exc}). {_WAYS_OUT}"
         ) from None
 
 

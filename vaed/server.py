@@ -5,9 +5,11 @@ SIGTERM, exit at once on a second one)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 from typing import Callable
 
 import grpc
@@ -95,6 +97,32 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
+def bind_problem(host: str, port: int) -> str:
+    """Why `host:port` cannot be bound, from a plain socket: gRPC only says "Failed to bind"."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r} is not an address of this machine ({exc.strerror})"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return "address already in use; choose another --port (or stop the server holding it)"
+                return f"{exc.strerror or exc}; check --host and --port"
+    return "gRPC refused the address (see its message above); check --host and --port"
+
+
+def auth_summary(config: ServerConfig, has_token: bool) -> str:
+    """The start-up log's words on authentication."""
+    if not has_token:
+        return "no auth token: every client is accepted"
+    source = f"--auth-token-file {config.auth_token_file}" if config.auth_token_file else f"${wire.AUTH_TOKEN_ENV}"
+    return f"bearer token required on every RPC but health (from {source})"
+
+
 class VaedServer:
     def __init__(self, config: ServerConfig, build_engine: EngineFactory | None = None):
         self.config = config
@@ -146,9 +174,9 @@ class VaedServer:
             else:
                 port = server.add_insecure_port(address)
         except RuntimeError as exc:
-            raise StartupError(f"could not bind {address}: {exc}") from exc
+            raise StartupError(f"could not bind {address}: {bind_problem(cfg.host, cfg.port)}") from exc
         if not port:
-            raise StartupError(f"could not bind {address} (port in use?)")
+            raise StartupError(f"could not bind {address}: {bind_problem(cfg.host, cfg.port)}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
@@ -158,8 +186,9 @@ class VaedServer:
         loop = asyncio.get_running_loop()
         self.pool.on_change = lambda: loop.call_soon_threadsafe(self._on_pool_change)
         self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
-        log.info("listening on %s (port %d, %s); loading %s on %s",
-                 address, port, "TLS" if cfg.tls_cert else "plaintext", cfg.model, ", ".join(cfg.devices))
+        log.info("listening on %s (port %d, %s, %s); loading %s on %s",
+                 address, port, "TLS" if cfg.tls_cert else "plaintext", auth_summary(cfg, token is not None),
+                 cfg.model, ", ".join(cfg.devices))
         return port
 
     def _on_pool_ready(self) -> None:
@@ -272,7 +301,8 @@ async def serve(config: ServerConfig) -> int:
     stop_wait = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([ready, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     if ready.done() and ready.exception() is not None:
-        log.error("model failed to load: %s", ready.exception())
+        # The worker logged the cause (with its device); this line says what happens next.
+        log.error("no device could start; exiting")
         stop_wait.cancel()
         await server.stop(0)
         return 3

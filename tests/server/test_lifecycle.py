@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vaed.server import VaedServer, engine_factory
-from vaed_client import VaeClient
+from vaed_client import VaeClient, wire
 from vaed_client.errors import UnavailableError
 
 from harness import make_config, start_cli_server
@@ -79,8 +83,60 @@ def test_port_already_in_use_fails_startup(tiny_server):
         finally:
             await second.stop(0)
 
-    with pytest.raises(StartupError, match="could not bind"):
+    with pytest.raises(StartupError, match="could not bind .*: address already in use; choose another --port"):
         asyncio.run(start_second())
+
+
+def _serve_argv(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
+            "--model", "random:wan2.1-tiny", *extra]
+
+
+@pytest.mark.slow
+def test_vaed_serve_on_a_busy_port_exits_naming_the_cause():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(_serve_argv("--port", str(port)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"could not bind 127.0.0.1:{port}: address already in use; choose another --port" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["env", "file"])
+def test_vaed_serve_logs_that_a_token_is_required(tmp_path, via):
+    env = {k: v for k, v in os.environ.items() if k != "VAED_AUTH_TOKEN"}
+    extra: list[str] = []
+    if via == "env":
+        env["VAED_AUTH_TOKEN"] = "s3cret"
+        source = "$VAED_AUTH_TOKEN"
+    else:
+        (tmp_path / "token").write_text("s3cret\n")
+        extra = ["--auth-token-file", str(tmp_path / "token")]
+        source = f"--auth-token-file {tmp_path / 'token'}"
+    proc = subprocess.Popen(_serve_argv("--port", "0", "--no-warmup", *extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(env, PYTHONUNBUFFERED="1"))
+    try:
+        lines = _read_until(proc, "listening on")
+        assert f"bearer token required on every RPC but health (from {source})" in lines[-1]
+        assert "s3cret" not in "\n".join(lines)
+        port = re.search(r"\(port (\d+),", lines[-1]).group(1)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = channel.unary_unary(f"/{wire.SERVICE_NAME}/GetModelInfo")
+            with pytest.raises(grpc.RpcError) as refused:
+                info(b"", timeout=60)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "--token-file" in refused.value.details() and "$VAED_AUTH_TOKEN" in refused.value.details()
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def test_a_server_without_a_token_says_every_client_is_accepted():
+    from vaed.server import auth_summary
+
+    assert auth_summary(make_config(), has_token=False) == "no auth token: every client is accepted"
 
 
 def _read_until(proc: subprocess.Popen, text: str) -> list[str]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vaed.errors import ModelLoadError
-from vaed.models import build_random_vae, load_model, parse_random_spec
+from vaed.models import build_random_vae, load_model, looks_like_path, parse_random_spec
 
 
 def test_random_spec_parsing():
@@ -68,6 +68,31 @@ def test_serve_without_weights_exits_naming_both_ways_out():
     )
     assert proc.returncode != 0
     assert "random:wan2.1" in proc.stderr and "local diffusers folder" in proc.stderr
+    assert proc.stderr.count("could not load VAE weights") == 1, proc.stderr  # logged once
+
+
+@pytest.mark.parametrize("spec", ["/no/such/Wan2.1-T2V-1.3B-Diffusers", "./models/wan21", "~/no-such-vae"])
+def test_serve_with_a_missing_folder_says_so_without_trying_the_hub(spec):
+    """A path-like --model that does not exist is a typo, not a hub id: the process exits
+    saying "no such folder" (once) and how to try vaed without weights."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--port", "0", "--host", "127.0.0.1",
+         "--model", spec],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("no such folder") == 1, proc.stderr
+    assert "hub failed" not in proc.stderr and "huggingface.co" not in proc.stderr
+    assert "random:wan2.1-tiny" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
+
+
+@pytest.mark.parametrize(("spec", "path_like"), [
+    ("/models/wan", True), ("./wan", True), ("../wan", True), ("~/wan", True), ("a/b/c", True), ("wan/", True),
+    ("C:\\models\\wan", True), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", False), ("gpt2", False),
+])
+def test_which_specs_look_like_folders(spec, path_like):
+    assert looks_like_path(spec) is path_like
 
 
 def test_decoder_only_drops_the_encoder_and_keeps_the_decoder():
