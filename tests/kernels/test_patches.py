@@ -446,3 +446,50 @@ def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, mon
     }
     assert seen == {k: n for k, n in expect.items() if n}, seen
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+# --- the one decoder tree ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_tree_walked_directly_on_a_stock_decoder_equals_stock(arch: str) -> None:
+    """The tree never asks which forward a module has bound: walked from the decoder with the
+    plain-torch ops on an unpatched decoder (what a shard does), every call equals stock's,
+    bit for bit, and writes the same cache list."""
+    from vaed.patches import tree
+
+    vae = _vae(arch)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
+    with torch.no_grad():
+        want, want_cache = _chunked(vae, z)
+        assert _patched(vae) == []
+        x = vae.post_quant_conv(z)
+        cache: list = [None] * len(want_cache)
+        got = torch.cat([tree.decode(P.REFERENCE_OPS, vae.decoder, x[:, :, i : i + 1], cache, i == 0, strict=True)
+                         for i in range(x.shape[2])], 2)
+    assert_same(got, want)
+    _same_cache(cache, want_cache)
+
+
+def test_a_strict_walk_refuses_a_module_the_tree_does_not_port() -> None:
+    """A subclass may override the very forward a body mirrors: a strict walk (a shard's) raises
+    instead of calling a module that would exchange no halo; a lenient one calls it as stock."""
+    from diffusers.models.autoencoders import autoencoder_kl_wan as W
+
+    from vaed.patches import tree
+
+    class Block(W.WanResidualBlock):
+        pass
+
+    vae = _vae("wan2.1-tiny")
+    z = torch.randn(1, vae.config.z_dim, 1, 4, 4)
+    with torch.no_grad():
+        want, _ = _chunked(vae, z)
+        mid = vae.decoder.mid_block
+        mid.resnets[0].__class__ = Block
+        n = len(_chunked(vae, z)[1])
+        x = vae.post_quant_conv(z)
+        with pytest.raises(TypeError, match="Block is not a module the decoder tree ports"):
+            tree.decode(P.REFERENCE_OPS, vae.decoder, x, [None] * n, True, strict=True)
+        got = tree.decode(P.REFERENCE_OPS, vae.decoder, x, [None] * n, True)
+    assert_same(got, want)

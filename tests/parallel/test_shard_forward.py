@@ -108,3 +108,15 @@ def test_unsupported_decoders_are_refused() -> None:
         check_shardable(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="kernels must be"):
         resolve_inner_ops("fast")
+
+
+def test_the_version_guard_covers_the_sharded_forwards(engine: DecodeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shards walk the same ported forwards as one GPU: outside the verified diffusers range
+    sharding is refused, as the installer serves the stock decoder there."""
+    import diffusers
+
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    with pytest.raises(ValueError, match="diffusers 0.43.0 is outside"):
+        check_shardable(engine.vae.decoder)
+    monkeypatch.setattr(diffusers, "__version__", "0.42.1")
+    check_shardable(engine.vae.decoder)

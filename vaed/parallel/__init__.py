@@ -6,10 +6,11 @@ Layers (each its own module):
   shard sizes, the minimum latent extent (`world x halo`, halo = 1) -- pure arithmetic;
 - `comm`: halo exchange (P2P with the neighbours, zeros at the outer edges),
   all-gather and gather along a spatial dim, uneven shards padded and trimmed;
-- `inner_ops`: the per-shard op bundle (the fused lossless op set where available,
-  the plain-torch chains beside it);
-- `forward`: the Wan decoder's forward on one shard (halo before every spatial
-  conv, gathered mid-block attention, everything else local);
+- `inner_ops`: the one-device op set a shard starts from (the fused lossless set, or
+  the plain-torch chains);
+- `forward`: the sharded op set (halo exchange at the conv inputs and the
+  upsamplers' image convs, gathered mid-block attention, everything else local)
+  and the decoder on one shard: the one decoder tree of `vaed.patches.tree`;
 - `engine`: `ShardedEngine` (rank 0, the one-GPU engine interface) and
   `Follower` (ranks 1..), driven by small step descriptors;
 - `launch`: rank 0 in the calling process, followers spawned, NCCL or gloo.

@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ShardGroupError
+from ..patches.ops import OpSet
 from .comm import gather_along, group_rank_world
 from .forward import ShardContext, check_shardable, decoder_forward
-from .inner_ops import InnerOps, resolve_inner_ops
+from .inner_ops import resolve_inner_ops
 from .plan import AXIS_CHOICES, ShardPlan, plan_shards, split_sizes
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class ShardedState:
     next_output_frame: int = 0
 
 
-def _inner_ops(base: Any, kernels: str, precision: str) -> InnerOps:
+def _inner_ops(base: Any, kernels: str, precision: str) -> OpSet:
     """The op bundle of a precision tier: the one the wrapped engine prepared for it (its
     start-up checks and per-op switches included), else the lossless set, else plain torch."""
     report = getattr(base, "fast_paths", None)
@@ -101,10 +102,10 @@ class _ShardRunner:
         self.group = data_group
         self.rank, self.world = group_rank_world(data_group)
         self.kernels = kernels
-        self._ops: dict[str, InnerOps] = {}
+        self._ops: dict[str, OpSet] = {}
         self.layout: str = base.fast_paths.layout
 
-    def ops(self, precision: str) -> InnerOps:
+    def ops(self, precision: str) -> OpSet:
         if precision not in self._ops:
             self._ops[precision] = _inner_ops(self.base, self.kernels, precision)
         return self._ops[precision]

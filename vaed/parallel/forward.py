@@ -1,38 +1,43 @@
-"""The Wan decoder's forward on one spatial shard (one latent frame per call).
+"""The Wan decoder on one spatial shard: the one decoder tree with halo-exchanging ops.
 
-A mirror of diffusers' `WanDecoder3d.forward` tree (decoder -> mid block ->
-up blocks -> residual blocks / resample -> head), reading the module's
-weights but never replacing any of its forwards: the same loaded model
-serves sharded and one-GPU sessions side by side, and a one-GPU session stays
-bit-identical to stock (the installed fast paths are untouched).
+`decoder_forward` walks `vaed.patches.tree` -- the same bodies a one-GPU
+decode runs -- with `shard_ops(ctx)`: the precision's op set with halo
+exchange at the sites that read across the split. It reads the module's
+weights and never replaces a forward, so the same loaded model serves sharded
+and one-GPU sessions side by side, and a one-GPU session stays bit-identical
+to stock.
 
-Per op, on a shard that owns rows [a, b) of the split axis (see plan.py):
+Per site, on a shard that owns rows [a, b) of the split axis (see plan.py):
 
-- causal 3-D convs (conv_in, both convs of every residual block, conv_out):
-  the inner op builds [cache | frames] with the conv's own zero padding (1 row
-  each side of the split axis too) in its one pass, then `fill_halo` writes
-  the neighbours' boundary rows over the zero rows at interior edges, and the
-  conv runs unpadded. The conv's cache holds the rank's own (unhaloed)
-  frames, like one GPU's; the halo rows of the cached frames are sent again
-  with the new ones (edge rows only, no extra pass over the feature map: a
-  `cat` per conv cost a full copy of every conv input). Where WanRMS_norm +
-  SiLU feeds the conv, the norm runs inside the builder and the normed rows
-  are exchanged (it is per pixel, so they are the rows the neighbour would
-  compute; zero rows stay zero because the Wan norms have no bias).
+- causal 3-D conv inputs (conv_in, both convs of every residual block,
+  conv_out): the op set's builder makes [cache | frames] with the conv's own
+  zero padding (1 row each side of the split axis too) in its one pass, then
+  `fill_halo` writes the neighbours' boundary rows over the zero rows at
+  interior edges, and the conv runs unpadded. The conv's cache holds the
+  rank's own (unhaloed) frames, like one GPU's; the halo rows of the cached
+  frames are sent again with the new ones (edge rows only, no extra pass over
+  the feature map: a `cat` per conv cost a full copy of every conv input).
+  Where WanRMS_norm + SiLU feeds the conv, the norm runs inside the builder
+  and the normed rows are exchanged (it is per pixel, so they are the rows the
+  neighbour would compute; zero rows stay zero because the Wan norms have no
+  bias).
 - the 3x3 Conv2d after each nearest upsample: runs on the shard with its zero
   padding, then its output rows at interior edges are recomputed from thin
   strips with the neighbours' rows (`conv2d`).
-- the upsample time_conv (3x1x1), the 1x1x1 shortcut convs, the nearest 2x
-  upsample, DupUp3D and the per-pixel RMS norms: local, no exchange.
 - the mid-block attention (full spatial attention per frame): computed on
-  the all-gathered feature map, then sliced back to the shard.
+  the all-gathered feature map, then sliced back to the shard (`attention`).
+- the upsample time_conv (3x1x1) and the 1x1x1 shortcut convs (no spatial
+  pad: their builders exchange nothing), the nearest 2x upsample, DupUp3D and
+  the per-pixel RMS norms: local.
 
 The cache list has the layout diffusers' own loop would give (same indices,
-same "Rep" marker for the first upsample3d call).
+same "Rep" marker for the first upsample3d call): the tree writes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +46,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from vaed.patches.ops import NormSilu
+from vaed.patches import tree
+from vaed.patches.ops import CausalPadOp, OpSet, PadTuple, unfused_norm_causal_conv
+from vaed.patches.versions import diffusers_unverified_reason
 
 from .comm import (
     all_gather_along,
@@ -50,18 +57,17 @@ from .comm import (
     fill_halo,
     memory_format_of,
 )
-from .inner_ops import InnerOps
 from .plan import ShardPlan
 
 
 @dataclass(frozen=True)
 class ShardContext:
-    """What a sharded forward needs: the group, this rank, the plan and the inner ops."""
+    """What a sharded decode needs: the group, this rank, the plan and the one-device op set."""
 
     group: dist.ProcessGroup | None
     rank: int
     plan: ShardPlan
-    ops: InnerOps
+    ops: OpSet  # the precision's one-device op set; shard_ops adds the halo exchange
 
     @property
     def dim(self) -> int:
@@ -87,30 +93,7 @@ def _split_halo(ctx: ShardContext, pad: tuple[int, ...]) -> int:
     return ph0 if ctx.plan.axis == "height" else pw0
 
 
-def _norm_args(norm: Any) -> NormSilu:
-    """WanRMS_norm(channel_first, python-float bias) + SiLU, fused into a conv input build."""
-    return NormSilu(norm.gamma, float(norm.scale), float(norm.bias))
-
-
-def cached_conv(
-    ctx: ShardContext,
-    conv: Any,
-    x: torch.Tensor,
-    cache: list[Any],
-    idx: list[int],
-    norm: Any = None,
-) -> torch.Tensor:
-    """conv([cache | (SiLU(norm(x)) if norm else x)]) on the haloed shard; updates cache[idx]."""
-    i = idx[0]
-    pad = tuple(conv._padding)
-    padded, nxt = ctx.ops.causal_conv_input(x, cache[i], pad, norm=None if norm is None else _norm_args(norm))
-    cache[i] = nxt
-    idx[0] += 1
-    fill_halo(padded, ctx.dim, ctx.group, _split_halo(ctx, pad))
-    return ctx.ops.conv3d(conv, padded)
-
-
-def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
     """A 3x3 stride-1 Conv2d on images [N, C, H, W] of the shard.
 
     The conv runs on the shard itself with its own zero padding; only the `halo`
@@ -125,7 +108,7 @@ def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     n = x.shape[dim]
 
     def run(inp: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
-        return F.conv2d(inp, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+        return F.conv2d(inp, conv.weight, conv.bias if bias else None, conv.stride, padding, conv.dilation, conv.groups)
 
     if halo and n < 2 * halo:  # a strip would need rows beyond this shard: build the haloed image
         return run(ctx.halo(x, halo), strip_padding)
@@ -151,90 +134,58 @@ def attention(ctx: ShardContext, attn: nn.Module, x: torch.Tensor) -> torch.Tens
     return y.narrow(ctx.dim, start, sizes[ctx.rank]).contiguous(memory_format=memory_format_of(x))
 
 
-# --- the module tree --------------------------------------------------------------------
+# --- the sharded op set and the one decoder tree ----------------------------------------
 
 
-def residual_block(ctx: ShardContext, rb: Any, x: torch.Tensor, cache: list[Any], idx: list[int]) -> torch.Tensor:
-    h = rb.conv_shortcut(x)  # 1x1x1 or identity: local
-    x = cached_conv(ctx, rb.conv1, x, cache, idx, norm=rb.norm1)
-    x = cached_conv(ctx, rb.conv2, x, cache, idx, norm=rb.norm2)  # dropout: eval-mode identity (checked)
-    return ctx.ops.residual_add(x, h)
+def _halo_filled(ctx: ShardContext, build: CausalPadOp) -> CausalPadOp:
+    """A conv-input builder whose zero rows at interior edges then carry the neighbours' rows."""
+
+    def op(x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        padded, nxt = build(x, cache, pad, **kw)
+        fill_halo(padded, ctx.dim, ctx.group, _split_halo(ctx, pad))  # no-op for convs without a spatial pad
+        return padded, nxt
+
+    return op  # type: ignore[return-value]
 
 
-def mid_block(ctx: ShardContext, mid: Any, x: torch.Tensor, cache: list[Any], idx: list[int]) -> torch.Tensor:
-    x = residual_block(ctx, mid.resnets[0], x, cache, idx)
-    for attn, rb in zip(mid.attentions, mid.resnets[1:]):
-        if attn is not None:
-            x = attention(ctx, attn, x)
-        x = residual_block(ctx, rb, x, cache, idx)
-    return x
-
-
-def resample(ctx: ShardContext, rs: Any, x: torch.Tensor, cache: list[Any], idx: list[int]) -> torch.Tensor:
-    """WanResample upsample2d/upsample3d: local time conv and upsample, haloed 3x3 conv."""
-    b, _, t, _, _ = x.shape
-    interleave = False
-    if rs.mode == "upsample3d":
-        i = idx[0]
-        prev = cache[i]
-        if prev is None:
-            cache[i] = "Rep"  # first call: no time upsampling, as diffusers
-        else:
-            rep = isinstance(prev, str)
-            padded, nxt = ctx.ops.causal_conv_input(
-                x, None if rep else prev, tuple(rs.time_conv._padding), zero_history=rep
-            )
-            x = ctx.ops.conv3d(rs.time_conv, padded)
-            cache[i] = nxt
-            interleave = True
-        idx[0] += 1
-    images = ctx.ops.upsample2x(x, interleave)
-    y = conv2d(ctx, rs.resample[1], images)
-    t_out = t * 2 if interleave else t
-    return y.view(b, t_out, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
-
-
-def up_block(
-    ctx: ShardContext, up: Any, x: torch.Tensor, cache: list[Any], idx: list[int], first_chunk: bool
-) -> torch.Tensor:
-    if hasattr(up, "avg_shortcut"):  # WanResidualUpBlock (Wan2.2)
-        x_copy = x  # diffusers clones; nothing below writes into x, so the copy is saved
-        for rb in up.resnets:
-            x = residual_block(ctx, rb, x, cache, idx)
-        if up.upsampler is not None:
-            x = resample(ctx, up.upsampler, x, cache, idx)
-        sc = up.avg_shortcut
-        if sc is not None:
-            x = ctx.ops.dupup_add(x, x_copy, sc.factor_t, sc.factor_s, bool(first_chunk))
-        return x
-    for rb in up.resnets:  # WanUpBlock (Wan2.1)
-        x = residual_block(ctx, rb, x, cache, idx)
-    if up.upsamplers is not None:
-        x = resample(ctx, up.upsamplers[0], x, cache, idx)
-    return x
+def shard_ops(ctx: ShardContext) -> OpSet:
+    """The shard's op set: ctx.ops with halo exchange at the sites that read across the split.
+    The fused norm conv is off (its input must be halo-filled before the conv) and biases stay
+    in their convs (the sharded path never deferred them)."""
+    inner = ctx.ops
+    return dataclasses.replace(
+        inner,
+        name=f"{inner.name}-sharded",
+        causal_pad=_halo_filled(ctx, inner.causal_pad),
+        norm_causal_pad=_halo_filled(ctx, inner.norm_causal_pad),
+        norm_causal_conv=unfused_norm_causal_conv,
+        conv2d=functools.partial(conv2d, ctx),
+        attention=functools.partial(attention, ctx),
+        defer_bias=False,
+    )
 
 
 def decoder_forward(
     ctx: ShardContext, decoder: Any, x: torch.Tensor, cache: list[Any], first_chunk: bool
 ) -> torch.Tensor:
-    """One latent frame [B, z, 1, h_shard, w] (post_quant_conv'd) -> decoder output of the shard."""
-    idx = [0]
-    x = cached_conv(ctx, decoder.conv_in, x, cache, idx)
-    x = mid_block(ctx, decoder.mid_block, x, cache, idx)
-    for up in decoder.up_blocks:
-        x = up_block(ctx, up, x, cache, idx, first_chunk)
-    return cached_conv(ctx, decoder.conv_out, x, cache, idx, norm=decoder.norm_out)
+    """One latent frame [B, z, 1, h_shard, w] (post_quant_conv'd) -> decoder output of the shard.
+    Strict: a module the tree does not port would run without its halo, so it raises."""
+    return tree.decode(shard_ops(ctx), decoder, x, cache, first_chunk, strict=True)
 
 
 # --- eligibility (once per model) ----------------------------------------------------------
 
 
 def check_shardable(decoder: nn.Module) -> None:
-    """Raise TypeError/ValueError unless every module of `decoder` is one this forward mirrors exactly."""
+    """Raise TypeError/ValueError unless every module of `decoder` is one the tree ports exactly,
+    with a diffusers whose forwards the tree was verified against."""
     from diffusers.models.autoencoders import autoencoder_kl_wan as W
 
     if not isinstance(decoder, W.WanDecoder3d):
         raise TypeError(f"spatial sharding needs a WanDecoder3d, got {type(decoder).__name__}")
+    reason = diffusers_unverified_reason()
+    if reason is not None:
+        raise ValueError(f"spatial sharding runs the ported forwards only: {reason}")
     if not isinstance(decoder.nonlinearity, nn.SiLU):
         raise TypeError("spatial sharding needs SiLU activations")
     for name, m in decoder.named_modules():
@@ -253,6 +204,8 @@ def check_shardable(decoder: nn.Module) -> None:
             up = m.resample[0]
             if getattr(up, "mode", None) != "nearest-exact" or tuple(up.scale_factor) != (2.0, 2.0):
                 raise ValueError(f"{name}: only the nearest-exact 2x upsample is supported")
+            if not tree.resample_ok(m):
+                raise ValueError(f"{name}: the upsample is not one the decoder tree ports")
         elif isinstance(m, W.WanRMS_norm):
             if not m.channel_first or not isinstance(m.bias, float) or m.bias != 0.0:
                 raise ValueError(f"{name}: RMS norm must be channel-first without bias (zero halo rows stay zero)")

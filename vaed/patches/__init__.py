@@ -6,7 +6,9 @@ Layers (Liger-Kernel style: op / module / patch):
 * :mod:`.ops` -- :class:`OpSet` bundles: ``REFERENCE_OPS`` (plain torch, what
   stock diffusers runs), ``LOSSLESS_OPS`` (the bit-exact kernels);
   :mod:`.fast` -- ``FAST_OPS`` (the lossy fast tier) and ``LOSSLESS_TILED_OPS``;
-* :mod:`.forwards` -- diffusers' decoder forwards written over an op set;
+* :mod:`.tree` -- diffusers' decoder forwards, written once over an op set
+  (one device and spatial shards walk the same bodies);
+* :mod:`.forwards` -- the installed forwards: fallback checks, then the tree;
 * :mod:`.table` -- which diffusers class gets which forward, using which ops;
 * :mod:`.context` -- the op set of the current call (``using``), so tiers
   share one copy of the weights;

@@ -1,7 +1,7 @@
 """Op sets: the bundles of ops the patched decoder forwards call.
 
-The forwards (:mod:`vaed.patches.forwards`) never call a kernel directly;
-they call the fields of an :class:`OpSet`. An op set is data -- a frozen
+The decoder tree (:mod:`vaed.patches.tree`) never calls a kernel directly;
+it calls the fields of an :class:`OpSet`. An op set is data -- a frozen
 dataclass of callables with fixed, documented signatures -- so a second tier
 (the lossy ``FAST_OPS``), a per-op switch-off (:meth:`OpSet.without`) or a
 sharded variant (halo exchange around each spatial conv input, then the inner
@@ -35,6 +35,9 @@ Op signatures (every op set honours all of them):
 ``residual_add(x, h, bias=None)`` -> ``x + h`` (the residual block's output),
     ``(x + bias) + h`` with the deferred per-channel biases reaching it (conv2's, the
     shortcut conv's, the block input's): x's dtype, or fp32 when several were summed.
+``attention(attn, x)`` -> the mid-block attention of ``x`` (a site hook, not
+    in ``OP_NAMES``: the one-device sets call the module; the sharded set
+    attends over the gathered frame and slices its rows back).
 ``norm_causal_conv(conv, x, cache, pad, *, norm, bias=True)`` -> ``(conv
     output, next cache)`` or None: the conv input with the norm fused in *and*
     the conv, in one op, for an op set whose conv takes another input layout
@@ -150,6 +153,10 @@ class ResidualAddOp(Protocol):
     def __call__(self, x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
+class AttentionOp(Protocol):
+    def __call__(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class FusedOp:
     """A kernel launcher beside its reference, same signature.
@@ -211,6 +218,11 @@ def reference_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor 
     if bias is not None:  # what the conv's own bias pass would have done first
         x = x + bias.to(x.dtype).view(1, -1, 1, 1, 1)
     return x + h
+
+
+def module_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The mid-block attention as stock runs it: the module call."""
+    return attn(x)  # type: ignore[no-any-return]
 
 
 def unfused_norm_causal_conv(
@@ -301,6 +313,9 @@ class OpSet:
     # the forwards leave conv biases to the op that next reads the conv output (module
     # docstring): one pass over each such output fewer, one rounding fewer (lossy)
     defer_bias: bool = False
+    # a site hook, not a switchable op (not in OP_NAMES): every one-device set calls the
+    # module; the sharded set attends over the gathered frame
+    attention: AttentionOp = module_attention
 
     def causal_conv_input(
         self,

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from vaed.patches import forwards as fw
+from vaed.patches import tree
 
 
 @dataclass(frozen=True)
@@ -25,22 +26,6 @@ class PatchRow:
     ops: tuple[str, ...]  # OpSet fields the forward calls (see vaed.patches.ops)
     label: str  # what the report calls it
     applies: Callable[[nn.Module], bool] = lambda m: True
-
-
-def _resample_ok(m: nn.Module) -> bool:
-    """WanResample upsampling whose WanUpsample is the nearest-exact 2x the ops reproduce."""
-    if getattr(m, "mode", None) not in ("upsample2d", "upsample3d"):
-        return False
-    up = m.resample[0]  # type: ignore[index]
-    sf = getattr(up, "scale_factor", None)
-    return (
-        isinstance(up, nn.Upsample)
-        and getattr(up, "mode", None) == "nearest-exact"
-        and tuple(sf if isinstance(sf, tuple) else (sf, sf)) == (2.0, 2.0)
-        and up.size is None
-        and not getattr(up, "recompute_scale_factor", None)
-        and isinstance(m.resample[1], nn.Conv2d)  # type: ignore[index]
-    )
 
 
 PATCH_TABLE: tuple[PatchRow, ...] = (
@@ -62,7 +47,7 @@ PATCH_TABLE: tuple[PatchRow, ...] = (
         fw.resample_forward,
         ("causal_pad", "conv3d", "upsample", "upsample_interleave", "conv2d"),
         "upsample (time_conv 'Rep' aware, nearest 2x gather)",
-        _resample_ok,
+        tree.resample_ok,
     ),
     PatchRow(
         "WanUpBlock",

@@ -1,15 +1,20 @@
 """Which diffusers releases the ported forwards were verified against.
 
-:mod:`vaed.patches.forwards` mirrors private diffusers forwards line for line;
-a release that changes one of them would make the patched decoder differ from
-stock. Outside the verified range the installer patches nothing (the stock
-decoder serves) and says why.
+:mod:`vaed.patches.tree` mirrors private diffusers forwards line for line, for
+both of its callers: the installed forwards of a one-device decode and the
+sharded decode. A release that changes one of them would make either differ
+from stock. Outside the verified range the installer patches nothing (the
+stock decoder serves) and spatial sharding is refused
+(``vaed.parallel.forward.check_shardable``), each saying why.
 
 Range: 0.38.x - 0.42.x. Tested (CPU reference equality, H200 bit-exactness)
 on 0.42.1. Read against the diffusers history: the ported forwards
-(WanCausalConv3d, WanRMS_norm, WanResample, WanResidualBlock, WanUpBlock,
-WanResidualUpBlock, DupUp3D, WanDecoder3d) have the same bodies from 0.38.0
-through 0.42.1 (later changes are return annotations and docstrings only).
+(WanCausalConv3d, WanRMS_norm, WanResample, WanResidualBlock, WanMidBlock,
+WanUpBlock, WanResidualUpBlock, DupUp3D, WanDecoder3d) have the same bodies
+from 0.38.0 through 0.42.1 (later changes are return annotations and
+docstrings only). WanMidBlock's body (resnet, then attention + resnet pairs)
+was read in 0.38.0, 0.39.0, 0.40.0, 0.42.1 and a later snapshot of the main
+branch: the same lines in all.
 WanUpBlock's body (its resnets, then its upsampler) was read in 0.42.1 and in
 an earlier snapshot of diffusers' main branch; the two differ only in passing
 the cache by keyword or by position.
