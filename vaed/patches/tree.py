@@ -50,7 +50,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -90,9 +90,9 @@ def norm_silu_spec(norm: Any, act: Any, x: torch.Tensor) -> NormSilu | None:
 # --- the carrier and the walk ------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Act:
-    """An activation and the per-channel bias its producing conv left out (None: none)."""
+class Act(NamedTuple):
+    """An activation and the per-channel bias its producing conv left out (None: none). A
+    tuple, not a dataclass: about a hundred are made per decoder call, on the host's hot path."""
 
     x: torch.Tensor
     bias: torch.Tensor | None = None
