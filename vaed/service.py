@@ -37,7 +37,7 @@ from vaed_client import wire
 
 from .config import PRECISIONS, ServerConfig
 from .engine import DTYPES, OutputSpec
-from .errors import InvalidInput, NotReady, status_for
+from .errors import ClientIdle, InvalidInput, NotReady, status_for
 from .parallel.pool import SessionSlot, WorkerPool
 from .interceptors import REFUSAL_LINGER_SECONDS
 from .session import CallRecord, HostGroup, Limits, Session, first_message
@@ -355,7 +355,8 @@ class VaeDecoderService:
             del request, raw  # the session holds the only copy of the latents
             session.finish_input()
             worker = self.pool.attach(session, slot)
-            more = asyncio.create_task(self._refuse_a_second_request(requests, session))
+            more = asyncio.create_task(
+                self._refuse_a_second_request(requests, session, self.config.session_first_message_timeout))
             try:
                 async for message in self._frames(session):
                     if message.final:
@@ -392,10 +393,16 @@ class VaeDecoderService:
                 worker.detach(session)
 
     @staticmethod
-    async def _refuse_a_second_request(requests: AsyncIterator[bytes], session: Session) -> None:
+    async def _refuse_a_second_request(requests: AsyncIterator[bytes], session: Session, timeout: float) -> None:
         """Decode is unary: read on to the client's half-close, and fail the call if a second
-        message comes first (gRPC's unary handlers would otherwise just ignore it)."""
-        if await anext(requests, None) is not None:
+        message comes first (gRPC's unary handlers would otherwise just ignore it). A client
+        that never half-closes gets `timeout` s after its frames went out, then DEADLINE_EXCEEDED."""
+        def late() -> ClientIdle:
+            return ClientIdle(
+                f"the Decode call was not half-closed within {timeout:g} s after its frames were sent "
+                "(the server's --session-first-message-timeout); a unary call sends one message and its end")
+
+        if await session.next_message(requests, timeout, late) is not None:
             exc = InvalidInput("Decode takes exactly one DecodeRequest and a second message arrived; "
                                "send latents in several messages with DecodeStream")
             session.fail(exc)

@@ -343,15 +343,18 @@ class Session:
         """Return once the backlog holds fewer than max_backlog_frames latent frames."""
         await self._room.wait()
 
-    async def next_message(self, requests: AsyncIterator[bytes], timeout: float) -> bytes | None:
-        """The client's next message (None when it half-closed). ClientIdle once it sent nothing
-        for `timeout` s (0 = no limit) after every frame of what it sent so far went out: until
-        then the client may be waiting for those frames, so the wait is the server's, not its."""
-        return await _receive(requests, timeout, lambda: ClientIdle(
+    async def next_message(
+        self, requests: AsyncIterator[bytes], timeout: float, late: Callable[[], ClientIdle] | None = None,
+    ) -> bytes | None:
+        """The client's next message (None when it half-closed). `late()` (by default a
+        DecodeStream's ClientIdle) once it sent nothing for `timeout` s (0 = no limit) after
+        every frame of what it sent so far went out: until then the client may be waiting for
+        those frames, so the wait is the server's, not its."""
+        return await _receive(requests, timeout, late or (lambda: ClientIdle(
             f"no DecodeStream message arrived for {timeout:g} s after the last frames were sent "
             f"({self._frames_in} latent frames received; the server's --session-idle-timeout); "
             "send chunks more often, or half-close the stream when the input ends"
-        ), clock_starts=self._delivered)
+        )), clock_starts=self._delivered)
 
     async def next_group(self) -> HostGroup | None:
         return await self.channel.get()

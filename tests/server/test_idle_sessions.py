@@ -43,17 +43,18 @@ def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S)
 
 
 class _Idle:
-    """A call that opens and sends nothing until `release`, as a stuck or hostile client does."""
+    """A call that sends `first` (or nothing) and then nothing until `release`, as a stuck or
+    hostile client does."""
 
-    def __init__(self, channel: grpc.Channel, method: str = "DecodeStream") -> None:
+    def __init__(self, channel: grpc.Channel, method: str = "DecodeStream", first: Any = None) -> None:
         self._stop = threading.Event()
 
-        def nothing() -> Any:
+        def requests() -> Any:
+            if first is not None:
+                yield first.SerializeToString()
             self._stop.wait(WAIT_S)
-            return
-            yield
 
-        self.call = channel.stream_stream(f"/{wire.SERVICE_NAME}/{method}")(nothing(), timeout=2 * WAIT_S)
+        self.call = channel.stream_stream(f"/{wire.SERVICE_NAME}/{method}")(requests(), timeout=2 * WAIT_S)
 
     def status(self) -> tuple[grpc.StatusCode, str]:
         """The call's status (it must end within WAIT_S)."""
@@ -119,6 +120,23 @@ def test_a_call_that_sends_nothing_ends_deadline_exceeded_and_frees_its_slot(ser
     _wait_for(lambda: _slots_free(server), "the idle calls' slots are free")
     with VaeClient(server.target, timeout=WAIT_S) as client:
         assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
+
+
+def test_a_decode_that_never_half_closes_gets_its_frames_then_deadline_exceeded(server):
+    request = wire.pb.DecodeRequest(latents=wire.to_message(torch.randn(1, Z, 2, 5, 7)))
+    with grpc.insecure_channel(server.target) as channel:
+        call = _Idle(channel, "Decode", first=request)
+        try:
+            replies = []
+            with pytest.raises(grpc.RpcError):
+                for reply in call.call:
+                    replies.append(wire.pb.FrameChunk.FromString(reply))
+            code, details = call.status()
+        finally:
+            call.release()
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and FIRST_FLAG in details, (code, details)
+    assert sum(r.frames.shape[1] for r in replies if r.HasField("frames")) == 5  # RGB8 [B, T, H, W, 3]
+    _wait_for(lambda: _slots_free(server), "the call's slot is free")
 
 
 def test_a_session_that_stops_sending_ends_deadline_exceeded_after_its_frames(server):
