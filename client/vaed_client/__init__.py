@@ -15,6 +15,7 @@ from .client import DecodeSession, VaeClient
 from .core import ModelInfo
 from .errors import (
     CancelledError,
+    ClientClosedError,
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
@@ -68,6 +69,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "VaedError",
     "LocalInputError",
+    "ClientClosedError",
     "InvalidArgumentError",
     "ResourceExhaustedError",
     "UnavailableError",

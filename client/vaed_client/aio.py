@@ -13,7 +13,9 @@ grpc.aio binds a channel to the event loop it was created in, so the channel
 is created lazily, on the first call, in the loop that runs it: building the
 client outside a loop (at import time, in `__init__` of a sync object) works.
 Using one client from two different loops raises a RuntimeError that says to
-make one client per loop.
+make one client per loop. After `close()` (the end of `async with`) calls in
+that loop raise `ClientClosedError`; entered again in a new loop (one
+`asyncio.run` per job), the client opens a fresh channel there.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import grpc
 import grpc.aio
 
 from . import wire
-from .channel import Metadata, TlsSpec, create_aio_channel, prepare_channel
+from .channel import Metadata, TlsSpec, create_aio_channel, prepare_channel, with_default_port
+from .client import closed_message
 from .core import (
     END,
     Assembly,
@@ -40,7 +43,7 @@ from .core import (
     prepare_latents,
     stream_latents,
 )
-from .errors import CancelledError, from_rpc_error
+from .errors import CancelledError, ClientClosedError, from_rpc_error
 from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,7 @@ class AsyncVaeClient:
         tls_server_name: str | None = None,
         options: list[tuple[str, Any]] | None = None,
     ) -> None:
-        self.target = target
+        self.target = with_default_port(target)
         self.timeout = timeout
         self._channel_args: dict[str, Any] = dict(tls=tls, token=token, options=options, tls_server_name=tls_server_name)
         prepare_channel(tls, token, options, tls_server_name)  # bad TLS specs fail here, like VaeClient
@@ -67,12 +70,16 @@ class AsyncVaeClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._metadata: Metadata = ()
         self._stub_obj: Any = None
+        self._closed_in: asyncio.AbstractEventLoop | None = None  # the loop whose close() ended the channel
         self._info: ModelInfo | None = None
 
     @property
     def _stub(self) -> Any:
-        """The stub of this loop's channel, created on first use."""
+        """The stub of this loop's channel, created on first use. After close(),
+        calls in the same loop raise ClientClosedError; another loop starts over."""
         loop = asyncio.get_running_loop()
+        if loop is self._closed_in:
+            raise ClientClosedError(closed_message(type(self).__name__, self.target, "async with"))
         if self._channel is None:
             self._channel, self._metadata = create_aio_channel(self.target, **self._channel_args)
             self._stub_obj = wire.pb_grpc.VaeDecoderStub(self._channel)
@@ -84,7 +91,19 @@ class AsyncVaeClient:
             )
         return self._stub_obj
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran in the running event loop (a new loop may use the client again)."""
+        try:
+            return asyncio.get_running_loop() is self._closed_in
+        except RuntimeError:  # no running loop
+            return self._closed_in is not None
+
     async def close(self) -> None:
+        """Close this loop's channel; later calls in this loop raise ClientClosedError.
+        (A client built once and entered with `async with` in each new loop, e.g. one
+        `asyncio.run` per job, gets a fresh channel in each.)"""
+        self._closed_in = asyncio.get_running_loop()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -21,10 +21,14 @@
 - TLS: `tls=` (see `channel_credentials`) and `tls_server_name=`, the name
   expected in the server certificate when it differs from the target's host
   (e.g. reaching a pod by IP with a cert for `vaed.<ns>.svc`).
+- Port: a target without one (`127.0.0.1`, `vaed`, `dns:///vaed-headless`)
+  gets vaed's `wire.DEFAULT_PORT`, 50051, where gRPC would silently dial 443
+  (`with_default_port`); other schemes (`unix:`, `ipv4:`, ...) are left as given.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from typing import Any, Union
@@ -32,7 +36,7 @@ from typing import Any, Union
 import grpc
 import grpc.aio
 
-from .wire import MAX_MESSAGE_BYTES, METHODS, SERVICE_NAME  # noqa: F401  (MAX_MESSAGE_BYTES re-exported)
+from .wire import DEFAULT_PORT, MAX_MESSAGE_BYTES, METHODS, SERVICE_NAME  # noqa: F401  (MAX_MESSAGE_BYTES re-exported)
 
 RETRY_POLICY: dict[str, Any] = {
     "maxAttempts": 5,
@@ -64,6 +68,41 @@ KEEPALIVE_TIMEOUT_MS = 20_000
 
 TlsSpec = Union[bool, bytes, str, "os.PathLike[str]", grpc.ChannelCredentials, None]
 Metadata = tuple[tuple[str, str], ...]
+
+
+# Target schemes gRPC resolves itself, left as given (`dns:` gets the default port).
+_OTHER_SCHEMES = ("unix:", "unix-abstract:", "vsock:", "ipv4:", "ipv6:", "xds:", "google-c2p:")
+
+
+def with_default_port(target: str, port: int = DEFAULT_PORT) -> str:
+    """`target` with vaed's port when it names none: `127.0.0.1` -> `127.0.0.1:50051`,
+    `[::1]` or `::1` -> `[::1]:50051`, `dns:///vaed-headless` -> `dns:///vaed-headless:50051`.
+    Targets with a port, and the schemes `unix:`, `ipv4:`, `ipv6:`, `xds:`, ..., are
+    returned unchanged."""
+    if target.startswith(_OTHER_SCHEMES):
+        return target
+    prefix, host = "", target
+    if target.startswith("dns:"):
+        prefix, host = "dns:", target[len("dns:"):]
+        if host.startswith("//"):  # dns://authority/host[:port]
+            slash = host.find("/", 2)
+            if slash < 0:
+                return target
+            prefix, host = prefix + host[: slash + 1], host[slash + 1 :]
+    if not host:
+        return target
+    if host.startswith("["):  # [v6] or [v6]:port
+        return target if "]:" in host else f"{prefix}{host}:{port}"
+    colons = host.count(":")
+    if colons == 0:
+        return f"{prefix}{host}:{port}"
+    if colons == 1:  # host:port
+        return target
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return target
+    return f"{prefix}[{host}]:{port}"
 
 
 def channel_options(
@@ -163,7 +202,9 @@ def create_channel(
     options: list[tuple[str, Any]] | None = None,
     tls_server_name: str | None = None,
 ) -> tuple[grpc.Channel, Metadata]:
-    """A sync channel and the metadata every call on it must send."""
+    """A sync channel and the metadata every call on it must send (`target`
+    without a port: vaed's 50051, see `with_default_port`)."""
+    target = with_default_port(target)
     credentials, opts = prepare_channel(tls, token, options, tls_server_name)
     if credentials is None:
         return grpc.insecure_channel(target, options=opts), bearer_metadata(token)
@@ -179,6 +220,7 @@ def create_aio_channel(
     tls_server_name: str | None = None,
 ) -> tuple[grpc.aio.Channel, Metadata]:
     """A grpc.aio channel (bound to the running loop) and the metadata every call must send."""
+    target = with_default_port(target)
     credentials, opts = prepare_channel(tls, token, options, tls_server_name)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=opts), bearer_metadata(token)

@@ -17,9 +17,12 @@ gives every command the same target, TLS, server-name and token flags.
 Latents: `.pt` (a tensor, or a dict with key "latents"), `.safetensors` (key
 "latents" or the only tensor) or `.npy`; `[B, z_dim, T, h, w]` or
 `[z_dim, T, h, w]` (B=1), float64 cast to float32 — the library's rule
-(`vaed_client.core.normalize_latents`). Frames are written as they arrive, so
-encoding overlaps the remote decode; with B > 1 every batch item gets its own
-output, named with a `_bN` suffix. Sizes print as H x W.
+(`vaed_client.core.normalize_latents`), in float32, float16 or bfloat16.
+Frames are written as they arrive, so encoding overlaps the remote decode;
+with B > 1 every batch item gets its own output, named with a `_bN` suffix.
+An output that exists already (a file, or a folder holding frame PNGs) is
+refused unless `--force` is given. Sizes print as H x W. `--server` without a
+port dials vaed's 50051.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ import numpy as np
 
 from . import __version__, wire
 from .core import normalize_latents
-from .channel import read_token
+from .channel import read_token, with_default_port
 from .errors import LocalInputError, VaedError
-from .export import ExportError, FrameWriter, make_writer
+from .export import ExportError, FrameWriter, existing_outputs, make_writer, remove_png_frames
+from .tensors import widen_bf16_bits
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +69,33 @@ def _pick_tensor(mapping: dict[str, Any], path: pathlib.Path) -> Any:
 def _load_safetensors(path: pathlib.Path) -> dict[str, Any]:
     try:
         from safetensors.torch import load_file
-    except ImportError:  # client-only install: numpy view (no bf16 there)
-        from safetensors.numpy import load_file as load_numpy
-
-        return load_numpy(path)
+    except ImportError:  # client-only install: numpy arrays
+        return _load_safetensors_numpy(path)
     return load_file(path, device="cpu")
+
+
+def _load_safetensors_numpy(path: pathlib.Path) -> dict[str, Any]:
+    """Without torch. numpy has no bfloat16 (what a bf16 pipeline's latents are):
+    those tensors are read from the file's own layout (a JSON header, then
+    little-endian data) and widened exactly to float32."""
+    import json
+
+    from safetensors import safe_open
+
+    with open(path, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_bytes))
+    out: dict[str, Any] = {}
+    with safe_open(str(path), framework="numpy") as f:
+        for name in f.keys():
+            entry = header[name]
+            if entry["dtype"] != "BF16":
+                out[name] = f.get_tensor(name)
+                continue
+            start, end = entry["data_offsets"]
+            bits = np.fromfile(path, dtype="<u2", count=(end - start) // 2, offset=8 + header_bytes + start)
+            out[name] = widen_bf16_bits(bits).reshape(entry["shape"])
+    return out
 
 
 def load_latents(path: str | os.PathLike[str]) -> Any:
@@ -107,16 +133,20 @@ def load_latents(path: str | os.PathLike[str]) -> Any:
 
 # -- connecting ----------------------------------------------------------------
 def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | None, *, token: bool = True) -> None:
-    parser.add_argument("--server", default=DEFAULT_SERVER, metavar="HOST:PORT",
-                        help=f"server address, or dns:///name:port for several replicas (default {DEFAULT_SERVER})")
+    # type= runs on the default too: every command sees HOST:PORT, with vaed's port when none was given.
+    parser.add_argument("--server", default=DEFAULT_SERVER, type=with_default_port, metavar="HOST:PORT",
+                        help="server address, or dns:///name:port for several replicas; a HOST without :PORT "
+                             f"gets {wire.DEFAULT_PORT} (default {DEFAULT_SERVER})")
     if token:
         parser.add_argument("--token-file", metavar="PATH",
-                            help=f"file holding the bearer token (default: ${wire.AUTH_TOKEN_ENV} when set)")
-    parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates)")
-    parser.add_argument("--ca-cert", metavar="PATH", help="PEM CA bundle to verify the server (implies --tls)")
+                            help=f"file holding the bearer token (default: ${wire.AUTH_TOKEN_ENV} when set, "
+                                 "else no token)")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates; default: plaintext)")
+    parser.add_argument("--ca-cert", metavar="PATH",
+                        help="PEM CA bundle to verify the server (implies --tls; default: system roots)")
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="expected name in the server certificate when it differs from HOST "
-                             "(e.g. checking localhost against a cert for vaed.<ns>.svc)")
+                             "(e.g. checking localhost against a cert for vaed.<ns>.svc; default: HOST)")
     parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
                         help="deadline of the call" + (f" (default {timeout:g})" if timeout else " (default: none)"))
 
@@ -169,13 +199,17 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True,
                         help="output .mp4, .mkv (lossless FFV1), or a folder for PNG frames (no suffix or a "
                              "trailing /); B > 1: one per item, suffix _bN")
+    parser.add_argument("--force", action="store_true",
+                        help="overwrite outputs that exist (default: refuse; a PNG folder's old frame_*.png are "
+                             "removed first)")
     parser.add_argument("--lossless", action="store_true",
-                        help="lossless video: .mp4 as H.264 rgb24 at CRF 0 (.mkv and PNG are always lossless)")
+                        help="lossless video: .mp4 as H.264 rgb24 at CRF 0 (default: .mp4 is H.264 yuv420p CRF 18, "
+                             "visually lossless; .mkv and PNG are always lossless)")
     parser.add_argument("--raw-latents", action="store_true",
                         help="latents are already in VAE space (default: the pipeline's normalized latents, "
                              "which the server de-normalizes with the model's latents_mean/std)")
     parser.add_argument("--fps", type=int, default=16, help="frame rate of the video (default %(default)s, Wan's)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (default: a bar on a terminal)")
     add_connection_arguments(parser, None)
 
 
@@ -183,6 +217,7 @@ def run_decode(args: argparse.Namespace) -> int:
     try:
         latents = load_latents(args.latents)
         writer = make_writer(args.output, args.fps, lossless=getattr(args, "lossless", False))
+        _check_outputs(args.output, int(latents.shape[0]), getattr(args, "force", False))
         with connect(args) as client:
             stats = _decode(client, latents, writer, args)
     except (CommandError, ExportError, LocalInputError) as e:
@@ -195,6 +230,20 @@ def run_decode(args: argparse.Namespace) -> int:
         return _fail("decode", "interrupted", 130)
     _print_summary(stats)
     return 0
+
+
+def _check_outputs(output: str, batch: int, force: bool) -> None:
+    """Refuse to overwrite earlier outputs unless --force; with it, clear a PNG
+    folder's old frames (a shorter video would otherwise leave stale ones behind)."""
+    existing = existing_outputs(output, batch)
+    if not existing:
+        return
+    if not force:
+        shown = ", ".join(str(p) for p in existing[:3]) + (", ..." if len(existing) > 3 else "")
+        raise CommandError(f"{shown} exists already; pass --force to overwrite, or choose another -o")
+    for path in existing:
+        if path.is_dir():
+            remove_png_frames(path)
 
 
 def _progress(total: int, quiet: bool) -> Any:
@@ -241,7 +290,7 @@ def _decode(client: Any, latents: Any, writer: FrameWriter, args: argparse.Names
 def _print_summary(stats: dict[str, Any]) -> None:
     total_s = stats["total_s"]
     rows = [
-        ("frames", f"{stats['frames']} x {stats['batch']} at {stats['height']}x{stats['width']} (H x W)"),
+        ("video", f"{stats['frames']} frames, batch {stats['batch']}, {stats['height']}x{stats['width']} (H x W)"),
         ("first frame", f"{stats['first_frame_s'] * 1000:.0f} ms"),
         ("total", f"{total_s:.2f} s ({stats['frames'] * stats['batch'] / max(total_s, 1e-9):.1f} frames/s)"),
         ("received", f"{stats['bytes'] / 1e6:.1f} MB ({stats['bytes'] / 1e6 / max(total_s, 1e-9):.1f} MB/s)"),
@@ -256,8 +305,12 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _format_value(value: Any) -> str:
+    """Lists of floats (latents_mean/std) to 4 decimals; lists of names
+    (precisions, devices) as they are."""
     if isinstance(value, list):
-        return "[" + ", ".join(f"{v:.4f}" for v in value) + "]" if value else "[]"
+        return "[" + ", ".join(_format_value(v) for v in value) + "]"
+    if isinstance(value, float):
+        return f"{value:.4f}"
     return str(value)
 
 
@@ -329,7 +382,11 @@ COMMANDS: dict[str, tuple[Any, Any, str]] = {
 
 
 def build_parser(prog: str = "vaed-client") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Client commands for vaed, remote Wan VAE decoding.")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Client commands for vaed, remote Wan VAE decoding.",
+        epilog=f"Every command dials --server {DEFAULT_SERVER} unless told otherwise (a HOST without :PORT gets "
+               f"{wire.DEFAULT_PORT}) and sends the token in ${wire.AUTH_TOKEN_ENV} when set. "
+               f"`{prog} COMMAND --help` lists a command's flags with their defaults.")
     parser.add_argument("--version", action="version", version=f"vaed-client {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add, run, help_text) in COMMANDS.items():

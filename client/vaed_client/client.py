@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import grpc
 
 from . import wire
-from .channel import TlsSpec, create_channel
+from .channel import TlsSpec, create_channel, with_default_port
 from .core import (
     END,
     Assembly,
@@ -40,7 +40,7 @@ from .core import (
     prepare_latents,
     stream_latents,
 )
-from .errors import VaedError, from_rpc_error
+from .errors import ClientClosedError, VaedError, from_rpc_error
 from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,19 @@ log = logging.getLogger(__name__)
 __all__ = ["VaeClient", "DecodeSession", "ModelInfo", "format_name"]
 
 
+def closed_message(kind: str, target: str, block: str = "with") -> str:
+    return (f"this {kind} ({target}) is closed: its `{block}` block ended or close() was called; "
+            f"make the calls inside the block, or create a new {kind}")
+
+
 class VaeClient:
     """Client for a vaed server (or a `dns:///` name of several replicas).
 
     `timeout` (seconds) is the deadline of each call: one decode, one stream or
     one whole session. `tls`, `tls_server_name` and `token` are described in
-    `vaed_client.channel`; `options` are extra gRPC channel arguments.
+    `vaed_client.channel`; `options` are extra gRPC channel arguments. A
+    target without a port gets vaed's 50051. Calls after `close()` (or after
+    the `with` block) raise `ClientClosedError`.
     """
 
     def __init__(
@@ -66,17 +73,30 @@ class VaeClient:
         tls_server_name: str | None = None,
         options: list[tuple[str, Any]] | None = None,
     ) -> None:
-        self.target = target
+        self.target = with_default_port(target)
         self.timeout = timeout
         self._channel, self._metadata = create_channel(
-            target, tls=tls, token=token, options=options, tls_server_name=tls_server_name
+            self.target, tls=tls, token=token, options=options, tls_server_name=tls_server_name
         )
-        self._stub = wire.pb_grpc.VaeDecoderStub(self._channel)
+        self._stub_obj = wire.pb_grpc.VaeDecoderStub(self._channel)
+        self._closed = False
         self._info: ModelInfo | None = None
         self._info_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------
+    @property
+    def _stub(self) -> Any:
+        """The stub, or ClientClosedError instead of grpc's "Cannot invoke RPC on closed channel!"."""
+        if self._closed:
+            raise ClientClosedError(closed_message(type(self).__name__, self.target))
+        return self._stub_obj
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> "VaeClient":

@@ -8,9 +8,9 @@ session's bookkeeping. The two front-ends only differ in how they wait
 
 Input rule (the same in the library and `vaed-client decode`): latents are
 `[B, z_dim, T, h, w]`, or `[z_dim, T, h, w]`, taken as B=1 (results keep the
-batch axis); float64 is cast to float32 (the wire carries uint8, float16,
-bfloat16 and float32 only). Anything else raises `LocalInputError` before a
-byte is sent.
+batch axis), in float32, float16 or bfloat16 (torch; numpy has none); float64
+is cast to float32. Anything else (another rank, int or uint8 latents) raises
+`LocalInputError` before a byte is sent, with the accepted dtypes named.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from .video import RAW, RGB8, DecodedChunk, VideoAssembler, has_frames, to_chunk
 pb = wire.pb
 _WIRE_FORMATS = {RGB8: pb.RGB8, RAW: pb.RAW}
 LATENTS_SHAPE_HELP = "latents must be [B, z_dim, T, h, w] or [z_dim, T, h, w]"
+# The server decodes these latent dtypes (vaed.session.LATENT_DTYPES); float64 is cast here.
+LATENT_DTYPE_NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+LATENTS_DTYPE_HELP = "use float32, float16 or bfloat16 (a torch tensor; numpy has none); float64 is cast to float32"
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,9 @@ def call_spec(
     output_type = str(output_type).lower()
     if output_type not in outputs.OUTPUT_TYPES:
         raise LocalInputError(f"unknown output_type {output_type!r}; use one of {', '.join(outputs.OUTPUT_TYPES)}")
+    missing = outputs.missing_dependency(output_type)
+    if missing:  # before the call, not as a bare ModuleNotFoundError after the decode
+        raise LocalInputError(missing)
     natural = RAW if output_type in (outputs.RAW_OUT, *outputs.PIPELINE_TYPES) else RGB8
     if fmt is not None and output_type in (outputs.UINT8, outputs.RAW_OUT) and fmt != natural:
         raise LocalInputError(f"output_type {output_type!r} cannot travel as format {fmt!r}")
@@ -175,6 +181,11 @@ def normalize_latents(latents: Any) -> Any:
         latents = np.asarray(latents)
         if latents.dtype == np.float64:
             latents = latents.astype(np.float32)
+    name = str(latents.dtype).removeprefix("torch.")
+    if name == "bfloat16" and not is_torch(latents):  # ml_dtypes-style numpy bf16
+        raise LocalInputError("numpy bfloat16 latents are not supported; pass a torch tensor or float32")
+    if name not in LATENT_DTYPE_NAMES:
+        raise LocalInputError(f"latents dtype {name} is not accepted; {LATENTS_DTYPE_HELP}")
     if latents.ndim == 4:
         latents = latents[None]
     if latents.ndim != 5:

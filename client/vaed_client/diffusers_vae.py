@@ -1,10 +1,24 @@
 """`RemoteAutoencoderKLWan`: a vaed server as the `vae` of a diffusers Wan pipeline.
 
     from vaed_client import RemoteAutoencoderKLWan
-    pipe = WanPipeline(..., vae=RemoteAutoencoderKLWan("vaed:50051"))
-    video = pipe(prompt_embeds=..., output_type="np").frames   # decoded remotely
+    pipe = WanPipeline.from_pretrained(repo, vae=RemoteAutoencoderKLWan("vaed:50051"), dtype=torch.bfloat16)
+    video = pipe(prompt, output_type="np").frames   # decoded remotely
 
-Design: a `torch.nn.Module` whose one parameter is empty (0 elements).
+(`WanPipeline(..., vae=...)` and `pipe.vae = ...` work as well.)
+
+Why a diffusers `ModelMixin` (when diffusers is installed): `from_pretrained`
+checks every component passed in against the base class of what its
+model_index.json names (`pipeline_loading_utils.maybe_raise_or_warn`: for
+`AutoencoderKLWan` that is `ModelMixin`, by `issubclass` of the passed
+object's class) and raises "... should be ModelMixin" otherwise. ModelMixin
+is a `torch.nn.Module` that adds methods and no state; this class overrides
+what it would read from weights or a config (`config`, `dtype`, `device`),
+and `save_pretrained` raises (there are no weights to save). Without
+diffusers the base is `torch.nn.Module`. The annotation check that follows
+only logs "Expected types for vae: (AutoencoderKLWan,) ..." (a warning, not
+an error: this is not an AutoencoderKLWan and does not pretend to be one).
+
+Design: a module whose one parameter is empty (0 elements).
 Pipelines treat every `nn.Module` component alike — `pipe.to(...)` moves it,
 `device` and `_execution_device` read it, `enable_model_cpu_offload()` hooks
 it, and accelerate's offload hook reads `next(module.parameters()).device` —
@@ -46,6 +60,11 @@ from .client import VaeClient
 from .core import ModelInfo
 
 log = logging.getLogger(__name__)
+
+try:  # what diffusers' from_pretrained requires of a passed-in VAE (see the module doc)
+    from diffusers.models.modeling_utils import ModelMixin as _ModuleBase
+except ImportError:  # diffusers is optional: outside its pipelines a plain module does
+    _ModuleBase = torch.nn.Module
 
 
 class _AttrDict(dict):
@@ -107,7 +126,7 @@ def config_from_info(info: ModelInfo) -> dict[str, Any]:
     }
 
 
-class RemoteAutoencoderKLWan(torch.nn.Module):
+class RemoteAutoencoderKLWan(_ModuleBase):  # type: ignore[misc, valid-type]
     """Drop-in for `AutoencoderKLWan` in diffusers Wan pipelines, decoding on a vaed server.
 
     `target` and `client_options` (timeout, tls, token, tls_server_name,
@@ -216,6 +235,14 @@ class RemoteAutoencoderKLWan(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"target={self._client.target!r}, model={self.info.model!r}, z_dim={self.info.z_dim}, "
                 f"wire_format={self.wire_format!r}")
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the weights live on the server (a pipeline's `save_pretrained` lands here too)."""
+        raise NotImplementedError(
+            f"RemoteAutoencoderKLWan has no weights to save (it decodes on {self._client.target}); save the "
+            "pipeline with a local AutoencoderKLWan, or save the other components and pass "
+            "vae=RemoteAutoencoderKLWan(...) to from_pretrained again"
+        )
 
     def close(self) -> None:
         self._client.close()

@@ -5,7 +5,8 @@ Every failed call surfaces as a `VaedError` subclass carrying the status code
 callers can catch by meaning (`except ResourceExhaustedError: retry later`)
 without inspecting grpc internals. The mapping lives here only. Input the
 client refuses itself raises `LocalInputError` (code None): it must not read
-as if a server had answered INVALID_ARGUMENT.
+as if a server had answered INVALID_ARGUMENT. A call on a closed client
+raises `ClientClosedError` (code None) instead of grpc's bare ValueError.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class VaedError(Exception):
 class LocalInputError(VaedError, ValueError):
     """This client refused the input before sending anything (unsupported
     dtype or rank, unknown output type, bad option): no server status, code None."""
+
+    default_code = None
+
+
+class ClientClosedError(VaedError, RuntimeError):
+    """A call on a client that was closed (its `with` block ended, or
+    `close()` ran): nothing was sent, code None."""
 
     default_code = None
 
@@ -116,6 +124,7 @@ def from_rpc_error(error: grpc.RpcError) -> VaedError:
 __all__ = [
     "VaedError",
     "LocalInputError",
+    "ClientClosedError",
     "InvalidArgumentError",
     "ResourceExhaustedError",
     "UnavailableError",

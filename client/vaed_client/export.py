@@ -219,6 +219,30 @@ class PngWriter:
         return self._dirs
 
 
+PNG_FRAME_GLOB = "frame_[0-9][0-9][0-9][0-9][0-9].png"
+
+
+def _is_png_folder(text: str) -> bool:
+    return text.endswith(("/", os.sep)) or not pathlib.Path(text).suffix
+
+
+def existing_outputs(out: str | os.PathLike[str], batch: int) -> list[pathlib.Path]:
+    """What writing `out` for `batch` videos would overwrite: the video files
+    that exist, or the PNG folders that already hold frames (an empty folder
+    counts as free)."""
+    text = os.fspath(out)
+    paths = output_paths(pathlib.Path(text), batch)
+    if _is_png_folder(text):
+        return [p for p in paths if p.is_dir() and any(p.glob(PNG_FRAME_GLOB))]
+    return [p for p in paths if p.exists()]
+
+
+def remove_png_frames(folder: pathlib.Path) -> None:
+    """Delete the frame_NNNNN.png files a PngWriter writes (nothing else)."""
+    for frame in folder.glob(PNG_FRAME_GLOB):
+        frame.unlink()
+
+
 def make_writer(out: str | os.PathLike[str], fps: int, *, lossless: bool = False) -> FrameWriter:
     """.mp4 / .mkv -> video writer; no suffix or a trailing '/' -> PNG folder;
     any other suffix -> ExportError listing what is supported."""
@@ -226,7 +250,7 @@ def make_writer(out: str | os.PathLike[str], fps: int, *, lossless: bool = False
     path = pathlib.Path(text)
     if fps < 1:
         raise ExportError(f"fps must be >= 1, got {fps}")
-    if text.endswith(("/", os.sep)) or not path.suffix:
+    if _is_png_folder(text):
         return PngWriter(path)
     if path.suffix.lower() in (".mp4", ".mkv"):
         return AvWriter(path, fps, lossless=lossless)

@@ -42,11 +42,28 @@ OUTPUT_TYPES: tuple[str, ...] = (UINT8, RAW_OUT, NP, PT, PIL)
 PIPELINE_TYPES: tuple[str, ...] = (NP, PT, PIL)
 
 
+TORCH_NEEDED = ("output_type='pt' returns torch tensors and needs torch: pip install 'vaed-client[torch]' "
+                "(on a machine without a GPU take the CPU build first, see the README), or use output_type='np'")
+PILLOW_NEEDED = "output_type='pil' needs Pillow: pip install 'vaed-client[video]'"
+
+
+def missing_dependency(output_type: str) -> str | None:
+    """Why `output_type` cannot be produced in this environment (torch for 'pt',
+    Pillow for 'pil'), or None; looked up without importing either."""
+    import importlib.util
+
+    if output_type == PT and importlib.util.find_spec("torch") is None:
+        return TORCH_NEEDED
+    if output_type == PIL and importlib.util.find_spec("PIL") is None:
+        return PILLOW_NEEDED
+    return None
+
+
 def _torch() -> Any:
     try:
         import torch
     except ImportError:  # the client install does not require torch
-        raise ImportError("output_type='pt' needs torch: pip install 'vaed-client[torch]'") from None
+        raise ImportError(TORCH_NEEDED) from None
     return torch
 
 
@@ -89,7 +106,7 @@ def _to_pil(video: np.ndarray) -> list[list[Any]]:
     try:
         from PIL import Image
     except ImportError:
-        raise ImportError("output_type='pil' needs Pillow: pip install 'vaed-client[video]'") from None
+        raise ImportError(PILLOW_NEEDED) from None
     return [[Image.fromarray(np.ascontiguousarray(frame)) for frame in item] for item in video]
 
 

@@ -28,6 +28,9 @@ from .dtypes import (
 from .tensors import to_message, to_numpy, to_torch, validate
 
 SERVICE_NAME = "vaed.v1.VaeDecoder"
+# The port `vaed serve` listens on by default; client targets without a port get
+# it (gRPC itself would dial 443).
+DEFAULT_PORT = 50051
 METHODS: tuple[str, ...] = ("GetModelInfo", "Decode", "DecodeStream")
 
 # gRPC's default receive limit is 4 MiB, and one 480x832 RGB8 group of 4

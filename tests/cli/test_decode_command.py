@@ -130,9 +130,9 @@ def test_decode_command_mp4_and_png(
     assert dc.run_decode(args) == 0
     assert len(_mp4_frames(tmp_path / "v.mp4")) == 9
     out = capsys.readouterr().out
-    for key in ("frames:", "first frame:", "total:", "received:", "wrote:"):
+    for key in ("video:", "first frame:", "total:", "received:", "wrote:"):
         assert key in out
-    assert "9 x 1 at 32x48 (H x W)" in out  # H x W, like every other size vaed prints
+    assert "9 frames, batch 1, 32x48 (H x W)" in out  # frames, batch, H x W: each named
     assert servicer.metadata[-1]["authorization"] == "Bearer tok"
     # the stream's first message (the first two latent frames) carries the options, the rest none
     first, rest = servicer.requests[-2:]
@@ -276,7 +276,7 @@ def test_vaed_client_main(fake_target: tuple[FakeDecoder, str], tmp_path: pathli
     np.save(tmp_path / "lat.npy", np.zeros((1, 16, 2, 2, 2), np.float32))
     assert cli.main(["decode", str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png"), "--quiet"]) == 0
     assert len(list((tmp_path / "png").glob("*.png"))) == 5
-    assert "5 x 1 at 16x16 (H x W)" in capsys.readouterr().out
+    assert "5 frames, batch 1, 16x16 (H x W)" in capsys.readouterr().out
     assert cli.main(["health", "--server", "127.0.0.1:1", "--timeout", "1"]) == 1
     assert capsys.readouterr().out.startswith("UNAVAILABLE")
     assert cli.main(["info", "--server", target, "--tls-server-name", "x"]) == 2  # needs --tls

@@ -258,3 +258,83 @@ def test_remote_vae_works_without_diffusers(fake: tuple[FakeDecoder, str]) -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["_AttrDict", "_DecoderOutput"]
+
+
+# -- closed clients ----------------------------------------------------------------
+def test_a_closed_client_raises_vaeds_error_not_grpcs(fake: tuple[FakeDecoder, str]) -> None:
+    """The README's snippets once used `vae` after its `with` block: grpc then said only
+    "Cannot invoke RPC on closed channel!"."""
+    servicer, target = fake
+    with vaed_client.VaeClient(target) as vae:
+        vae.decode(latents_np(t=1))
+        assert not vae.closed
+    assert vae.closed
+    calls = servicer.attempts
+    for call in (vae.model_info, lambda: vae.decode(latents_np()), lambda: list(vae.stream(latents_np())),
+                 vae.session):
+        with pytest.raises(errors.ClientClosedError, match=r"is closed: its `with` block ended") as info:
+            call()
+        assert isinstance(info.value, errors.VaedError) and info.value.code is None
+        assert target in str(info.value) and "Cannot invoke RPC" not in str(info.value)
+    assert servicer.attempts == calls
+
+
+def test_a_closed_async_client_raises_in_its_loop_and_starts_over_in_a_new_one(fake: tuple[FakeDecoder, str]) -> None:
+    _, target = fake
+    vae = vaed_client.AsyncVaeClient(target)
+
+    async def after_the_block() -> None:
+        async with vae:
+            await vae.model_info()
+        assert vae.closed
+        for call in (vae.model_info, lambda: vae.decode(latents_np())):
+            with pytest.raises(errors.ClientClosedError, match=r"`async with` block ended"):
+                await call()
+        with pytest.raises(errors.ClientClosedError):
+            [c async for c in vae.stream(latents_np())]
+        with pytest.raises(errors.ClientClosedError):
+            async with vae.session() as session:
+                await session.push(latents_np())
+
+    asyncio.run(after_the_block())
+
+    async def in_a_new_loop() -> int:  # one asyncio.run per job, one client: a fresh channel each time
+        assert not vae.closed
+        async with vae:
+            return (await vae.model_info()).z_dim
+
+    assert asyncio.run(in_a_new_loop()) == 16
+
+    never_opened = vaed_client.AsyncVaeClient(target)
+
+    async def close_first() -> None:
+        await never_opened.close()
+        with pytest.raises(errors.ClientClosedError):
+            await never_opened.model_info()
+
+    asyncio.run(close_first())
+
+
+# -- extras: a clear error before the call -------------------------------------------
+def test_pt_without_torch_and_pil_without_pillow_are_clear_local_errors(fake: tuple[FakeDecoder, str]) -> None:
+    import subprocess
+    import sys
+
+    _, target = fake
+    code = (
+        "import sys; sys.modules[sys.argv[1]] = None\n"
+        "import numpy as np, vaed_client\n"
+        "with vaed_client.VaeClient(sys.argv[2]) as vae:\n"
+        "    try:\n"
+        "        vae.decode(np.zeros((1, 16, 1, 1, 1), np.float32), output_type=sys.argv[3])\n"
+        "    except vaed_client.LocalInputError as e:\n"
+        "        print(type(e).__name__, e)\n"
+        "    print(vae.decode(np.zeros((1, 16, 1, 1, 1), np.float32), output_type='np').shape)\n"
+    )
+    for blocked, output_type, extra in (("torch", "pt", "vaed-client[torch]"), ("PIL", "pil", "vaed-client[video]")):
+        out = subprocess.run([sys.executable, "-c", code, blocked, target, output_type],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        first, second = out.stdout.splitlines()
+        assert first.startswith("LocalInputError") and extra in first and "ModuleNotFoundError" not in out.stdout
+        assert second == "(1, 1, 8, 8, 3)"  # the client stays usable; np needs neither

@@ -182,6 +182,47 @@ def test_pipe_vae_assignment(served: Any) -> None:
     remote.close()
 
 
+def test_from_pretrained_with_the_remote_vae(served: Any, pipes: tuple[Any, Any, Any], tmp_path: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's form, `WanPipeline.from_pretrained(repo, vae=RemoteAutoencoderKLWan(...), dtype=...)`,
+    through a real from_pretrained of a saved tiny pipeline folder (offline). diffusers checks a passed
+    component against the base class of what model_index.json names (ModelMixin for AutoencoderKLWan)."""
+    from diffusers import AutoencoderKLWan, ModelMixin
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    local_pipe, _, _ = pipes
+    local_pipe.save_pretrained(tmp_path)  # tokenizer/text_encoder None: saved as null, passed as None below
+    index = (tmp_path / "model_index.json").read_text()
+    assert '"AutoencoderKLWan"' in index and (tmp_path / "vae").is_dir()
+    assert issubclass(RemoteAutoencoderKLWan, ModelMixin) and not issubclass(RemoteAutoencoderKLWan, AutoencoderKLWan)
+
+    remote = RemoteAutoencoderKLWan(served.target)
+    empty = dict(tokenizer=None, text_encoder=None, local_files_only=True)
+    loaded = WanPipeline.from_pretrained(tmp_path, vae=remote, dtype=torch.float32, **empty)
+    reference = WanPipeline.from_pretrained(tmp_path, dtype=torch.float32, **empty)  # the saved local VAE
+    for pipe in (loaded, reference):
+        pipe.set_progress_bar_config(disable=True)
+    assert loaded.vae is remote and isinstance(reference.vae, AutoencoderKLWan)
+    assert loaded.config.expand_timesteps == local_pipe.config.expand_timesteps
+    for output_type in ("np", "pt", "pil", "latent"):
+        want = run(reference, output_type)
+        assert_same(want, run(loaded, output_type), output_type)
+        assert_same(run(local_pipe, output_type), want, output_type)  # the folder round trip itself is exact
+    loaded.to("cpu")  # pipe.to moves the weightless module like any other
+    with pytest.raises(NotImplementedError, match="no weights to save"):
+        loaded.save_pretrained(tmp_path / "again")
+    remote.close()
+
+
+def test_a_closed_remote_vae_says_so(served: Any) -> None:
+    from vaed_client import ClientClosedError
+
+    remote = RemoteAutoencoderKLWan(served.target)
+    remote.close()
+    with pytest.raises(ClientClosedError, match="is closed"):
+        remote.decode(torch.zeros(1, remote.config.z_dim, 1, 6, 6))
+
+
 def test_image_to_video_pipeline_with_a_local_encoder(served: Any) -> None:
     """WanImageToVideoPipeline encodes the first frame (vae.encode) and decodes
     remotely: with `encoder=` the same weights, outputs equal the local VAE's."""

@@ -1,7 +1,7 @@
 """The client stands alone: `pip install ./client` into a fresh, plain venv
 (no system site-packages, `--no-index` from locally gathered wheels) gives
 `vaed-client decode|info|health` that work against a running server without
-torch, diffusers or triton. A second, quick check runs the same commands in a
+torch, diffusers or triton (.npy and .safetensors latents, bf16 included). A second, quick check runs the same commands in a
 subprocess of this interpreter with torch, diffusers and triton made
 unimportable, for machines where the wheels cannot be gathered offline."""
 
@@ -19,7 +19,9 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 from harness import FakeDecoder, expected_video
 from vaed_client import channel as vchannel
@@ -55,12 +57,17 @@ def _check_commands(run: list[str], target: str, tmp_path: pathlib.Path, env: di
     np.save(tmp_path / "lat.npy", np.zeros((16, 3, 2, 2), np.float64))  # 4-D float64: the shared input rule
     out = call("decode", str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "png"), "--quiet")
     assert out.returncode == 0, out.stderr
-    assert "9 x 1 at 16x16 (H x W)" in out.stdout
+    assert "9 frames, batch 1, 16x16 (H x W)" in out.stdout
     files = sorted((tmp_path / "png").glob("*.png"))
     want = expected_video(1, 3, 2, 2)
     assert len(files) == 9 and np.array_equal(np.asarray(Image.open(files[-1])), want[0, -1])
     out = call("decode", str(tmp_path / "lat.npy"), "--server", target, "-o", str(tmp_path / "x.gif"))
     assert out.returncode == 2 and ".mkv" in out.stderr
+    # .safetensors is a base dependency, and bf16 (what a bf16 pipeline's latents are) needs no torch
+    save_file({"latents": torch.zeros(1, 16, 3, 2, 2, dtype=torch.bfloat16)}, str(tmp_path / "lat.safetensors"))
+    out = call("decode", str(tmp_path / "lat.safetensors"), "--server", target, "-o", str(tmp_path / "st"), "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert len(list((tmp_path / "st").glob("*.png"))) == 9
 
 
 def test_commands_without_torch_diffusers_triton(server: str, tmp_path: pathlib.Path) -> None:
