@@ -44,6 +44,8 @@ VARIANTS = ("stock", "stock-cl3d", "vaed-lossless", "vaed-fast")
 WAN21_FLOP_PER_PIXEL = 3.44e12 / (480 * 832)
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+# What `vaed bench` without CUDA suggests: the default cases take hours on a CPU.
+CPU_EXAMPLE = "--device cpu --dtype fp32 --case wan2.1-tiny:64x64x17"
 _CASE_RE = re.compile(r"^(?:(?P<arch>[\w.\-]+):)?(?P<h>\d+)x(?P<w>\d+)x(?P<f>\d+)$")
 
 
@@ -87,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model spec for every case (local folder, hub id, random:wan2.1[?seed=N]); "
                              "default: random:<case arch>")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda",
+                        help="torch device; cpu works with --dtype fp32 and a small case (default %(default)s)")
     parser.add_argument("--reps", type=int, default=2, help="timed decodes per variant (min is reported)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)}")
@@ -259,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        log.error("--device %s requested but CUDA is not available", args.device)
+        log.error("--device %s requested but CUDA is not available. Without a GPU use the CPU, with fp32 and "
+                  "a small case: vaed bench %s", args.device, CPU_EXAMPLE)
         return 2
     cases = args.cases or [parse_case(c) for c in DEFAULT_CASES]
     rows: list[Row] = []

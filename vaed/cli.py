@@ -127,17 +127,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds SIGTERM lets in-flight streams finish; a second SIGTERM exits at once "
                              "(default %(default)s)")
     parser.add_argument("--kernels", choices=["auto", "triton", "off"], default=defaults.kernels,
-                        help="fused bit-exact Triton data movement: auto (when eligible), triton (required), off")
+                        help="fused bit-exact Triton data movement: auto (when eligible), triton (required), off "
+                             "(default %(default)s)")
     parser.add_argument("--disable-op", dest="disabled_ops", action="append", default=[], choices=sorted(OP_NAMES),
                         help="switch one fused op off (repeatable); the stock aten chain runs in its place")
     parser.add_argument("--layout", choices=["auto", "channels_last", "contiguous"], default=defaults.layout,
-                        help="decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU")
+                        help="decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU "
+                             "(default %(default)s)")
     parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPH_CHOICES), default=defaults.cuda_graphs,
                         help="replay each decoder call signature from a captured CUDA graph (bit-identical; "
                              "more GPU memory for the graphs' buffers) (default %(default)s)")
     parser.add_argument("--cpu-threads", type=_positive_int, default=defaults.cpu_threads, metavar="N",
                         help="threads of torch's CPU ops in this process (default: 1 with --gpu, whose CPU work "
-                             "is small and was slowed by waking a pool per op; torch's default with --device cpu)")
+                             "is small and was slowed by waking a pool per op; with --device cpu 1 for the -tiny "
+                             "models, up to 10x faster on a busy machine, and torch's default, one per core, for "
+                             "the full-size ones)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="report SERVING without warm-up decodes")
     parser.add_argument("--warmup-shapes", type=_shapes, default=None, metavar="HxW[,HxW...]|none",
                         help="output sizes decoded up to their steady chunk before SERVING "
@@ -159,7 +163,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
     parser.add_argument("--auth-token-file", help="require 'authorization: Bearer <token>' on every RPC but health; "
                         "without this flag the token is read from $VAED_AUTH_TOKEN when set")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="least severe log records written to stderr (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

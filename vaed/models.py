@@ -113,6 +113,11 @@ def parse_random_spec(spec: str) -> tuple[str, int]:
     return arch, seed
 
 
+def is_tiny_model(spec: str) -> bool:
+    """`random:wan2.1-tiny` and `random:wan2.2-tiny` (with or without ?seed=N)."""
+    return spec.startswith(RANDOM_PREFIX) and spec[len(RANDOM_PREFIX):].partition("?")[0].endswith("-tiny")
+
+
 def build_random_vae(arch: str, seed: int = 0) -> Any:
     AutoencoderKLWan = autoencoder_class()
     torch.manual_seed(seed)
