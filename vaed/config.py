@@ -86,6 +86,8 @@ class ServerConfig:
     min_ping_interval: float = 30.0     # clients may ping every >= N s (the client library pings every 60 s)
     max_connection_age: float = 300.0   # close connections after ~N s so clients re-resolve DNS (0 = never)
     max_connection_age_grace: float = 60.0  # in-flight calls get N s more after that
+    # Stream limit (gRPC core; see vaed.server.grpc_options for the measurements).
+    max_streams_per_connection: int | None = None  # None: max_sessions + 16 (HTTP/2 MAX_CONCURRENT_STREAMS)
     metrics_port: int | None = None
     metrics_host: str | None = None     # None: same as host
     tls_cert: str | None = None
@@ -119,6 +121,14 @@ class ServerConfig:
         if self.max_concurrent_rpcs is not None:
             return self.max_concurrent_rpcs
         return 2 * self.max_sessions + 8
+
+    @property
+    def streams_per_connection(self) -> int:
+        """Every session plus health and info calls on one connection, and below the RPC cap
+        (2 x max_sessions + 8) from 9 sessions on, so one connection cannot take every slot."""
+        if self.max_streams_per_connection is not None:
+            return self.max_streams_per_connection
+        return self.max_sessions + 16
 
     def replace(self, **changes: object) -> "ServerConfig":
         return dataclasses.replace(self, **changes)

@@ -14,6 +14,7 @@ counted through `on_refused`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -133,25 +134,34 @@ class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
             self._in_flight -= 1
 
     def _counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        """The same handler, releasing its slot when the call's behaviour returns."""
+        """The same handler, releasing its slot when the call's behaviour returns.
+
+        grpc.aio calls a unary-request behaviour only once it has read the
+        request: a call cancelled before that (HEADERS then RST_STREAM, the
+        rapid-reset pattern) never ran it, so its slot was never released.
+        40 000 such resets on one connection leaked every slot: the server then
+        answered RESOURCE_EXHAUSTED to all calls until restarted. So every
+        handler is served as stream-request here, its behaviour invoked at the
+        call's start, and the one request read inside the ``finally``.
+        """
         release = self._release
-        for single in ("unary_unary", "stream_unary"):  # one response: release when it returns
-            inner = getattr(handler, single)
-            if inner is not None:  # returned in this iteration: the closure sees this `inner`
+        if not handler.request_streaming:
+            handler = _as_stream_request(handler)
+        if not handler.response_streaming:
+            inner = handler.stream_unary
 
-                async def one_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    try:
-                        return await inner(request, context)
-                    finally:
-                        release()
+            async def one_response(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner(requests, context)
+                finally:
+                    release()
 
-                return handler._replace(**{single: one_response})
-        behaviour = handler.unary_stream or handler.stream_stream
-        field = "unary_stream" if handler.unary_stream is not None else "stream_stream"
+            return handler._replace(stream_unary=one_response)
+        behaviour = handler.stream_stream
 
-        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def streaming(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                result = behaviour(request, context)
+                result = behaviour(requests, context)
                 if hasattr(result, "__aiter__"):
                     async for message in result:
                         yield message
@@ -160,4 +170,41 @@ class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
             finally:
                 release()
 
-        return handler._replace(**{field: streaming})
+        return handler._replace(stream_stream=streaming)
+
+
+async def _one_request(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    """The single request of a unary-request call, read from its request iterator.
+
+    A call cancelled first raises (or ends the iterator) here, inside the caller's
+    ``finally``; a client that half-closes without a message gets INVALID_ARGUMENT.
+    A unary client sends one message; later ones are left unread, as grpc.aio does.
+    """
+    async for request in requests:
+        return request
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected one request message, got none")
+
+
+def _as_stream_request(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A unary-request handler as the stream-request handler that reads its one request."""
+    if handler.unary_unary is not None:
+        unary_unary = handler.unary_unary
+
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            result = unary_unary(await _one_request(requests, context), context)
+            return await result if inspect.isawaitable(result) else result
+
+        return handler._replace(request_streaming=True, unary_unary=None, stream_unary=stream_unary)
+    unary_stream = handler.unary_stream
+
+    async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        request = await _one_request(requests, context)
+        result = unary_stream(request, context)
+        if hasattr(result, "__aiter__"):
+            async for message in result:
+                yield message
+        else:  # a coroutine that writes with context.write
+            await result
+
+    return handler._replace(request_streaming=True, unary_stream=None, stream_stream=stream_stream)
+

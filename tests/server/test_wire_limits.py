@@ -1,0 +1,112 @@
+"""What a hostile client can make a real `vaed serve` hold before and around
+authentication, through the real wire: a
+rapid reset (HEADERS + RST_STREAM in a loop) on one connection.
+
+Every assertion is a count or a status (bounded waits, no timings), so a
+loaded 2-core CI box passes as a fast one does.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import pytest
+
+from harness import start_cli_server
+
+TOKEN = "wire-limits-test-token-0123456789"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+INFO = "/vaed.v1.VaeDecoder/GetModelInfo"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]]:
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN + "\n")
+    proc, target = start_cli_server(
+        "--auth-token-file", str(token_file),
+    )
+    # Refusals are logged: drain the pipe so a full one never blocks the server.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    try:
+        yield proc.pid, target
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+# -- rapid reset --------------------------------------------------------------------------------
+
+def _rapid_reset(target: str, streams: int) -> int:
+    """HEADERS + RST_STREAM(CANCEL) for `streams` authenticated GetModelInfo calls on one
+    connection, 100 per write, reading whatever the server sends; returns the streams sent."""
+    host, port = target.rsplit(":", 1)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    conn.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", INFO), (":authority", target),
+               ("content-type", "application/grpc"), ("te", "trailers"), AUTH[0]]
+    sent = 0
+    with socket.create_connection((host, int(port))) as sock:
+        sock.settimeout(30)
+        sock.sendall(conn.data_to_send())
+        while sent < streams and not conn.state_machine.state.name.startswith("CLOSED"):
+            for _ in range(100):
+                stream_id = conn.get_next_available_stream_id()
+                conn.send_headers(stream_id, headers)
+                conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+                sent += 1
+            sock.sendall(conn.data_to_send())
+            while select.select([sock], [], [], 0)[0]:
+                data = sock.recv(1 << 16)
+                if not data:
+                    return sent
+                conn.receive_data(data)  # settings, pings (answered), RST_STREAM, GOAWAY
+            sock.sendall(conn.data_to_send())
+    return sent
+
+
+def test_rapid_reset_cancels_no_other_call_and_leaks_no_slot(server: tuple[int, str]) -> None:
+    """20 000 resets on one connection while another client calls GetModelInfo in a loop on
+    its own: every one of its calls succeeds, and so do calls after the attack. Before, such
+    an attack cancelled 7-25 % of the other client's calls, and each reset call that never
+    got its request read kept an RPC slot: afterwards every call was RESOURCE_EXHAUSTED."""
+    _, target = server
+    stop = threading.Event()
+    codes: Counter[str] = Counter()
+
+    def legitimate() -> None:
+        with grpc.insecure_channel(target) as channel:
+            info = channel.unary_unary(INFO)
+            while not stop.is_set():
+                try:
+                    info(b"", metadata=AUTH, timeout=60)
+                    codes["OK"] += 1
+                except grpc.RpcError as exc:
+                    codes[exc.code().name] += 1
+
+    caller = threading.Thread(target=legitimate)
+    caller.start()
+    try:
+        assert _rapid_reset(target, 20_000) == 20_000
+    finally:
+        stop.set()
+        caller.join(120)
+    assert codes["OK"] > 0 and set(codes) == {"OK"}, dict(codes)
+    with grpc.insecure_channel(target) as channel:
+        after = Counter()
+        for _ in range(50):
+            try:
+                channel.unary_unary(INFO)(b"", metadata=AUTH, timeout=30)
+                after["OK"] += 1
+            except grpc.RpcError as exc:
+                after[exc.code().name] += 1
+    assert after == {"OK": 50}, dict(after)
