@@ -120,6 +120,11 @@ def proc_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def proc_fd_count(pid: int) -> int:
+    """Open file descriptors of a process (Linux /proc)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 # -- tensors for the kernel tests -----------------------------------------------
 
 def lay(t: torch.Tensor, layout: str) -> torch.Tensor:

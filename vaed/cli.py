@@ -157,6 +157,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "new replicas; 0 = never (default %(default)s)")
     parser.add_argument("--max-connection-age-grace", type=float, default=defaults.max_connection_age_grace,
                         help="seconds in-flight calls get after --max-connection-age (default %(default)s)")
+    parser.add_argument("--handshake-timeout", type=float, default=defaults.handshake_timeout, metavar="SECONDS",
+                        help="seconds a new connection may take to send the HTTP/2 preface (and TLS handshake) "
+                             "before it is closed (default %(default)s)")
+    parser.add_argument("--max-connections", type=_positive_int, default=defaults.max_connections, metavar="N",
+                        help="concurrent connections from all peers; more are closed as they are accepted, and "
+                             "it is lowered to leave 256 fds under RLIMIT_NOFILE (default %(default)s)")
     parser.add_argument("--max-streams-per-connection", type=_positive_int, default=None, metavar="N",
                         help="concurrent calls on one connection (HTTP/2 MAX_CONCURRENT_STREAMS); clients queue "
                              "past it, and a connection resetting streams faster gets REFUSED_STREAM "
@@ -201,7 +207,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         parallel=args.parallel, spatial_axis=args.spatial_axis, spatial_min_pixels=args.spatial_min_pixels, warmup=args.warmup, warmup_shapes=args.warmup_shapes,
         keepalive_time=args.keepalive_time, keepalive_timeout=args.keepalive_timeout,
         min_ping_interval=args.min_ping_interval, max_connection_age=args.max_connection_age,
-        max_connection_age_grace=args.max_connection_age_grace, max_streams_per_connection=args.max_streams_per_connection,
+        max_connection_age_grace=args.max_connection_age_grace, handshake_timeout=args.handshake_timeout,
+        max_connections=args.max_connections, max_streams_per_connection=args.max_streams_per_connection,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token_file=args.auth_token_file,

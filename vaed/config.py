@@ -86,7 +86,9 @@ class ServerConfig:
     min_ping_interval: float = 30.0     # clients may ping every >= N s (the client library pings every 60 s)
     max_connection_age: float = 300.0   # close connections after ~N s so clients re-resolve DNS (0 = never)
     max_connection_age_grace: float = 60.0  # in-flight calls get N s more after that
-    # Stream limit (gRPC core; see vaed.server.grpc_options for the measurements).
+    # Connection and stream limits (gRPC core; see vaed.server.grpc_options for the measurements).
+    handshake_timeout: float = 10.0     # a connection that has not sent the HTTP/2 preface by then is closed
+    max_connections: int = 1000         # concurrent connections (all peers); more are closed on accept
     max_streams_per_connection: int | None = None  # None: max_sessions + 16 (HTTP/2 MAX_CONCURRENT_STREAMS)
     metrics_port: int | None = None
     metrics_host: str | None = None     # None: same as host

@@ -8,6 +8,7 @@ import asyncio
 import errno
 import logging
 import os
+import resource
 import signal
 import socket
 from typing import Callable
@@ -74,13 +75,36 @@ def worker_devices(config: ServerConfig) -> tuple[str, ...]:
     return config.devices[:1] if config.parallel == "spatial" else config.devices
 
 
+# File descriptors kept free of gRPC connections for the metrics endpoint, model files,
+# logs and the device runtime: --max-connections is lowered to RLIMIT_NOFILE minus this.
+FD_HEADROOM = 256
+
+
+def connection_cap(config: ServerConfig) -> int:
+    """--max-connections, lowered so gRPC's connections alone cannot exhaust RLIMIT_NOFILE."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or config.max_connections + FD_HEADROOM <= soft:
+        return config.max_connections
+    cap = max(1, soft - FD_HEADROOM)
+    log.warning("--max-connections %d lowered to %d: RLIMIT_NOFILE is %d and %d fds stay free",
+                config.max_connections, cap, soft, FD_HEADROOM)
+    return cap
+
+
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Message limits, keepalive, connection age (so clients re-resolve DNS and reach new
-    replicas), and the stream limit a hostile client meets."""
+    replicas), and the connection and stream limits a hostile client meets."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        # A TCP connection that sends no HTTP/2 preface is closed after this (gRPC's default:
+        # 120 s); past the cap new connections are closed as they are accepted. Without either,
+        # 20 400 idle connections took a server to its RLIMIT_NOFILE (20 000) and hung health
+        # probes and /metrics; with a cap of 20, 100 idle connections held 20 fds, and none
+        # after the timeout.
+        ("grpc.server_handshake_timeout_ms", ms(config.handshake_timeout)),
+        ("grpc.max_allowed_incoming_connections", connection_cap(config)),
         # HTTP/2 MAX_CONCURRENT_STREAMS (gRPC's default: unlimited). gRPC core also refuses new
         # streams (REFUSED_STREAM) while a connection holds more streams than this that the
         # server has not finished releasing, which is what bounds a rapid reset (HEADERS +

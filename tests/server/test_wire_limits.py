@@ -1,5 +1,5 @@
 """What a hostile client can make a real `vaed serve` hold before and around
-authentication, through the real wire: a
+authentication, through the real wire: idle TCP connections that never send the HTTP/2 preface, and a
 rapid reset (HEADERS + RST_STREAM in a loop) on one connection.
 
 Every assertion is a count or a status (bounded waits, no timings), so a
@@ -9,6 +9,7 @@ loaded 2-core CI box passes as a fast one does.
 from __future__ import annotations
 
 import select
+import selectors
 import socket
 import threading
 import time
@@ -20,12 +21,16 @@ import h2.config
 import h2.connection
 import h2.errors
 import pytest
+from grpc_health.v1 import health_pb2
 
-from harness import start_cli_server
+from harness import proc_fd_count, start_cli_server
 
 TOKEN = "wire-limits-test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
+CHECK = "/grpc.health.v1.Health/Check"
 INFO = "/vaed.v1.VaeDecoder/GetModelInfo"
+MAX_CONNECTIONS = 32
+HANDSHAKE_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +38,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
     proc, target = start_cli_server(
-        "--auth-token-file", str(token_file),
+        "--auth-token-file", str(token_file), "--max-connections", str(MAX_CONNECTIONS),
+        "--handshake-timeout", str(HANDSHAKE_TIMEOUT_S),
     )
     # Refusals are logged: drain the pipe so a full one never blocks the server.
     threading.Thread(target=proc.stdout.read, daemon=True).start()
@@ -42,6 +48,59 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def _check(channel: grpc.Channel, request: bytes, timeout: float = 30) -> tuple[grpc.StatusCode, str]:
+    try:
+        reply = channel.unary_unary(CHECK)(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, health_pb2.HealthCheckResponse.FromString(reply).status
+
+
+def _serving(target: str) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        return _check(channel, b"") == (grpc.StatusCode.OK, health_pb2.HealthCheckResponse.SERVING)
+
+
+# -- connections --------------------------------------------------------------------------------
+
+def test_idle_connections_are_capped_then_closed_and_probes_keep_answering(server: tuple[int, str]) -> None:
+    """200 TCP connections that never send the preface: past the cap they are closed as
+    accepted, the rest after the handshake timeout; the server's fds grow by at most the cap,
+    a probe on an established connection answers throughout, and new probes after."""
+    pid, target = server
+    idle = 200
+    with grpc.insecure_channel(target) as established:
+        assert _check(established, b"")[0] == grpc.StatusCode.OK
+        base_fds = proc_fd_count(pid)
+        host, port = target.rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port))) for _ in range(idle)]
+        try:
+            open_socks, most_fds, during = set(socks), proc_fd_count(pid), []
+            waiting = selectors.DefaultSelector()  # epoll: select() stops at fd 1024
+            for s in socks:
+                waiting.register(s, selectors.EVENT_READ)
+            deadline = time.monotonic() + 90
+            while open_socks and time.monotonic() < deadline:
+                for key, _ in waiting.select(0.2):
+                    try:
+                        data = key.fileobj.recv(4096)
+                    except OSError:
+                        data = b""
+                    if not data:  # closed by the server (it sends nothing before the preface)
+                        open_socks.discard(key.fileobj)
+                        waiting.unregister(key.fileobj)
+                most_fds = max(most_fds, proc_fd_count(pid))
+                if len(during) < 3:
+                    during.append(_check(established, b"", timeout=10)[0])
+            assert not open_socks, f"{len(open_socks)} of {idle} idle connections still open"
+            assert most_fds <= base_fds + MAX_CONNECTIONS + 8, (base_fds, most_fds)
+            assert during == [grpc.StatusCode.OK] * 3
+        finally:
+            for s in socks:
+                s.close()
+    assert _serving(target)
 
 
 # -- rapid reset --------------------------------------------------------------------------------
