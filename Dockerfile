@@ -6,15 +6,27 @@
 #   docker run --gpus 1 -p 50051:50051 -p 9090:9090 \
 #       -v /srv/models:/models:ro vaed:0.1.0
 #
-# Stages: "wheel" builds the vaed wheel from source; "runtime" installs the
-# dependencies (cached while pyproject.toml is unchanged) and then that wheel.
+# A CPU image for kind, minikube and laptops (target "cpu": CPU torch on a slim
+# Python base, no CUDA layers; serves random:wan2.1-tiny unless told otherwise):
+#
+#   docker build --target cpu -t vaed:dev-cpu .
+#   docker run -p 50051:50051 vaed:dev-cpu
+#
+# Stages: "wheel" builds the vaed wheel from source; "cpu" and "runtime" (the
+# default target, last) each install the dependencies (cached while
+# pyproject.toml is unchanged) and then that wheel.
 
 # torch 2.11 + CUDA 12.8 + cuDNN 9: the stack the performance numbers in the
 # design notes were measured on (H200). Pinned tag, never "latest".
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+# The CPU image's base and torch: the torch the README's CPU setup installs.
+ARG CPU_BASE_IMAGE=python:3.12.8-slim-bookworm
+ARG CPU_TORCH_VERSION=2.13.0
 
 # ---------------------------------------------------------------- wheel
-FROM ${BASE_IMAGE} AS wheel
+# vaed is pure Python: the wheel builds on the small base, so the cpu target
+# never pulls the CUDA image.
+FROM ${CPU_BASE_IMAGE} AS wheel
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
@@ -24,6 +36,65 @@ COPY client/ client/
 COPY vaed/ vaed/
 # --no-deps: only vaed itself; its dependencies go into their own layer below.
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------- cpu
+FROM ${CPU_BASE_IMAGE} AS cpu
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# The same user, paths and caches as the GPU image below (the manifests rely on them).
+ARG VAED_UID=10001
+RUN groupadd --system --gid "${VAED_UID}" vaed \
+    && useradd --system --uid "${VAED_UID}" --gid "${VAED_UID}" \
+       --home-dir /cache --no-create-home --shell /usr/sbin/nologin vaed \
+    && mkdir -p /cache /models \
+    && chown "${VAED_UID}:${VAED_UID}" /cache \
+    && chmod 0770 /cache
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HOME=/cache \
+    USER=vaed \
+    XDG_CACHE_HOME=/cache \
+    TORCH_HOME=/cache/torch \
+    HF_HOME=/cache/huggingface
+
+# CPU torch from its own index first: from PyPI pip takes the CUDA build and
+# ~15 nvidia wheels (GBs). Then the dependencies, torch held by a constraint.
+ARG CPU_TORCH_VERSION
+RUN pip install --no-cache-dir "torch==${CPU_TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml /tmp/deps/pyproject.toml
+RUN python -c 'import importlib.metadata as md, tomllib; \
+deps = tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"]; \
+have = {d.metadata["Name"].lower(): d.version for d in md.distributions()}; \
+open("/tmp/deps/requirements.txt", "w").write("\n".join(deps) + "\n"); \
+open("/tmp/deps/constraints.txt", "w").write("".join(f"{n}=={have[n]}\n" for n in ("torch",)))' \
+    && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
+    && rm -rf /tmp/deps
+
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-deps /wheels/*.whl \
+    && vaed --help > /dev/null
+
+COPY scripts/fetch_weights.py /opt/vaed/fetch_weights.py
+
+USER 10001:10001
+WORKDIR /cache
+
+EXPOSE 50051 9090
+
+# Nothing to compile or warm up on the CPU: SERVING within seconds.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
+    CMD ["vaed", "health", "--server", "localhost:50051", "--timeout", "5"]
+
+ENTRYPOINT ["vaed"]
+# The tiny random model needs no weights; mount a folder at /models and pass
+# --model /models/... for a real one (slow on a CPU).
+CMD ["serve", "--device", "cpu", "--host", "0.0.0.0", "--port", "50051", \
+     "--metrics-port", "9090", "--model", "random:wan2.1-tiny", "--warmup-shapes", "none", \
+     "--grace", "30"]
 
 # ---------------------------------------------------------------- runtime
 FROM ${BASE_IMAGE} AS runtime

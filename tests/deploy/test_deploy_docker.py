@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,12 @@ def test_hadolint_clean() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def stage_named(name: str) -> list[tuple[str, str]]:
+    found = [s for s in stages() if re.search(rf"\sAS\s+{name}$", s[0][1], re.IGNORECASE)]
+    assert len(found) == 1, f"no stage {name!r}"
+    return found[0]
+
+
 def test_pinned_cuda_pytorch_base_and_multistage() -> None:
     froms = [rest for w, rest in instructions() if w == "FROM"]
     assert len(froms) >= 2, "multi-stage build expected"
@@ -86,8 +93,61 @@ def test_pinned_cuda_pytorch_base_and_multistage() -> None:
     image, _, tag = base.partition(":")
     assert image == "pytorch/pytorch"
     assert re.fullmatch(r"\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", tag), tag
+    # The default target (the last stage) is the GPU image on that base.
+    assert stages()[-1][0][1].startswith("${BASE_IMAGE}")
     for f in froms:
-        assert f.startswith("${BASE_IMAGE}"), f
+        assert f.startswith(("${BASE_IMAGE}", "${CPU_BASE_IMAGE}")), f
+
+
+def test_cpu_target_has_no_cuda_layers() -> None:
+    """`docker build --target cpu`: a pinned slim Python base, CPU torch from its own index at
+    the version the README's CPU setup installs, and no stage on the CUDA base on its way."""
+    image, _, tag = build_args()["CPU_BASE_IMAGE"].partition(":")
+    assert image == "python" and re.fullmatch(r"\d+\.\d+\.\d+-slim-\w+", tag), tag
+    cpu = stage_named("cpu")
+    assert cpu[0][1].startswith("${CPU_BASE_IMAGE}")
+    needed = {m for _, rest in cpu for m in re.findall(r"from=(\w+)", rest)}
+    assert needed == {"wheel"} and stage_named("wheel")[0][1].startswith("${CPU_BASE_IMAGE}")
+    runs = [rest for word, rest in cpu if word == "RUN"]
+    torch_idx = next(i for i, r in enumerate(runs) if "download.pytorch.org/whl/cpu" in r)
+    assert '"torch==${CPU_TORCH_VERSION}"' in runs[torch_idx]
+    assert torch_idx < next(i for i, r in enumerate(runs) if "requirements.txt" in r)
+    readme_torch = re.search(r'pip install "torch==([\d.]+)" --extra-index-url https://download.pytorch.org/whl/cpu',
+                             (ROOT / "README.md").read_text())
+    assert readme_torch and build_args()["CPU_TORCH_VERSION"] == readme_torch.group(1)
+    assert not any("cuda" in rest.lower() or "nvidia" in rest.lower() for _, rest in cpu)
+
+
+def test_cpu_target_runs_the_tiny_model_like_the_gpu_image_runs_vaed() -> None:
+    cpu = stage_named("cpu")
+    last = lambda word: [rest for w, rest in cpu if w == word][-1]  # noqa: E731
+    assert last("USER") == _last("USER")
+    assert json.loads(last("ENTRYPOINT")) == ["vaed"]
+    cmd = json.loads(last("CMD"))
+    args = _serve_parser().parse_args(cmd[1:])
+    assert cmd[0] == "serve" and args.device == "cpu" and args.model == "random:wan2.1-tiny"
+    assert args.port == 50051 and args.metrics_port == 9090
+    assert json.loads(last("HEALTHCHECK").partition("CMD")[2])[:2] == ["vaed", "health"]
+    env = {}
+    for word, rest in cpu:
+        if word == "ENV":
+            env.update(token.split("=", 1) for token in shlex.split(rest))
+    for var in ("HOME", "XDG_CACHE_HOME", "TORCH_HOME", "HF_HOME"):
+        assert env[var] == dockerfile_env()[var], var
+
+
+@pytest.mark.parametrize("name", ["cpu", "runtime"])
+def test_dependency_step_runs_and_holds_torch(name: str, tmp_path: Path) -> None:
+    """Each image's dependency script (the python -c of its requirements.txt RUN), run here on
+    this repository's pyproject.toml: it lists the dependencies and pins the installed torch."""
+    run = next(rest for word, rest in stage_named(name) if word == "RUN" and "requirements.txt" in rest)
+    script = re.search(r"python -c '(.*?)'", run, re.DOTALL).group(1).replace("/tmp/deps", str(tmp_path))
+    (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    import torch
+
+    assert "diffusers>=0.35" in (tmp_path / "requirements.txt").read_text().split("\n")
+    assert f"torch=={torch.__version__}" in (tmp_path / "constraints.txt").read_text().split("\n")
 
 
 def test_dependencies_before_source() -> None:

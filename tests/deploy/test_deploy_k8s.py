@@ -390,3 +390,31 @@ def test_image_is_set(overlay: str) -> None:
         assert job_images <= images, job_images
     for image in images | job_images:
         assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest")
+
+
+def test_cpu_overlay_runs_the_cpu_image_the_docs_build() -> None:
+    """The cpu overlay's image is the one `docker build --target cpu` makes in the docs and in
+    the overlay's own comment, and the Dockerfile has that target."""
+    (image,) = {c["image"] for o in by_kind(rendered("cpu"), "Deployment") for c in pod_containers(o)}
+    build = f"docker build --target cpu -t {image} ."
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert f"{build} && kind load docker-image {image}" in docs
+    assert build in (ROOT / "k8s" / "overlays" / "cpu" / "kustomization.yaml").read_text()
+    assert re.search(r"^FROM \S+ AS cpu$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+
+
+def test_docs_set_images_without_the_standalone_kustomize() -> None:
+    """kubectl has no `kustomize edit`: the docs show the images: stanza to edit, and it is
+    the stanza every overlay carries."""
+    import yaml
+
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    commands = "".join(re.findall(r"```bash\n(.*?)```", docs, re.DOTALL))
+    assert "kustomize edit" not in commands, "a command needs the standalone kustomize binary"
+    stanza = re.search(r"```yaml\n(# k8s/overlays/prod/kustomization.yaml.*?)```", docs, re.DOTALL)
+    assert stanza, "no images: stanza in docs/deployment.md"
+    shown = yaml.safe_load(stanza.group(1))["images"]
+    for overlay in OVERLAYS:
+        kustomization = yaml.safe_load((ROOT / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text())
+        assert [i["name"] for i in kustomization["images"]] == [i["name"] for i in shown], overlay
+        assert set(kustomization["images"][0]) == set(shown[0]), overlay

@@ -152,7 +152,8 @@ def test_model_paths_consistent(overlay: str, fetch_weights: ModuleType) -> None
 
 def test_dockerfile_default_model_is_the_wan21_layer() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    cmd = json.loads(re.search(r"^CMD (\[.*?\])", text, re.S | re.M).group(1).replace("\\\n", ""))
+    # the last CMD: the default target's (the GPU image; the cpu target serves the tiny model)
+    cmd = json.loads(re.findall(r"^CMD (\[.*?\])", text, re.S | re.M)[-1].replace("\\\n", ""))
     (dep,) = decoders(rendered("wan21"))
     assert cmd[cmd.index("--model") + 1] == serve_args(dep).model
 
