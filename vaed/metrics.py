@@ -96,7 +96,7 @@ class DeviceLoad:
 
     device: str                 # "cuda:0", "cpu", ...
     healthy: bool               # loaded, warmed up, not failed
-    active_sessions: int        # Decode / DecodeStream calls holding a session on it
+    active_sessions: int        # Decode / DecodeStream calls holding a session slot on it, from admission on
     pending_latent_frames: int  # latent frames received and not yet decoded
 
 
@@ -133,7 +133,10 @@ class _LoadCollector(Collector):
             return GaugeMetricFamily(name, doc, labels=["device"])
 
         return {
-            "sessions": gauge("vaed_active_sessions", "Decode and DecodeStream calls holding a session."),
+            "sessions": gauge(
+                "vaed_active_sessions",
+                "Decode and DecodeStream calls holding a session slot, from admission (before their first message).",
+            ),
             "pending": gauge(
                 PENDING_LATENT_FRAMES_METRIC,
                 "Latent frames received and not yet decoded, summed over sessions (the autoscaling signal).",
