@@ -125,6 +125,31 @@ def proc_fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+class PeakRss:
+    """Samples a process's VmRSS every 5 ms in a thread; `.peak` after `with`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = self.peak = proc_rss_bytes(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, proc_rss_bytes(self.pid))
+            time.sleep(0.005)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.3)  # whatever the calls left behind shows up too
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, proc_rss_bytes(self.pid))
+
+
 # -- tensors for the kernel tests -----------------------------------------------
 
 def lay(t: torch.Tensor, layout: str) -> torch.Tensor:

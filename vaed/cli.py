@@ -167,6 +167,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="concurrent calls on one connection (HTTP/2 MAX_CONCURRENT_STREAMS); clients queue "
                              "past it, and a connection resetting streams faster gets REFUSED_STREAM "
                              "(default --max-sessions + 16)")
+    parser.add_argument("--max-health-calls", type=_positive_int, default=defaults.max_health_calls, metavar="N",
+                        help="health requests read at once (they need no token and are at most 4096 bytes); "
+                             "more get RESOURCE_EXHAUSTED (default %(default)s)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at /metrics on this port")
     parser.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
     parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
@@ -209,7 +212,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         min_ping_interval=args.min_ping_interval, max_connection_age=args.max_connection_age,
         max_connection_age_grace=args.max_connection_age_grace, handshake_timeout=args.handshake_timeout,
         max_connections=args.max_connections, max_streams_per_connection=args.max_streams_per_connection,
-        metrics_port=args.metrics_port,
+        max_health_calls=args.max_health_calls, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token_file=args.auth_token_file,
     )

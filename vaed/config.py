@@ -90,6 +90,7 @@ class ServerConfig:
     handshake_timeout: float = 10.0     # a connection that has not sent the HTTP/2 preface by then is closed
     max_connections: int = 1000         # concurrent connections (all peers); more are closed on accept
     max_streams_per_connection: int | None = None  # None: max_sessions + 16 (HTTP/2 MAX_CONCURRENT_STREAMS)
+    max_health_calls: int = 8           # health requests read at once; more get RESOURCE_EXHAUSTED unread
     metrics_port: int | None = None
     metrics_host: str | None = None     # None: same as host
     tls_cert: str | None = None

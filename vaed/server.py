@@ -25,7 +25,7 @@ from .auth import BearerTokenInterceptor, server_credentials
 from .config import ServerConfig
 from .engine import DecodeEngine
 from .heap import freeze_startup_heap, unfreeze_heap
-from .interceptors import Refusals, RpcLimitInterceptor
+from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
 from .logs import installed as installed_log_handler
 from .metrics import ServerMetrics
@@ -93,11 +93,16 @@ def connection_cap(config: ServerConfig) -> int:
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Message limits, keepalive, connection age (so clients re-resolve DNS and reach new
-    replicas), and the connection and stream limits a hostile client meets."""
+    replicas), and the limits a hostile client meets before any call is authenticated."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        # Identity only: a compressed request is refused UNIMPLEMENTED ("Compression algorithm
+        # 'gzip' is disabled") from its headers, before a byte of it is read. vaed's client never
+        # compresses (latents and frames do not shrink). With gzip on, one unauthenticated health
+        # Check of 199 KB inflated to 200 MiB grew a server by ~610 MB RSS.
+        ("grpc.compression_enabled_algorithms_bitset", 1),
         # A TCP connection that sends no HTTP/2 preface is closed after this (gRPC's default:
         # 120 s); past the cap new connections are closed as they are accepted. Without either,
         # 20 400 idle connections took a server to its RLIMIT_NOFILE (20 000) and hung health
@@ -184,8 +189,9 @@ class VaedServer:
     async def start(self) -> int:
         """Bind, start serving NOT_SERVING, and load the model in the background. Returns the port."""
         cfg = self.config
-        # Auth first: an unauthenticated call is refused before it takes an RPC slot.
-        interceptors: list[grpc.aio.ServerInterceptor] = []
+        # The health gate first (health calls need no token), then auth: an unauthenticated
+        # call is refused before it takes an RPC slot.
+        interceptors: list[grpc.aio.ServerInterceptor] = [HealthGate(cfg.max_health_calls, on_refused=self._refused)]
         refusals = Refusals()  # one cap on lingering refusals for the whole server
         token = read_token(cfg.auth_token_file, wire.AUTH_TOKEN_ENV)
         if token is not None:

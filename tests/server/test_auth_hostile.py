@@ -9,8 +9,6 @@ under a fifth of one payload, so reading even one request would fail it.
 
 from __future__ import annotations
 
-import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +18,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import make_config, proc_rss_bytes, serve_in_thread, start_cli_server
+from harness import PeakRss, make_config, serve_in_thread, start_cli_server
 
 TOKEN = "hostile-test-token-0123456789"
 PAYLOAD_MIB = 250
@@ -49,31 +47,6 @@ def decode_request_bytes(nbytes: int) -> bytes:
     tensor = _varint(1 << 3) + _varint(4) + _field(2, b"".join(_varint(d) for d in (1, 4, 1, 1, n)))
     tensor += _field(3, bytes(4 * n))
     return _field(1, tensor)
-
-
-class PeakRss:
-    """Samples a process's VmRSS every 5 ms in a thread; `.peak` after `with`."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.start = self.peak = proc_rss_bytes(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, proc_rss_bytes(self.pid))
-            time.sleep(0.005)
-
-    def __enter__(self) -> "PeakRss":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(0.3)  # whatever the calls left behind shows up too
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, proc_rss_bytes(self.pid))
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """What a hostile client can make a real `vaed serve` hold before and around
-authentication, through the real wire: idle TCP connections that never send the HTTP/2 preface, and a
+authentication, through the real wire: compressed and oversized health
+requests, idle TCP connections that never send the HTTP/2 preface, and a
 rapid reset (HEADERS + RST_STREAM in a loop) on one connection.
 
 Every assertion is a count or a status (bounded waits, no timings), so a
@@ -15,6 +16,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import h2.config
@@ -23,7 +25,7 @@ import h2.errors
 import pytest
 from grpc_health.v1 import health_pb2
 
-from harness import proc_fd_count, start_cli_server
+from harness import PeakRss, proc_fd_count, start_cli_server
 
 TOKEN = "wire-limits-test-token-0123456789"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -31,6 +33,12 @@ CHECK = "/grpc.health.v1.Health/Check"
 INFO = "/vaed.v1.VaeDecoder/GetModelInfo"
 MAX_CONNECTIONS = 32
 HANDSHAKE_TIMEOUT_S = 2
+HEALTH_CALLS = 4
+ATTEMPTS = 16
+BOMB_BYTES = 32 << 20  # inflated size of each gzip request (~32 KB on the wire)
+# The stated bound: 16 concurrent unauthenticated attempts hold at most 32 MiB. Inflating the
+# requests held 3 copies of each (core, Python bytes, parsed message): 1.5 GB for these 16.
+RSS_BOUND = 32 << 20
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]
     token_file.write_text(TOKEN + "\n")
     proc, target = start_cli_server(
         "--auth-token-file", str(token_file), "--max-connections", str(MAX_CONNECTIONS),
-        "--handshake-timeout", str(HANDSHAKE_TIMEOUT_S),
+        "--handshake-timeout", str(HANDSHAKE_TIMEOUT_S), "--max-health-calls", str(HEALTH_CALLS),
     )
     # Refusals are logged: drain the pipe so a full one never blocks the server.
     threading.Thread(target=proc.stdout.read, daemon=True).start()
@@ -61,6 +69,69 @@ def _check(channel: grpc.Channel, request: bytes, timeout: float = 30) -> tuple[
 def _serving(target: str) -> bool:
     with grpc.insecure_channel(target) as channel:
         return _check(channel, b"") == (grpc.StatusCode.OK, health_pb2.HealthCheckResponse.SERVING)
+
+
+# -- requests read before authentication ------------------------------------------------------
+
+def test_compressed_health_requests_are_refused_before_they_are_read(server: tuple[int, str]) -> None:
+    """16 concurrent unauthenticated Checks, each a gzip bomb inflating to 32 MiB:
+    UNIMPLEMENTED from their headers, and the server holds < 32 MiB for all of them."""
+    pid, target = server
+    bomb = health_pb2.HealthCheckRequest(service="x" * BOMB_BYTES).SerializeToString()
+
+    def one(_: int) -> grpc.StatusCode:
+        options = [("grpc.max_send_message_length", -1)]
+        with grpc.insecure_channel(target, options=options, compression=grpc.Compression.Gzip) as channel:
+            return _check(channel, bomb)[0]
+
+    with PeakRss(pid) as rss:
+        with ThreadPoolExecutor(ATTEMPTS) as pool:
+            codes = list(pool.map(one, range(ATTEMPTS)))
+    assert codes == [grpc.StatusCode.UNIMPLEMENTED] * ATTEMPTS
+    assert rss.peak - rss.start < RSS_BOUND, f"RSS {rss.start >> 20} -> {rss.peak >> 20} MiB"
+    assert _serving(target)
+
+
+def test_oversized_health_requests_are_refused_unparsed(server: tuple[int, str]) -> None:
+    pid, target = server
+    big = health_pb2.HealthCheckRequest(service="x" * (64 << 10)).SerializeToString()
+    with grpc.insecure_channel(target) as channel:
+        code, details = _check(channel, big)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 4096 bytes" in details
+        code, details = _check(channel, b"\xff\xff garbage")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in details
+        assert _check(channel, health_pb2.HealthCheckRequest(service="vaed.v1.VaeDecoder").SerializeToString()) == (
+            grpc.StatusCode.OK, health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_health_requests_read_at_once_are_capped(server: tuple[int, str]) -> None:
+    """HEALTH_CALLS health calls that never send their request hold every health slot: the
+    next is RESOURCE_EXHAUSTED; once they go, probes pass again."""
+    _, target = server
+    never = threading.Event()
+
+    def silent() -> Iterator[bytes]:
+        never.wait(60)
+        return
+        yield b""
+
+    with grpc.insecure_channel(target) as holder, grpc.insecure_channel(target) as probe:
+        held = [holder.stream_unary(CHECK).future(silent(), timeout=60) for _ in range(HEALTH_CALLS)]
+        try:
+            deadline = time.monotonic() + 60
+            code = grpc.StatusCode.OK
+            while code != grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline:
+                code, details = _check(probe, b"")
+                time.sleep(0.05)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "health checks are in progress" in details
+        finally:
+            for call in held:
+                call.cancel()
+            never.set()
+    deadline = time.monotonic() + 60
+    while not _serving(target) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _serving(target)
 
 
 # -- connections --------------------------------------------------------------------------------
