@@ -80,8 +80,8 @@ def report(label: str, calls: list[tuple[Any, ...]], reps: int) -> None:
             dst = torch.empty_like(padded)
             tc = timed(lambda: dst.copy_(padded), reps)
             tf = float("nan")
-            if norm is not None and K.causal_pad_cl(x, cache, pad, zero_history=zh, emit_cache=emit, norm_cl=(norm.gamma, norm.scale, norm.bias)) is not None:
-                tf = timed(lambda: K.causal_pad_cl(x, cache, pad, zero_history=zh, emit_cache=emit, norm_cl=(norm.gamma, norm.scale, norm.bias)), reps)
+            if norm is not None and K.causal_pad_cl(x, cache, pad, zero_history=zh, emit_cache=emit, norm_cl=K.NormSilu(norm.gamma, norm.scale, norm.bias)) is not None:
+                tf = timed(lambda: K.causal_pad_cl(x, cache, pad, zero_history=zh, emit_cache=emit, norm_cl=K.NormSilu(norm.gamma, norm.scale, norm.bias)), reps)
             tot["fast_cl"] += tf if tf == tf else (tt if tile is not None else t1)
             td = tn = float("nan")
             same = ""

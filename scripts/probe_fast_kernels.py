@@ -103,7 +103,7 @@ def describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         cache = args[1]
         flags = []
         if kwargs.get("norm_cl") is not None:
-            flags.append("norm" + ("+bias" if len(kwargs["norm_cl"]) > 3 and kwargs["norm_cl"][3] is not None else ""))
+            flags.append("norm" + ("+bias" if kwargs["norm_cl"].x_bias is not None else ""))
         if kwargs.get("norm") is not None:
             flags.append("exact-norm")
         if kwargs.get("unfold"):

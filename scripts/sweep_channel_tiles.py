@@ -15,6 +15,7 @@ timed without it (same tile shape), to see what the bias costs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 from collections.abc import Callable
 from typing import Any
@@ -60,9 +61,9 @@ def batch_seconds(fn: Callable[[], Any], batch: int, rounds: int = 5) -> float:
 
 def without_x_bias(kwargs: dict[str, Any]) -> dict[str, Any] | None:
     norm_cl = kwargs.get("norm_cl")
-    if norm_cl is None or len(norm_cl) < 4 or norm_cl[3] is None:
+    if norm_cl is None or norm_cl.x_bias is None:
         return None
-    return {**kwargs, "norm_cl": tuple(norm_cl[:3])}
+    return {**kwargs, "norm_cl": dataclasses.replace(norm_cl, x_bias=None)}
 
 
 def sweep(calls: list[Call], batch: int) -> None:

@@ -65,8 +65,8 @@ def test_causal_pad_cl_exact_norm(dtype, layout, cache_frames, pad, frames, chan
     if cache_frames:
         cache = lay(torch.randn(2, channels, 3, 9, 13, device="cuda", dtype=dtype, generator=g), layout)[:, :, 1:]
     gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
-    args = K.RmsSiluArgs(gamma, channels**0.5, 0.0, K.norm_denominator(x))
-    want = K.causal_pad_reference(x, cache, pad, norm=(gamma, channels**0.5, 0.0))
+    args = K.NormSilu(gamma, channels**0.5, 0.0, denom=K.norm_denominator(x))
+    want = K.causal_pad_reference(x, cache, pad, norm=K.NormSilu(gamma, channels**0.5, 0.0))
     got = K.causal_pad_cl(x, cache, pad, norm=args)
     if layout == "cl3d":
         assert got is not None
@@ -81,9 +81,9 @@ def test_cl_silu_chain_exhaustive(dtype) -> None:
     """The tile kernel's exact norm+SiLU rounding over every bf16/fp16 bit pattern (fp32: 2^20 samples)."""
     x = every_value(dtype)
     gamma = torch.tensor([1.0, 0.5, -2.0, 1.25], device="cuda").to(dtype).reshape(4, 1, 1, 1)
-    args = K.RmsSiluArgs(gamma, 2.0, 0.0, K.norm_denominator(x))
+    args = K.NormSilu(gamma, 2.0, 0.0, denom=K.norm_denominator(x))
     got = K.causal_pad_cl(x, None, (0, 0, 0, 0, 2, 0), norm=args)
-    want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=(gamma, 2.0, 0.0))
+    want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=K.NormSilu(gamma, 2.0, 0.0))
     assert got is not None
     assert_same(got[0], want[0])
 
@@ -107,11 +107,11 @@ def test_fast_norm_no_less_accurate_than_stock(dtype, channels) -> None:
     x = lay(torch.randn(1, channels, 2, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
     gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
     pad = (1, 1, 1, 1, 2, 0)
-    norm = (gamma, channels**0.5, 0.0)
+    norm = K.NormSilu(gamma, channels**0.5, 0.0)
     got = K.causal_pad_cl(x, None, pad, norm_cl=norm)
     assert got is not None
     stock = K.causal_pad_reference(x, None, pad, norm=norm)
-    truth = K.causal_pad_reference(x.double(), None, pad, norm=(gamma.double(), channels**0.5, 0.0))
+    truth = K.causal_pad_reference(x.double(), None, pad, norm=K.NormSilu(gamma.double(), channels**0.5, 0.0))
     for a, b in zip(got, stock):
         assert a.stride() == b.stride()
         torch.testing.assert_close(a, b, atol=2e-2, rtol=4e-2)
@@ -144,7 +144,7 @@ def test_unfolded_conv_matches_the_fast_pair_and_is_no_less_accurate(dtype, cach
         assert got[0].stride() == pair[0].stride() and got[0].shape == pair[0].shape
         assert torch.equal(got[1], pair[1])
         torch.testing.assert_close(got[0], pair[0], atol=3e-2, rtol=4e-2)
-        padded, _ = K.causal_pad_cl(x, cache, pad, norm_cl=(gamma, c**0.5, 0.0))
+        padded, _ = K.causal_pad_cl(x, cache, pad, norm_cl=K.NormSilu(gamma, c**0.5, 0.0))
         truth = F.conv3d(padded.double(), conv.weight.double(), conv.bias.double())
     err_unfolded = (got[0].double() - truth).abs().mean()
     err_pair = (pair[0].double() - truth).abs().mean()
@@ -189,11 +189,11 @@ def test_deferred_conv_bias_in_the_norm_prologue(dtype, channels) -> None:
     gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
     xb = torch.randn(channels, device="cuda", generator=g).to(dtype)
     pad = (1, 1, 1, 1, 2, 0)
-    got = K.causal_pad_cl(x, None, pad, norm_cl=(gamma, channels**0.5, 0.0, xb))
+    got = K.causal_pad_cl(x, None, pad, norm_cl=K.NormSilu(gamma, channels**0.5, 0.0, xb))
     assert got is not None
-    stock = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), None, pad, norm=(gamma, channels**0.5, 0.0))
+    stock = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), None, pad, norm=K.NormSilu(gamma, channels**0.5, 0.0))
     truth = K.causal_pad_reference(
-        x.double() + xb.double().view(1, -1, 1, 1, 1), None, pad, norm=(gamma.double(), channels**0.5, 0.0)
+        x.double() + xb.double().view(1, -1, 1, 1, 1), None, pad, norm=K.NormSilu(gamma.double(), channels**0.5, 0.0)
     )
     for a, b in zip(got, stock):
         assert a.stride() == b.stride()

@@ -57,9 +57,9 @@ SCRIPT = textwrap.dedent(
             assert all(a.stride() == b.stride() and torch.equal(a, b) for a, b in zip(got, want))
             n += 1
         g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
-        want = K.causal_pad_reference(x, c, pad, norm=(g, 5 ** 0.5, 0.0))
-        exact = K.RmsSiluArgs(g, 5 ** 0.5, 0.0, K.norm_denominator(x))
-        for kw in ({"norm_cl": (g, 5 ** 0.5, 0.0)}, {"norm": exact}):
+        want = K.causal_pad_reference(x, c, pad, norm=K.NormSilu(g, 5 ** 0.5, 0.0))
+        exact = K.NormSilu(g, 5 ** 0.5, 0.0, denom=K.norm_denominator(x))
+        for kw in ({"norm_cl": K.NormSilu(g, 5 ** 0.5, 0.0)}, {"norm": exact}):
             got = K.causal_pad_cl(x, c, pad, **kw)
             for a, b in zip(got, want):
                 assert a.stride() == b.stride()
@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent(
         x = lay(torch.randn(2, 5, fr, 4, 6, dtype=dt), "cl3d")
         c = lay(torch.randn(2, 5, cf, 4, 6, dtype=dt), "cl3d") if cf else None
         g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
-        for kw in ({}, {"norm_cl": (g, 5 ** 0.5, 0.0)}):
+        for kw in ({}, {"norm_cl": K.NormSilu(g, 5 ** 0.5, 0.0)}):
             p, nx = K.causal_pad_cl(x, c, pad, **kw)
             u, nu = K.causal_pad_cl(x, c, pad, unfold=3, **kw)
             assert u.shape == (2 * fr, 15, 6, 8) and u.is_contiguous(memory_format=torch.channels_last)
@@ -106,9 +106,9 @@ SCRIPT = textwrap.dedent(
         c = lay(torch.randn(2, 5, 2, 4, 6, dtype=dt), "cl3d")
         g = (torch.rand(5, 1, 1, 1) + 0.5).to(dt)
         xb = (torch.randn(5) * 3).to(dt)
-        want = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), c, pad, norm=(g, 5 ** 0.5, 0.0))
-        got = K.causal_pad_cl(x, c, pad, norm_cl=(g, 5 ** 0.5, 0.0, xb))
-        without = K.causal_pad_cl(x, c, pad, norm_cl=(g, 5 ** 0.5, 0.0))
+        want = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), c, pad, norm=K.NormSilu(g, 5 ** 0.5, 0.0))
+        got = K.causal_pad_cl(x, c, pad, norm_cl=K.NormSilu(g, 5 ** 0.5, 0.0, xb))
+        without = K.causal_pad_cl(x, c, pad, norm_cl=K.NormSilu(g, 5 ** 0.5, 0.0))
         for a, b in zip(got, want):
             assert a.stride() == b.stride()
             torch.testing.assert_close(a, b, **tol)

@@ -39,8 +39,8 @@ def test_causal_pad_exact(dtype, layout, cache_frames, pad, frames, norm) -> Non
     ref_norm = None
     if norm:
         gamma = (torch.rand(24, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
-        ref_norm = (gamma, 24**0.5, 0.0)
-        kw["norm"] = K.RmsSiluArgs(gamma, 24**0.5, 0.0, K.norm_denominator(x))
+        ref_norm = K.NormSilu(gamma, 24**0.5, 0.0)
+        kw["norm"] = K.NormSilu(gamma, 24**0.5, 0.0, denom=K.norm_denominator(x))
     got = K.causal_pad(x, cache, pad, **kw)
     want = K.causal_pad_reference(x, cache, pad, norm=ref_norm)
     assert got is not None
@@ -62,8 +62,8 @@ def test_causal_pad_exact_at_decoder_channel_counts(channels, frames, cache_fram
     kw, ref_norm = {}, None
     if norm:
         gamma = (torch.rand(channels, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
-        ref_norm = (gamma, channels**0.5, 0.0)
-        kw["norm"] = K.RmsSiluArgs(gamma, channels**0.5, 0.0, K.norm_denominator(x))
+        ref_norm = K.NormSilu(gamma, channels**0.5, 0.0)
+        kw["norm"] = K.NormSilu(gamma, channels**0.5, 0.0, denom=K.norm_denominator(x))
     got = K.causal_pad(x, cache, pad, zero_history=zero_history, **kw)
     want = K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=ref_norm)
     assert got is not None
@@ -122,9 +122,9 @@ def test_silu_chain_exhaustive(dtype) -> None:
     """The fused norm+SiLU rounding over every bf16/fp16 bit pattern (fp32: 2^20 samples)."""
     x = every_value(dtype)
     gamma = torch.tensor([1.0, 0.5, -2.0, 1.25], device="cuda").to(dtype).reshape(4, 1, 1, 1)
-    args = K.RmsSiluArgs(gamma, 2.0, 0.0, K.norm_denominator(x))
+    args = K.NormSilu(gamma, 2.0, 0.0, denom=K.norm_denominator(x))
     got = K.causal_pad(x, None, (0, 0, 0, 0, 2, 0), norm=args)
-    want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=(gamma, 2.0, 0.0))
+    want = K.causal_pad_reference(x, None, (0, 0, 0, 0, 2, 0), norm=K.NormSilu(gamma, 2.0, 0.0))
     assert got is not None
     assert_same(got[0], want[0])
 

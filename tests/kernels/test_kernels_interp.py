@@ -102,8 +102,8 @@ SCRIPT = textwrap.dedent(
         x = lay(torch.randn(1, 6, 2, 4, 5, dtype=dt), l)
         c = lay(torch.randn(1, 6, 2, 4, 5, dtype=dt), l)
         g = (torch.rand(6, 1, 1, 1) + 0.5).to(dt)
-        got = K.causal_pad(x, c, (1, 1, 1, 1, 2, 0), norm=K.RmsSiluArgs(g, 6 ** 0.5, 0.0, K.norm_denominator(x)))
-        want = K.causal_pad_reference(x, c, (1, 1, 1, 1, 2, 0), norm=(g, 6 ** 0.5, 0.0))
+        got = K.causal_pad(x, c, (1, 1, 1, 1, 2, 0), norm=K.NormSilu(g, 6 ** 0.5, 0.0, denom=K.norm_denominator(x)))
+        want = K.causal_pad_reference(x, c, (1, 1, 1, 1, 2, 0), norm=K.NormSilu(g, 6 ** 0.5, 0.0))
         for a, b in zip(got, want):
             assert a.stride() == b.stride()
             torch.testing.assert_close(a, b, atol=1e-5 if dt == torch.float32 else 1e-1, rtol=1e-2)

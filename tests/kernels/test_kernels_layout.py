@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from vaed.kernels import causal_pad_reference, dupup_add_reference, upsample_nearest2x_reference
+from vaed.kernels import NormSilu, causal_pad_reference, dupup_add_reference, upsample_nearest2x_reference
 from vaed.kernels.causal_input import _stock_layouts
 from vaed.kernels.dupup import _out_strides
 from vaed.kernels.upsample import _out_layout
@@ -25,7 +25,7 @@ def test_causal_layouts(dtype: torch.dtype, layout: str) -> None:
     ):
         x = lay(torch.randn(b, 4, frames + 1, 3, 5, dtype=dtype), layout)[:, :, 1:]
         c = lay(torch.randn(b, 4, 3, 3, 5, dtype=dtype), layout)[:, :, 3 - cf :] if cf else None
-        g = (torch.ones(4, 1, 1, 1, dtype=dtype), 2.0, 0.0) if norm else None
+        g = NormSilu(torch.ones(4, 1, 1, 1, dtype=dtype), 2.0, 0.0) if norm else None
         p, n = causal_pad_reference(x, c, pad, norm=g)
         cm = (tuple(c.shape), tuple(c.stride())) if c is not None else (None, None)
         got = _stock_layouts(tuple(x.shape), tuple(x.stride()), *cm, pad, False, 2, norm, dtype)

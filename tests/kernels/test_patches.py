@@ -493,3 +493,18 @@ def test_a_strict_walk_refuses_a_module_the_tree_does_not_port() -> None:
             tree.decode(P.REFERENCE_OPS, vae.decoder, x, [None] * n, True, strict=True)
         got = tree.decode(P.REFERENCE_OPS, vae.decoder, x, [None] * n, True)
     assert_same(got, want)
+
+
+def test_norm_arguments_are_one_dataclass() -> None:
+    """The references, the exact prologue and the fast one take the same NormSilu: a pending conv
+    bias rides on it, and the reference adds it before the norm as the conv would have."""
+    from vaed import kernels as K
+
+    assert P.NormSilu is K.NormSilu
+    g = torch.Generator().manual_seed(0)
+    x, xb = torch.randn(1, 4, 2, 3, 5, generator=g), torch.randn(4, generator=g)
+    gamma = torch.rand(4, 1, 1, 1, generator=g) + 0.5
+    got = K.causal_pad_reference(x, None, (1, 1, 1, 1, 2, 0), norm=K.NormSilu(gamma, 2.0, 0.0, xb))
+    want = K.causal_pad_reference(x + xb.view(1, -1, 1, 1, 1), None, (1, 1, 1, 1, 2, 0), norm=K.NormSilu(gamma, 2.0, 0.0))
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])

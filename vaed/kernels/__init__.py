@@ -14,12 +14,12 @@ from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.dupup import dupup_add, dupup_add_reference
 from vaed.kernels.residual import bias_residual_add, bias_residual_add_reference
-from vaed.kernels.rms_silu import RmsSiluArgs, norm_denominator, norm_denominator_reference, rms_silu_reference
+from vaed.kernels.rms_silu import NormSilu, norm_denominator, norm_denominator_reference, rms_silu_reference
 from vaed.kernels.upsample import upsample_nearest2x, upsample_nearest2x_reference
 
 __all__ = [
     "CACHE_T",
-    "RmsSiluArgs",
+    "NormSilu",
     "bias_residual_add",
     "bias_residual_add_reference",
     "causal_pad",

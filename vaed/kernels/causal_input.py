@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from vaed.kernels import _runtime as rt
-from vaed.kernels.rms_silu import RmsSiluArgs, low_precision, rms_silu_exact_tile, rms_silu_reference
+from vaed.kernels.rms_silu import NormSilu, low_precision, rms_silu_exact_tile, rms_silu_reference
 
 CACHE_T = 2
 _BLOCK = 1024
@@ -41,21 +41,25 @@ def causal_pad_reference(
     *,
     zero_history: bool = False,
     cache_t: int = CACHE_T,
-    norm: tuple[torch.Tensor, float, float] | None = None,
+    norm: NormSilu | None = None,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The stock aten chain: returns (conv input, next cache).
 
     ``zero_history`` is WanResample's "Rep" case (first chunk of an upsample
     time_conv): no cache, and the next cache is front-filled with zeros.
-    ``norm`` = (gamma, scale, bias) applies WanRMS_norm + SiLU to ``x`` first.
+    ``norm`` applies WanRMS_norm + SiLU to ``x`` first (to ``x + norm.x_bias``
+    when a conv's bias is pending: the add the conv would have made).
     ``pad`` is F.pad's order (w_left, w_right, h_top, h_bottom, t_front,
     t_back); left != right is allowed (a spatial shard's interior edge).
     ``emit_cache=False`` skips the next-cache snapshot (returns None for it),
     as ``WanCausalConv3d.forward`` called on its own does.
     """
     if norm is not None:
-        x = rms_silu_reference(x, *norm)
+        x_bias = getattr(norm, "x_bias", None)  # a WanRMS_norm module serves as its own NormSilu too
+        if x_bias is not None:
+            x = x + x_bias.view(1, -1, 1, 1, 1)
+        x = rms_silu_reference(x, norm.gamma, norm.scale, norm.bias)
     nxt = None
     if emit_cache:
         nxt = x[:, :, -cache_t:, :, :].clone()
@@ -91,8 +95,8 @@ def _stock_layouts(
     # dtype matters: the norm chain copies bf16/fp16 to fp32 first, fp32 runs in place
     x = torch.empty_strided(x_shape, x_stride, device="meta", dtype=dtype)
     c = None if c_shape is None else torch.empty_strided(c_shape, c_stride, device="meta", dtype=dtype)  # type: ignore[arg-type]
-    norm = (torch.empty(x_shape[1], 1, 1, 1, device="meta", dtype=dtype), 1.0, 0.0) if with_norm else None
-    p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t, norm=norm)  # type: ignore[arg-type]
+    norm = NormSilu(torch.empty(x_shape[1], 1, 1, 1, device="meta", dtype=dtype), 1.0, 0.0) if with_norm else None
+    p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t, norm=norm)
     assert n is not None
     return tuple(p.shape), tuple(p.stride()), tuple(n.shape), tuple(n.stride())
 
@@ -172,7 +176,7 @@ def causal_pad(
     *,
     zero_history: bool = False,
     cache_t: int = CACHE_T,
-    norm: RmsSiluArgs | None = None,
+    norm: NormSilu | None = None,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Fused ``causal_pad_reference``; None when the input is not handled (caller falls back).
@@ -242,7 +246,7 @@ def _eligible(
     pad: tuple[int, ...],
     zero_history: bool,
     cache_t: int,
-    norm: RmsSiluArgs | None,
+    norm: NormSilu | None,
 ) -> bool:
     if not rt.triton_available() or x.dim() != 5 or x.dtype not in rt.SUPPORTED_DTYPES:
         return False
@@ -270,6 +274,8 @@ def _eligible(
         return False
     if norm is not None:
         d, g = norm.denom, norm.gamma
+        if d is None or norm.x_bias is not None:  # the exact prologue: aten's denominator, no pending bias
+            return False
         if d.dtype != torch.float32 or d.device != x.device or tuple(d.shape) != (B, 1, T, H, W):
             return False
         if g.device != x.device or g.numel() != C or g.dtype != x.dtype or not g.is_contiguous():

@@ -9,10 +9,10 @@ is one contiguous run.
 
 Without a norm: pure data movement, bit-exact against
 ``causal_pad_reference`` (checked like the other kernels). ``norm`` (an
-``RmsSiluArgs`` with aten's fp32 denominator): the exact WanRMS_norm + SiLU
+``NormSilu`` with aten's fp32 denominator): the exact WanRMS_norm + SiLU
 prologue, the same arithmetic as ``causal_input``'s, bit-exact too.
 
-``norm_cl=(gamma, scale, bias[, x_bias])`` is the *lossy* fast-tier prologue (the
+``norm_cl`` (a ``NormSilu``, its ``x_bias`` optional) is the *lossy* fast-tier prologue (the
 SGLang channels-last RMSNorm+SiLU way): the per-pixel L2 norm over channels
 is reduced in fp32 inside the tile, and normalize * scale * gamma + bias and
 SiLU run in fp32 with one rounding at the end. Stock rounds to the activation
@@ -40,14 +40,11 @@ import torch
 from vaed.kernels import _runtime as rt
 from vaed.kernels.causal_input import CACHE_T, _stock_layouts
 from vaed.kernels.causal_input import _eligible as _eligible_1d
-from vaed.kernels.rms_silu import RmsSiluArgs, low_precision, rms_silu_exact_tile
+from vaed.kernels.rms_silu import NormSilu, low_precision, rms_silu_exact_tile
 
 tl = None  # filled in by rt.jit_lazy
 triton = None
 libdevice = None
-
-# the fast prologue: (gamma, scale, bias) or (gamma, scale, bias, x_bias | None)
-NormCl = tuple[torch.Tensor, float, float] | tuple[torch.Tensor, float, float, torch.Tensor | None]
 
 _MAX_C = 4096
 NORM_EPS = 1e-12  # F.normalize's eps
@@ -136,8 +133,8 @@ def causal_pad_cl(
     *,
     zero_history: bool = False,
     cache_t: int = CACHE_T,
-    norm: RmsSiluArgs | None = None,
-    norm_cl: NormCl | None = None,
+    norm: NormSilu | None = None,
+    norm_cl: NormSilu | None = None,
     emit_cache: bool = True,
     unfold: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -147,8 +144,8 @@ def causal_pad_cl(
     channels_last_3d in the aten chain, with ``C <= 4096``. Output layouts
     are aten's (the same oracle), so the conv sees what it would see on the
     lossless path. ``norm`` is the exact prologue (as in ``causal_pad``,
-    aten's denominator passed in); ``norm_cl`` = (gamma, scale, bias[, x_bias])
-    the lossy one-pass prologue. At most one of them. ``unfold=KT > 0`` returns the
+    aten's denominator passed in); ``norm_cl`` the lossy one-pass prologue
+    (its ``x_bias`` added in fp32 first; ``denom`` unused). At most one of them. ``unfold=KT > 0`` returns the
     input with KT time taps unfolded into channels (module docstring) in place
     of the padded tensor.
     """
@@ -187,8 +184,8 @@ def causal_pad_cl(
         d = norm.denom
         sd = (d.stride(0), d.stride(2), d.stride(3), d.stride(4))
     elif norm_cl is not None:
-        mode, g, scale, bias = 2, norm_cl[0], float(norm_cl[1]), float(norm_cl[2])
-        x_bias = _x_bias(norm_cl)
+        mode, g, scale, bias = 2, norm_cl.gamma, float(norm_cl.scale), float(norm_cl.bias)
+        x_bias = norm_cl.x_bias
     else:
         mode, g, scale, bias = 0, x, 1.0, 0.0
     block_w, block_c, num_warps = rt.channel_tile(C, WP)
@@ -213,23 +210,19 @@ def _eligible(
     pad: tuple[int, ...],
     zero_history: bool,
     cache_t: int,
-    norm: RmsSiluArgs | None,
-    norm_cl: NormCl | None,
+    norm: NormSilu | None,
+    norm_cl: NormSilu | None,
 ) -> bool:
     """The 1-D kernel's input checks (same inputs, same contract), plus the lossy norm's."""
     if not _eligible_1d(x, cache, pad, zero_history, cache_t, norm):
         return False
     if norm_cl is not None:
-        g = norm_cl[0]
+        g = norm_cl.gamma
         if g.device != x.device or g.numel() != x.shape[1] or not g.is_contiguous():
             return False
-        if not isinstance(norm_cl[2], float):
+        if not isinstance(norm_cl.bias, float):
             return False
-        xb = _x_bias(norm_cl)
+        xb = norm_cl.x_bias
         if xb is not None and (xb.device != x.device or xb.numel() != x.shape[1] or not xb.is_contiguous()):
             return False
     return True
-
-
-def _x_bias(norm_cl: NormCl) -> torch.Tensor | None:
-    return norm_cl[3] if len(norm_cl) > 3 else None  # type: ignore[misc]

@@ -24,13 +24,17 @@ libdevice = None
 
 
 @dataclass(frozen=True)
-class RmsSiluArgs:
-    """What the fused prologue needs from a WanRMS_norm module."""
+class NormSilu:
+    """A WanRMS_norm(channel_first, bias-free) + SiLU pair, as every op that fuses it takes it:
+    the references, the exact prologue (which needs ``denom``) and the fast one."""
 
     gamma: torch.Tensor  # (C, 1, 1, 1), the module's parameter as stored
     scale: float  # dim ** 0.5
     bias: float  # the module's bias when it is the python float 0.0
-    denom: torch.Tensor  # (B, 1, T, H, W) fp32 L2 norm over channels (not yet clamped)
+    # the producing conv's bias ([C]), left out of that conv: added to x before the norm
+    x_bias: torch.Tensor | None = None
+    # (B, 1, T, H, W) fp32 L2 norm over channels (not yet clamped): aten's, for the exact prologue
+    denom: torch.Tensor | None = None
 
 
 def low_precision(dtype: torch.dtype) -> bool:

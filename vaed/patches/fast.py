@@ -105,7 +105,7 @@ def fast_norm_causal_pad(
     if norm is not None:
         r = causal_pad_cl(
             x, cache, pad, zero_history=zero_history, emit_cache=emit_cache,
-            norm_cl=(norm.gamma, norm.scale, norm.bias, norm.x_bias),
+            norm_cl=norm,
         )
         if r is not None:
             return r
@@ -166,7 +166,7 @@ def unfolded_causal_conv(
         or tuple(conv.padding) != (0, 0, 0) or conv.groups != 1
     ):
         return None
-    r = causal_pad_cl(x, cache, pad, norm_cl=(norm.gamma, norm.scale, norm.bias, norm.x_bias), unfold=kt)
+    r = causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=kt)
     if r is None:
         return None
     images, nxt = r

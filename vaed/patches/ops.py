@@ -74,20 +74,10 @@ from torch import nn
 
 from vaed import kernels as K
 from vaed.kernels import _runtime as rt
+from vaed.kernels.rms_silu import NormSilu
 from vaed.kernels.upsample import upsample_nearest2x_reference
 
 PadTuple = tuple[int, int, int, int, int, int]
-
-
-@dataclass(frozen=True)
-class NormSilu:
-    """What ``norm_causal_pad`` needs from a WanRMS_norm(channel_first, bias=False) + SiLU pair."""
-
-    gamma: torch.Tensor  # (C, 1, 1, 1), the module's parameter as stored
-    scale: float  # dim ** 0.5
-    bias: float  # the module's python-float bias (0.0)
-    # the producing conv's bias ([C]), left out of that conv: added to x before the norm
-    x_bias: torch.Tensor | None = None
 
 
 def with_input_bias(x: torch.Tensor, norm: NormSilu | None) -> tuple[torch.Tensor, NormSilu | None]:
@@ -187,9 +177,7 @@ def reference_causal_pad(
     zero_history: bool = False,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    x, norm = with_input_bias(x, norm)
-    n = None if norm is None else (norm.gamma, norm.scale, norm.bias)
-    return K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=n, emit_cache=emit_cache)
+    return K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=norm, emit_cache=emit_cache)
 
 
 def reference_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor:
@@ -247,11 +235,11 @@ def _zero_pad_keeps_strides(shape: tuple[int, ...], stride: tuple[int, ...], dty
     return F.pad(meta, (0,) * (2 * (len(shape) - 2))).stride() == stride
 
 
-def exact_norm_args(x: torch.Tensor, norm: NormSilu | None) -> K.RmsSiluArgs | None:
+def exact_norm_args(x: torch.Tensor, norm: NormSilu | None) -> NormSilu | None:
     """The exact norm+SiLU prologue's arguments: aten's fp32 denominator (one reduction pass)."""
     if norm is None:
         return None
-    return K.RmsSiluArgs(norm.gamma, float(norm.scale), float(norm.bias), K.norm_denominator(x))
+    return NormSilu(norm.gamma, float(norm.scale), float(norm.bias), denom=K.norm_denominator(x))
 
 
 def triton_causal_pad(
