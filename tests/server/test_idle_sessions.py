@@ -10,18 +10,20 @@ connection ages out (300 s + 60 s grace).
 
 from __future__ import annotations
 
+import argparse
 import re
 import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 import pytest
 import torch
 
-from vaed.cli import build_parser, config_from_args
+from vaed.cli import add_serve_arguments, build_parser, config_from_args
 from vaed.config import ServerConfig
 from vaed_client import VaeClient, wire
 from vaed_client.errors import DeadlineExceededError, ResourceExhaustedError
@@ -241,6 +243,22 @@ def test_the_timeout_flags_reach_the_config():
     for bad in ("-1", "nan", "inf", "soon"):
         with pytest.raises(SystemExit):
             build_parser("serve").parse_args(["serve", f"{IDLE_FLAG}={bad}"])
+
+
+def test_the_readme_flag_table_matches_vaed_serve_help():
+    """Every `vaed serve` flag has a row in the README's table and every row a flag; the
+    timeout rows give the config's defaults."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("## `vaed serve` flags", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `--")]
+    in_table = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])}
+    assert flags == in_table, f"only in --help: {sorted(flags - in_table)}; only in README: {sorted(in_table - flags)}"
+    defaults = {row.split(" | ")[0].strip("| `"): row.split(" | ")[1] for row in rows}
+    assert float(defaults[FIRST_FLAG]) == ServerConfig.session_first_message_timeout
+    assert float(defaults[IDLE_FLAG]) == ServerConfig.session_idle_timeout
 
 
 # -- a real `vaed serve` --------------------------------------------------------------------------------
