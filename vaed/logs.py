@@ -58,6 +58,7 @@ class QueueLogHandler(logging.Handler):
         self.fd = fd
         self.drops = _Drops()
         self._queue: queue.Queue[bytes | None] = queue.Queue(capacity)
+        self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="vaed-log-writer", daemon=True)
         self._writer.start()
 
@@ -66,6 +67,9 @@ class QueueLogHandler(logging.Handler):
         return self.drops.total
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self._closed:  # no writer any more (a thread logging during interpreter exit)
+            self.drops.add()
+            return
         try:
             line = (self.format(record) + "\n").encode("utf-8", "replace")
         except Exception:
@@ -86,7 +90,11 @@ class QueueLogHandler(logging.Handler):
             view = view[os.write(self.fd, view):]
 
     def _write_loop(self) -> None:
-        while (line := self._queue.get()) is not None:
+        while True:
+            line = self._queue.get()
+            if line is None:  # close(): everything before it was written
+                self._queue.task_done()
+                return
             try:
                 self._write(line)
                 total = self.drops.total
@@ -96,9 +104,21 @@ class QueueLogHandler(logging.Handler):
                     self.drops.reported = total
             except OSError:  # the reader went away (EPIPE) or the descriptor closed
                 self.drops.add()
+            finally:
+                self._queue.task_done()
+
+    def flush(self, timeout: float = STOP_SECONDS) -> None:
+        """Wait at most `timeout` seconds for what is queued to be written (before os._exit, at exit)."""
+        if self._closed:
+            return
+        with self._queue.all_tasks_done:
+            self._queue.all_tasks_done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
 
     def close(self, timeout: float = STOP_SECONDS) -> None:
         """Write what is queued, waiting at most `timeout` seconds for the descriptor."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:

@@ -350,6 +350,8 @@ async def serve(config: ServerConfig) -> int:
     def on_signal() -> None:
         if stop_requested.is_set():
             log.error("second signal during the drain; exiting now")
+            if (log_handler := installed_log_handler()) is not None:
+                log_handler.flush(1.0)  # os._exit skips the writer thread's queue otherwise
             os._exit(FORCED_EXIT_CODE)
         stop_requested.set()
 
