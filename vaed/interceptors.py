@@ -175,16 +175,22 @@ class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
 
         async def streaming(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                result = behaviour(requests, context)
-                if hasattr(result, "__aiter__"):
-                    async for message in result:
-                        yield message
-                else:  # a coroutine that writes with context.write
-                    await result
+                async for message in _relay(behaviour(requests, context)):
+                    yield message
             finally:
                 release()
 
         return handler._replace(stream_stream=streaming)
+
+
+async def _relay(result: Any) -> Any:
+    """The messages of a streaming behaviour's result: an async iterator's, or none
+    from a coroutine that writes with context.write (awaited to its end)."""
+    if hasattr(result, "__aiter__"):
+        async for message in result:
+            yield message
+    else:
+        await result
 
 
 async def _one_request(requests: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -213,12 +219,8 @@ def _as_stream_request(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
     async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         request = await _one_request(requests, context)
-        result = unary_stream(request, context)
-        if hasattr(result, "__aiter__"):
-            async for message in result:
-                yield message
-        else:  # a coroutine that writes with context.write
-            await result
+        async for message in _relay(unary_stream(request, context)):
+            yield message
 
     return handler._replace(request_streaming=True, unary_stream=None, stream_stream=stream_stream)
 
