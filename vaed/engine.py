@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vaed_client import wire
-
 from . import patches
+from .engine_protocol import DecodedGroup, Engine, EngineInfo, LatentInput, ModelFacts, OutputSpec
 from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
 from .models import LoadedModel, load_model
 
@@ -52,19 +51,6 @@ DTYPES: dict[str, torch.dtype] = {
 WARMUP_LATENT_FRAMES = 4
 
 
-@dataclass(frozen=True)
-class OutputSpec:
-    rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]
-    raw_dtype: torch.dtype | None   # RAW only; None = compute dtype
-    raw_latents: bool               # True: latents already in VAE space
-    precision: str = "lossless"     # op set tier: "lossless" | "fast"
-    allow_non_finite: bool = False  # False: NaN/Inf latents are refused
-
-    @property
-    def time_dim(self) -> int:
-        return 1 if self.rgb8 else 2
-
-
 @dataclass
 class DecodeState:
     """One video's causal cache and position (owned by its session)."""
@@ -74,30 +60,7 @@ class DecodeState:
     next_output_frame: int = 0              # first frame index of the next group
 
 
-@dataclass(frozen=True)
-class DecodedGroup:
-    """Frames of one decoder call, postprocessed, still on the device."""
-
-    chunk_index: int
-    first_frame: int
-    frames: torch.Tensor
-
-
-@dataclass
-class EngineInfo:
-    """What ModelInfo reports about an engine."""
-
-    model: str
-    random_weights: bool
-    device: str
-    dtype: torch.dtype
-    kernels: str
-    layout: str
-    fast_paths_note: str
-    precisions: tuple[str, ...] = field(default=("lossless",))
-
-
-class DecodeEngine:
+class DecodeEngine(Engine):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -113,19 +76,8 @@ class DecodeEngine:
         param = next(self.vae.decoder.parameters())
         self.device: torch.device = param.device
         self.dtype: torch.dtype = param.dtype
-        cfg = self.vae.config
-        self.z_dim: int = cfg.z_dim
-        self.scale_temporal: int = cfg.scale_factor_temporal
-        self.scale_spatial: int = cfg.scale_factor_spatial
-        self.patch_size: int | None = cfg.patch_size
-        self.latents_mean: list[float] = list(cfg.latents_mean)
-        self.latents_std: list[float] = list(cfg.latents_std)
-        self.num_convs: int = self.vae._cached_conv_counts["decoder"]
-        # WanPipeline's denormalization constants, built the way it builds
-        # them (fp32 tensor, 1/std in fp32, then cast) so results match.
-        shape = (1, self.z_dim, 1, 1, 1)
-        self._mean = torch.tensor(cfg.latents_mean).view(shape).to(self.device, self.dtype)
-        self._inv_std = (1.0 / torch.tensor(cfg.latents_std).view(shape)).to(self.device, self.dtype)
+        self.facts = ModelFacts.of(self.vae)
+        self.latent_input = LatentInput(self.facts, self.device, self.dtype)
         # Both tiers are prepared on the one copy of the weights; each decoder call
         # picks its session's op set (`patches.using`). Off CUDA only lossless is usable.
         self.fast_paths = patches.prepare_decoder(
@@ -165,9 +117,6 @@ class DecodeEngine:
         """Tiers this engine decodes: lossless always (the stock chain is lossless), fast when its ops passed."""
         return ("lossless",) + (("fast",) if "fast" in self.fast_paths.op_sets else ())
 
-    def output_frames(self, latent_frames: int) -> int:
-        return wire.output_frames(latent_frames, self.scale_temporal)
-
     # -- decoding ----------------------------------------------------------------
 
     def new_state(self) -> DecodeState:
@@ -176,12 +125,7 @@ class DecodeEngine:
     @torch.inference_mode()
     def decode_frame(self, state: DecodeState, latent_frame: torch.Tensor, output: OutputSpec) -> DecodedGroup:
         """Decode one latent frame [B, z, 1, h, w] (any device) into postprocessed frames on the device."""
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-        x = latent_frame.to(self.device, non_blocking=True).to(self.dtype)
-        if not output.raw_latents:
-            x = x / self._inv_std + self._mean
-        x = patches.to_decoder_layout(x, self.fast_paths.layout)
+        x = patches.to_decoder_layout(self.prepare_input(latent_frame, output), self.fast_paths.layout)
         index = state.next_latent_frame
         first_chunk = index == 0
         ops = self.fast_paths.op_sets.get(output.precision)
@@ -195,45 +139,18 @@ class DecodeEngine:
                 out = self.graphs.run(state, output.precision, first_chunk, x, call)
             else:
                 out = call(x, state.cache)  # type: ignore[arg-type]
-        if self.patch_size is not None:
-            out = unpatchify(out, patch_size=self.patch_size)
-        out = torch.clamp(out, min=-1.0, max=1.0)
-        group = DecodedGroup(chunk_index=index, first_frame=state.next_output_frame, frames=self.postprocess(out, output))
+        frames = self.finish(out, output)  # copies a replay's output out of the graph
+        group = DecodedGroup(chunk_index=index, first_frame=state.next_output_frame, frames=frames)
         state.next_latent_frame += 1
-        state.next_output_frame += out.shape[2]
+        state.next_output_frame += frames.shape[output.time_dim]
         return group
 
-    def postprocess(self, out: torch.Tensor, output: OutputSpec) -> torch.Tensor:
-        """Clamped decoder output [B, 3, t, H, W] -> wire layout, on the device."""
-        if output.rgb8:
-            # diffusers' PIL path for an fp32 VAE: (x / 2 + 0.5).clamp(0, 1) * 255, rounded.
-            rgb = ((out.float() * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-            return rgb.permute(0, 2, 3, 4, 1).contiguous()
-        return out.to(output.raw_dtype or self.dtype).contiguous()
-
-    @staticmethod
-    def free(state: DecodeState) -> None:
+    def free(self, state: DecodeState) -> None:
         # may run on the event loop's thread (a detach): graphs notice a freed owner themselves
         state.cache = None
 
-    def close(self) -> None:
-        """Nothing to release (the weights go with the process); a sharded engine stops its group here."""
 
-    def describe(self) -> str:
-        """ModelInfo.parallel: "off" for one device (a sharded engine names its group)."""
-        return "off"
-
-    def decode_video(self, latents: torch.Tensor, output: OutputSpec) -> torch.Tensor:
-        """Whole-video decode in this process (warm-up, benchmarks, tests): the served loop, concatenated."""
-        state = self.new_state()
-        try:
-            groups = [self.decode_frame(state, latents[:, :, i : i + 1], output).frames for i in range(latents.shape[2])]
-        finally:
-            self.free(state)
-        return torch.cat(groups, dim=output.time_dim)
-
-
-def warm_up(engine: Any, latent_hw: tuple[int, int], precision: str, frames: int = WARMUP_LATENT_FRAMES) -> None:
+def warm_up(engine: Engine, latent_hw: tuple[int, int], precision: str, frames: int = WARMUP_LATENT_FRAMES) -> None:
     """Decode zeros at one size up to the steady chunk (Triton compiles, cuDNN plans, allocator
     blocks) through `engine.decode_video` (a sharded engine warms its group too). With CUDA graphs
     a second video captures the first chunks' signatures: the first runs each signature eagerly

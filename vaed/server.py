@@ -11,7 +11,6 @@ import os
 import resource
 import signal
 import socket
-from typing import Callable
 
 import grpc
 import torch
@@ -24,6 +23,7 @@ from vaed_client.channel import read_token
 from .auth import BearerTokenInterceptor, server_credentials
 from .config import ServerConfig
 from .engine import DecodeEngine
+from .engine_protocol import Engine, EngineFactory
 from .heap import freeze_startup_heap, unfreeze_heap
 from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
@@ -36,9 +36,6 @@ from .worker import DeviceWorker
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[str], DecodeEngine]  # device -> engine
-
-
 class StartupError(RuntimeError):
     """The server could not start (port taken, model failed to load, bad TLS/auth files)."""
 
@@ -48,7 +45,7 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
     --parallel spatial the one worker's engine drives a group of all devices
     (`vaed.parallel`): large sessions are sharded, small ones stay on GPU 0."""
 
-    def build(device: str) -> DecodeEngine:
+    def build(device: str) -> Engine:
         engine = DecodeEngine.load(
             config.model, device=device, dtype=config.compute_dtype_name,
             kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
@@ -258,6 +255,9 @@ class VaedServer:
         for worker in self.pool.workers:
             device_status = status if worker.healthy or not worker.started else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(f"{wire.SERVICE_NAME}/{worker.device}", device_status)
+            for name, ok in (worker.engine.health_entries().items() if worker.engine is not None else ()):
+                # a spatial group's entry (`vaed.v1.VaeDecoder/spatial`): NOT_SERVING once it broke
+                await self.health.set(f"{wire.SERVICE_NAME}/{name}", device_status if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait for load + warm-up; raises StartupError if no device could start."""

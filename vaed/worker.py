@@ -25,11 +25,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, warm_up
+from .engine_protocol import Engine, EngineFactory
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
 from .session import HostGroup, Session, SessionState, check_finite
@@ -47,7 +48,8 @@ HOLD_UNTIL_FIRST_GROUP_DELIVERED = True
 # Without --warmup-shapes on CPU: one small decode (tests, development).
 CPU_WARMUP_LATENT_HW = (8, 8)
 
-EngineFactory = Callable[[str], DecodeEngine]
+# what `_next_session` returns after an idle wait: the loop passes by the keepalive again
+_IDLE: Any = object()
 
 
 class DeviceFault(RuntimeError):
@@ -77,7 +79,7 @@ class DeviceWorker:
         self._build_engine = build_engine
         self._warmup = warmup
         self._warmup_shapes = warmup_shapes
-        self.engine: DecodeEngine | None = None
+        self.engine: Engine | None = None
         self.startup_error: BaseException | None = None
         self.fault: BaseException | None = None   # set when the device failed after start
         self.warmup_seconds: dict[str, float] = {}
@@ -185,10 +187,29 @@ class DeviceWorker:
         if self.on_ready is not None:
             self.on_ready()
         while True:
+            self._keep_group_alive()
             session = self._next_session()
             if session is None:
                 return
-            self._step(session)
+            if session is not _IDLE:
+                self._step(session)
+
+    def _keep_group_alive(self) -> None:
+        """`engine.keepalive()` on every pass, idle or not: a sharded engine sends its followers
+        a no-op when due (they leave the group after the control timeout without a step); a
+        one-device engine does nothing. A group that fails it is reported like a failed step."""
+        assert self.engine is not None
+        try:
+            self.engine.keepalive()
+        except ShardGroupError as exc:
+            log.error("spatial group failed its keepalive on %s: %s", self.device, exc)
+            self._group_changed()
+
+    def _group_changed(self) -> None:
+        """The engine's group broke; this worker stays in rotation (the engine decodes on this
+        device alone), but the server re-reads health, whose group entry turns NOT_SERVING."""
+        if self.on_fault is not None:
+            self.on_fault()
 
     def _warm_shapes(self, engine: DecodeEngine) -> list[tuple[int, int]]:
         """Latent (h, w) sizes to warm: the configured pixel sizes, or one small CPU decode."""
@@ -232,7 +253,8 @@ class DeviceWorker:
                     if session.runnable():
                         session.busy = True
                         return session
-                self._lock.wait(timeout=0.5)
+                if not self._lock.wait(timeout=0.5):
+                    return _IDLE  # nothing runnable for a while: the loop keeps the group alive
 
     def _step(self, session: Session) -> None:
         assert self.engine is not None
@@ -267,6 +289,7 @@ class DeviceWorker:
             # sessions on this GPU alone, so the worker stays in rotation.
             log.error("spatial group failed in session %d on %s: %s", session.id, self.device, exc)
             self._fail(session, NotReady("the multi-GPU decode group failed; retry (the server continues on one GPU)"))
+            self._group_changed()
         except Exception as exc:  # never let one call take the worker down
             log.exception("decode step failed in session %d on %s", session.id, self.device)
             if is_device_fault(exc):

@@ -50,3 +50,38 @@ def test_a_stopped_group_exits_cleanly() -> None:
         assert not dist.is_initialized()
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_an_idle_group_outlives_its_control_timeout_through_the_worker_keepalive() -> None:
+    """Followers leave a group that sends no step for its control timeout (here 5 s). Rank 0's
+    device worker, idle, keeps it alive: after three timeouts the follower is still in the group.
+    The same group without keepalives then loses its follower within its timeout."""
+    import time
+
+    from vaed.worker import DeviceWorker
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    timeout = 5.0
+    try:
+        cfg = GroupConfig("random:wan2.1-tiny", ("cpu", "cpu"), dtype="float32", timeout_s=60, control_timeout_s=timeout)
+        engine = start_sharded_engine(cfg)
+        follower = engine._launched.procs[0]
+        assert engine.keepalive_interval == timeout / 4
+        worker = DeviceWorker("cpu", lambda device: engine, warmup=False)
+        worker.start()
+        try:
+            assert worker.wait_ready(60) and worker.healthy
+            time.sleep(3 * timeout)  # idle: no session, no step
+            assert follower.exitcode is None, "the follower left an idle group"
+            assert engine.healthy and engine.describe().startswith("spatial x2")
+            # control: no more keepalives -- the follower gives up after its timeout
+            engine.keepalive_interval = float("inf")
+            follower.join(4 * timeout)
+            assert follower.exitcode == 1
+        finally:
+            worker.stop()  # closes the engine
+        assert not dist.is_initialized()
+    finally:
+        torch.set_num_threads(threads)

@@ -172,7 +172,8 @@ def test_group_reports_ranks_and_delegates_to_the_one_gpu_engine(group: ShardedE
     assert group.z_dim == group.base.z_dim and group.scale_spatial == group.base.scale_spatial
     assert group.output_frames(3) == 9
     assert group.describe().startswith(f"spatial x{group.world}")
-    group.keepalive()  # a no-op step every rank takes; the group keeps working after it
+    assert group.health_entries() == {"spatial": True}
+    group.keepalive(force=True)  # a no-op step every rank takes; the group keeps working after it
     z = _latents(group, 1, 2 * group.world, 2)
     assert _max_diff(_decode(group, z, "height"), group.base.decode_video(z, RAW)) <= TOL
 
@@ -186,6 +187,9 @@ def test_a_dead_follower_breaks_the_group_with_a_clear_error(group: ShardedEngin
     with pytest.raises(ShardGroupError, match=f"sharded decode failed.*pid {victim.pid} exited with code -9"):
         group.decode_video(_latents(group, 1, 2 * group.world, 2), RAW)
     assert not group.healthy
+    # ModelInfo.parallel and the group's health entry say so; keepalives stop
+    assert group.describe() == "off" and group.health_entries() == {"spatial": False}
+    group.keepalive(force=True)
     # new sessions of any size now decode on rank 0 alone, equal to the one-GPU engine
     z = _latents(group, 2, 2 * group.world, 2, seed=31)
     assert torch.equal(group.decode_video(z, RAW), group.base.decode_video(z, RAW))

@@ -67,3 +67,45 @@ def test_stream_session_is_sharded_and_streams_per_chunk(
             video = session.collect()
     assert firsts == [0, 1, 5, 9]  # one group per latent frame, as on one GPU
     assert (video - _want(one_gpu, latents)).abs().max().item() <= TOL
+
+
+def test_a_broken_group_is_reported_by_model_info_and_health(
+    sharded_server: RunningServer, one_gpu: DecodeEngine
+) -> None:
+    """Last test of the module (it breaks the group): while whole, ModelInfo says spatial and the
+    group's health entry is SERVING; once a follower died, ModelInfo says "off" with the one
+    device that still decodes, the group's entry is NOT_SERVING, and the server still serves."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def status(service: str) -> int:
+        with grpc.insecure_channel(sharded_server.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    engine = sharded_server.server.pool.workers[0].engine
+    assert isinstance(engine, ShardedEngine)
+    large = torch.randn(1, 4, 2, 4, 6, generator=torch.Generator().manual_seed(2))
+    with VaeClient(sharded_server.target) as vae:
+        info = vae.model_info()
+        assert info.parallel.startswith("spatial x2") and info.devices == ["cpu", "cpu"]
+        assert status("vaed.v1.VaeDecoder/spatial") == serving
+        victim = engine._launched.procs[0]
+        victim.kill()
+        victim.join(10)
+        try:  # fails on the group (UNAVAILABLE), or succeeds on one device if the client retried
+            vae.decode(large, format="raw")
+        except Exception:  # noqa: BLE001
+            pass
+        assert not engine.healthy
+        deadline = time.monotonic() + 30
+        while status("vaed.v1.VaeDecoder/spatial") != not_serving and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status("vaed.v1.VaeDecoder/spatial") == not_serving
+        assert status("") == serving and status("vaed.v1.VaeDecoder") == serving
+        info = vae.model_info()
+        assert info.parallel == "off" and info.devices == ["cpu"]
+        assert torch.equal(vae.decode(large, format="raw"), _want(one_gpu, large))

@@ -22,16 +22,19 @@ Server integration (`vaed serve --gpu 0,1 --parallel spatial --spatial-axis auto
    "cuda:1"), dtype=..., kernels=..., layout=..., axis=..., min_pixels=...),
    base=gpu0_engine)`: it spawns one process per other GPU and returns when
    every rank has its model;
-2. hand `engine` to GPU 0's device worker in place of the one-GPU engine: it
-   has the same interface (`new_state`, `decode_frame`, `free`, `output_frames`,
-   `decode_video`, and every other attribute read through to GPU 0's engine),
-   so sessions interleave per latent frame exactly as before. Sessions whose
-   latent is too small for the group, or whose frame is below `min_pixels`,
-   decode on GPU 0 alone, bit-identical to the one-GPU engine;
+2. hand `engine` to GPU 0's device worker in place of the one-GPU engine: both
+   implement `vaed.engine_protocol.Engine` (`new_state`, `decode_frame`, `free`,
+   `output_frames`, `decode_video`, the model facts), so sessions interleave per
+   latent frame exactly as before. Sessions whose latent is too small for the
+   group, or whose frame is below `min_pixels`, decode on GPU 0 alone,
+   bit-identical to the one-GPU engine;
 3. health/metrics: `engine.healthy` (False once a rank died: new sessions then
-   run on GPU 0 alone), `engine.peak_memory()` (per-rank peak bytes),
-   `engine.describe()` for ModelInfo.parallel; `engine.keepalive()` when idle
-   for weeks (the control group's 24-day timeout); `engine.close()` on drain.
+   run on GPU 0 alone, `describe()` says "off" and the health entry
+   `vaed.v1.VaeDecoder/spatial` NOT_SERVING), `engine.peak_memory()` (per-rank
+   peak bytes), `engine.describe()` for ModelInfo.parallel; the device worker
+   calls `engine.keepalive()` on every pass of its loop (a no-op step once a
+   quarter of the followers' control timeout went by without one);
+   `engine.close()` on drain.
 
 Trade-off of this first design: GPUs 1.. only ever work on sharded sessions,
 so with mostly small requests the other GPUs idle (the pool of one-GPU
@@ -39,7 +42,7 @@ workers is the better mode there); `min_pixels` is the knob (see
 scripts/bench_sharded.py --min-size for where sharding starts to win).
 """
 
-from .engine import Follower, ShardedEngine, ShardedState, ShardGroupError
+from .engine import Follower, ShardedEngine, ShardedState, ShardGroupError, StepHeader
 from .launch import GroupConfig, start_sharded_engine
 from .plan import (
     AXIS_CHOICES,
@@ -58,6 +61,7 @@ __all__ = [
     "ShardPlan",
     "ShardedEngine",
     "ShardedState",
+    "StepHeader",
     "choose_axis",
     "min_latent_extent",
     "plan_shards",

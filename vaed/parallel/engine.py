@@ -3,19 +3,23 @@
 Shape of the design (one process per GPU):
 
 - rank 0 lives in the server process, wraps that GPU's ordinary
-  `DecodeEngine` (same weights, same fast paths) and offers the engine's
-  per-session interface: `new_state()`, `decode_frame(state, latent_frame,
-  output) -> DecodedGroup` (frames on rank 0's device), `free(state)`,
-  `decode_video(...)`. The server's device worker calls it exactly like a
-  one-GPU engine, so frames still stream per latent chunk and DecodeStream
-  sessions work sharded.
+  `DecodeEngine` (same weights, same fast paths) and implements the engine
+  interface (`vaed.engine_protocol.Engine`): `new_state()`,
+  `decode_frame(state, latent_frame, output) -> DecodedGroup` (frames on rank
+  0's device), `free(state)`; input preparation, postprocessing and
+  `decode_video` are the interface's own, shared with the one-GPU engine. The
+  server's device worker calls it exactly like a one-GPU engine, so frames
+  still stream per latent chunk and DecodeStream sessions work sharded.
 - ranks 1.. are follower processes (see launch.py) that hold their own
   `DecodeEngine` and run `Follower.run()`: a loop that receives a small step
   descriptor from rank 0 (op, session id, latent shape, frame index, output
   spec, axis), then the latent frame itself, and decodes their shard.
-- Descriptors go over a gloo "control" group on the CPU with a long timeout
-  (followers wait there while the server is idle; an NCCL collective waiting
-  that long would trip the NCCL watchdog). Latents, halos, the attention
+- Descriptors (`StepHeader`) go over a gloo "control" group on the CPU with a
+  long timeout (followers wait there while the server is idle; an NCCL
+  collective waiting that long would trip the NCCL watchdog). A follower
+  gives up after `control_timeout` without a descriptor, so rank 0 sends a
+  no-op (`keepalive`, called from the device worker's loop) every quarter of
+  it while no step is sent. Latents, halos, the attention
   gather and the frames go over the data group (NCCL between GPUs, gloo on CPU).
 - The plan (axis, shard sizes) is decided by rank 0 on a session's first
   latent frame. A latent too small for the group (see plan.py) is decoded on
@@ -26,20 +30,27 @@ Shape of the design (one process per GPU):
 
 Failure model: a rank that dies or raises mid-step leaves the others blocked
 in a collective until the data group's timeout; the engine then marks itself
-broken (`healthy` False) and raises `ShardGroupError` for every later call.
+broken (`healthy` False) and raises `ShardGroupError` for the failed call.
+Later sessions decode on rank 0 alone; `describe()` (ModelInfo.parallel) then
+says "off" and the health entry `spatial` turns NOT_SERVING.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import itertools
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from ..engine import DecodeEngine
+from ..engine_protocol import DecodedGroup, Engine, EngineInfo, OutputSpec
 from ..errors import ShardGroupError
 from ..patches.ops import OpSet
 from .comm import gather_along, group_rank_world
@@ -49,23 +60,45 @@ from .plan import AXIS_CHOICES, ShardPlan, plan_shards, split_sizes
 
 log = logging.getLogger(__name__)
 
-# step descriptor: int64[HEADER_LEN] broadcast on the control group
-HEADER_LEN = 12
 OP_STOP, OP_FRAME, OP_FREE, OP_NOOP, OP_STATS = 0, 1, 2, 3, 4
-# fields: op, sid, B, z, h, w, index, rgb8, raw dtype, axis, precision, reserved
 _RAW_DTYPES: list[torch.dtype | None] = [None, torch.float32, torch.float16, torch.bfloat16]
 _AXES = ("height", "width")
 _PRECISIONS = ("lossless", "fast")
+# how long a follower waits for the next descriptor by default: gloo keeps a timeout in
+# milliseconds, 24 days stays under 2**31 ms (rank 0's keepalive covers longer idles)
+DEFAULT_CONTROL_TIMEOUT = datetime.timedelta(days=24)
 
 
 @dataclass(frozen=True)
-class _Output:
-    """The fields of an output spec a follower needs (duck-types vaed.session.OutputSpec)."""
+class StepHeader:
+    """One step descriptor, broadcast on the control group as int64[LEN]. OP_FRAME fills every
+    field; OP_STATS puts `reset` in `sid`; the others send the op alone."""
 
-    rgb8: bool
-    raw_dtype: torch.dtype | None
-    raw_latents: bool
-    precision: str = "lossless"
+    op: int
+    sid: int = 0
+    b: int = 0
+    z: int = 0
+    h: int = 0
+    w: int = 0
+    index: int = 0  # the session's latent frame
+    rgb8: int = 0
+    raw_dtype: int = 0  # index into _RAW_DTYPES
+    axis: int = 0  # index into _AXES
+    precision: int = 0  # index into _PRECISIONS
+    reserved: int = 0
+
+    LEN: ClassVar[int] = 12
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor(dataclasses.astuple(self), dtype=torch.int64)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> StepHeader:
+        return cls(*t.tolist())
+
+    def output(self) -> OutputSpec:
+        """The frame's output spec on a follower (its latents arrive denormalized)."""
+        return OutputSpec(bool(self.rgb8), _RAW_DTYPES[self.raw_dtype], True, _PRECISIONS[self.precision])
 
 
 @dataclass
@@ -81,13 +114,12 @@ class ShardedState:
     next_output_frame: int = 0
 
 
-def _inner_ops(base: Any, kernels: str, precision: str) -> OpSet:
-    """The op bundle of a precision tier: the one the wrapped engine prepared for it (its
-    start-up checks and per-op switches included), else the lossless set, else plain torch."""
-    report = getattr(base, "fast_paths", None)
-    if kernels != "off" and hasattr(report, "ops_for"):
+def _inner_ops(base: DecodeEngine, kernels: str, precision: str) -> OpSet:
+    """The op set of a precision tier: the one the wrapped engine prepared for it (its start-up
+    checks and per-op switches included), else the lossless set, else plain torch."""
+    if kernels != "off":
         try:
-            return report.ops_for(precision)  # type: ignore[no-any-return, union-attr]
+            return base.fast_paths.ops_for(precision)
         except KeyError:  # tier not prepared (e.g. kernels off on this device)
             pass
     return resolve_inner_ops(kernels)
@@ -96,7 +128,7 @@ def _inner_ops(base: Any, kernels: str, precision: str) -> OpSet:
 class _ShardRunner:
     """What every rank does for one sharded latent frame (rank 0 and followers alike)."""
 
-    def __init__(self, base: Any, data_group: dist.ProcessGroup | None, kernels: str) -> None:
+    def __init__(self, base: DecodeEngine, data_group: dist.ProcessGroup | None, kernels: str) -> None:
         check_shardable(base.vae.decoder)
         self.base = base
         self.group = data_group
@@ -116,23 +148,17 @@ class _ShardRunner:
         return x.contiguous()
 
     @torch.inference_mode()
-    def step(self, state: ShardedState, x: torch.Tensor, output: Any) -> torch.Tensor | None:
+    def step(self, state: ShardedState, x: torch.Tensor, output: OutputSpec) -> torch.Tensor | None:
         """x: the whole (denormalized, compute-dtype) latent frame [B, z, 1, h, w] on this rank's
         device. Returns the gathered postprocessed frames on rank 0, None elsewhere."""
-        from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
         plan = state.plan
         assert plan is not None and state.cache is not None
         vae = self.base.vae
         shard = x.narrow(plan.dim, plan.offsets[self.rank], plan.sizes[self.rank])
         shard = vae.post_quant_conv(self.to_layout(shard))  # 1x1x1: local
-        ctx = ShardContext(self.group, self.rank, plan, self.ops(getattr(output, "precision", "lossless")))
+        ctx = ShardContext(self.group, self.rank, plan, self.ops(output.precision))
         out = decoder_forward(ctx, vae.decoder, shard, state.cache, first_chunk=state.next_latent_frame == 0)
-        patch = self.base.patch_size
-        if patch is not None:
-            out = unpatchify(out, patch_size=patch)  # local: a latent row -> `patch` output rows
-        out = torch.clamp(out, min=-1.0, max=1.0)
-        frames = self.base.postprocess(out, output)
+        frames = self.base.finish(out, output)  # local: unpatchify maps a latent row to `patch` rows
         state.next_latent_frame += 1
         # RGB8 is [B, t, H, W, 3]; RAW is [B, 3, t, H, W]
         dim = plan.dim - 1 if output.rgb8 else plan.dim
@@ -140,18 +166,19 @@ class _ShardRunner:
         return gather_along(frames, dim, sizes, self.group)
 
 
-class ShardedEngine:
-    """Rank 0's engine over a group: the one-GPU engine interface, decoded by all ranks.
+class ShardedEngine(Engine):
+    """Rank 0's engine over a group: the engine interface, decoded by all ranks.
 
     `base` is rank 0's `DecodeEngine` (vaed.engine); `data_group` carries tensors
     (None = the default group), `control_group` the step descriptors (gloo).
     `axis` is "auto" | "height" | "width"; `min_pixels` the output frame size below
-    which a session stays on one GPU (0: shard whenever the latent is large enough).
+    which a session stays on one GPU (0: shard whenever the latent is large enough);
+    `control_timeout` how long the followers wait for the next descriptor.
     """
 
     def __init__(
         self,
-        base: Any,
+        base: DecodeEngine,
         *,
         data_group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
@@ -159,6 +186,7 @@ class ShardedEngine:
         min_pixels: int = 0,
         kernels: str = "auto",
         launched: Any = None,
+        control_timeout: datetime.timedelta = DEFAULT_CONTROL_TIMEOUT,
     ) -> None:
         if axis not in AXIS_CHOICES:
             raise ValueError(f"axis must be one of {AXIS_CHOICES}, got {axis!r}")
@@ -166,49 +194,54 @@ class ShardedEngine:
         if rank != 0:
             raise ValueError(f"ShardedEngine runs on the group's rank 0; this is rank {rank} (run Follower)")
         self.base = base
+        # the engine interface's state is the wrapped engine's: the same constants, the same bytes
+        self.facts, self.device, self.dtype = base.facts, base.device, base.dtype
+        self.latent_input = base.latent_input
         self.axis = axis
         self.min_pixels = min_pixels
         self.world = world
         self.control = control_group
         self.runner = _ShardRunner(base, data_group, kernels)
-        self.healthy = True
-        self._broken = False
+        self._healthy = True
+        self._broken: str | None = None  # why the group broke
+        # a no-op every quarter of the followers' wait; any descriptor counts (monotonic clock)
+        self.keepalive_interval = control_timeout.total_seconds() / 4
+        self._last_sent = time.monotonic()
         self._launched = launched  # a launch.ShardGroup whose processes this engine stops
         self._sids = itertools.count(1)
         self.sharded_frames = 0  # latent frames decoded by the whole group (metrics, tests)
         self.local_frames = 0  # latent frames decoded on rank 0 alone (too small, or group broken)
         self._comm_device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else base.device
 
-    def __getattr__(self, name: str) -> Any:
-        # everything else a server reads from an engine (z_dim, scale factors, latents
-        # statistics, info, fast_paths, loaded...) is rank 0's one-GPU engine's
-        if name == "base":  # not set yet (construction failed): no recursion
-            raise AttributeError(name)
-        return getattr(self.base, name)
+    # -- the engine interface ------------------------------------------------------------
 
-    def describe(self) -> str:
-        """For ModelInfo / logs: "spatial x2 (axis auto, shard from 0 px)"."""
-        return f"spatial x{self.world} (axis {self.axis}, shard from {self.min_pixels} px)"
+    @property
+    def info(self) -> EngineInfo:
+        return self.base.info
 
-    # -- the engine interface -------------------------------------------------------------
+    @property
+    def graphs(self) -> Any:  # type: ignore[override]
+        """Rank 0's captured calls: sessions too small to shard decode with them (warm-up captures them)."""
+        return self.base.graphs
 
     @property
     def vae(self) -> Any:
         return self.base.vae
 
     @property
-    def device(self) -> torch.device:
-        return self.base.device
+    def healthy(self) -> bool:
+        return self._healthy
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype
+    def describe(self) -> str:
+        """ModelInfo.parallel: "spatial x2 (axis auto, shard from 0 px)"; "off" once the group
+        broke (every session then decodes on rank 0 alone)."""
+        if self._broken is not None:
+            return "off"
+        return f"spatial x{self.world} (axis {self.axis}, shard from {self.min_pixels} px)"
 
-    def output_frames(self, latent_frames: int) -> int:
-        return self.base.output_frames(latent_frames)  # type: ignore[no-any-return]
-
-    def postprocess(self, out: torch.Tensor, output: Any) -> torch.Tensor:
-        return self.base.postprocess(out, output)  # type: ignore[no-any-return]
+    def health_entries(self) -> dict[str, bool]:
+        """The group's own health entry: serving until it breaks or stops."""
+        return {"spatial": self._healthy}
 
     def plan_for(self, h: int, w: int) -> ShardPlan | None:
         """The plan a latent of h x w gets on this group (None: one GPU)."""
@@ -219,7 +252,7 @@ class ShardedEngine:
     def new_state(self) -> ShardedState:
         return ShardedState(sid=next(self._sids))
 
-    def decode_frame(self, state: ShardedState, latent_frame: torch.Tensor, output: Any) -> Any:
+    def decode_frame(self, state: ShardedState, latent_frame: torch.Tensor, output: OutputSpec) -> DecodedGroup:
         """Decode one latent frame [B, z, 1, h, w]; returns the engine's DecodedGroup on rank 0.
 
         Callable from any thread (the server's device worker): NCCL takes the
@@ -229,16 +262,14 @@ class ShardedEngine:
             return self._decode_frame(state, latent_frame, output)
 
     @torch.inference_mode()
-    def _decode_frame(self, state: ShardedState, latent_frame: torch.Tensor, output: Any) -> Any:
-        from vaed.engine import DecodedGroup
-
+    def _decode_frame(self, state: ShardedState, latent_frame: torch.Tensor, output: OutputSpec) -> DecodedGroup:
         b, z, t, h, w = latent_frame.shape
         if t != 1:
             raise ValueError(f"decode_frame takes one latent frame, got T={t}")
         if state.shape is None:
             state.shape = (b, h, w)
             # a broken group degrades to one GPU for new sessions: rank 0 keeps serving
-            state.plan = self.plan_for(h, w) if self.healthy else None
+            state.plan = self.plan_for(h, w) if self._healthy else None
             if state.plan is None:
                 state.local = self.base.new_state()
                 log.debug("session %d: %dx%d latent decodes on one GPU", state.sid, h, w)
@@ -258,14 +289,12 @@ class ShardedEngine:
         self._check_healthy()
         plan = state.plan
         assert plan is not None
-        x = latent_frame.to(self.base.device, non_blocking=True).to(self.base.dtype)
-        if not output.raw_latents:  # the wrapped engine's constants: the same bytes as one GPU
-            x = x / self.base._inv_std + self.base._mean
+        x = self.prepare_input(latent_frame, output)  # the wrapped engine's constants: the same bytes as one GPU
         index = state.next_latent_frame
-        header = [
+        header = StepHeader(
             OP_FRAME, state.sid, b, z, h, w, index, int(output.rgb8), _code(_RAW_DTYPES, output.raw_dtype, "raw dtype"),
-            _AXES.index(plan.axis), _code(_PRECISIONS, getattr(output, "precision", "lossless"), "precision"), 0,
-        ]  # fmt: skip
+            _AXES.index(plan.axis), _code(_PRECISIONS, output.precision, "precision"),
+        )  # fmt: skip
         try:
             self._send_header(header)
             x = self._broadcast_latent(x.contiguous())
@@ -276,7 +305,7 @@ class ShardedEngine:
         assert frames is not None
         self.sharded_frames += 1
         group = DecodedGroup(chunk_index=index, first_frame=state.next_output_frame, frames=frames)
-        state.next_output_frame += frames.shape[1 if output.rgb8 else 2]  # RGB8 [B, t, ...], RAW [B, 3, t, ...]
+        state.next_output_frame += frames.shape[output.time_dim]
         return group
 
     def free(self, state: ShardedState) -> None:
@@ -286,65 +315,63 @@ class ShardedEngine:
             state.local = None
         if state.cache is not None:
             state.cache = None
-            if self.healthy:
+            if self._healthy:
                 try:
-                    self._send_header([OP_FREE, state.sid] + [0] * (HEADER_LEN - 2))
+                    self._send_header(StepHeader(OP_FREE, state.sid))
                 except Exception as exc:  # noqa: BLE001 (the group is gone; the state is freed anyway)
                     self._fail(exc)
-
-    def decode_video(self, latents: torch.Tensor, output: Any) -> torch.Tensor:
-        """Whole-video decode through the per-frame loop (warm-up, benchmarks, tests)."""
-        state = self.new_state()
-        try:
-            groups = [self.decode_frame(state, latents[:, :, i : i + 1], output).frames for i in range(latents.shape[2])]
-        finally:
-            self.free(state)
-        return torch.cat(groups, dim=1 if output.rgb8 else 2)
 
     def peak_memory(self, reset: bool = False) -> list[int]:
         """Peak allocated bytes on each rank's device (rank order; 0 on CPU); `reset` starts a new window."""
         self._check_healthy()
-        self._send_header([OP_STATS, int(reset)] + [0] * (HEADER_LEN - 2))
+        self._send_header(StepHeader(OP_STATS, int(reset)))
         return _exchange_peak(self.base.device, self.control, reset)
 
-    def keepalive(self) -> None:
-        """A no-op step: call while idle more often than the control group's timeout (launch.py)."""
-        self._check_healthy()
-        self._send_header([OP_NOOP] + [0] * (HEADER_LEN - 1))
+    def keepalive(self, force: bool = False) -> None:
+        """A no-op step every rank takes, sent when no descriptor went out for `keepalive_interval`
+        (or at once with `force`); nothing once the group broke or stopped. The device worker
+        calls it on every pass of its loop. Raises ShardGroupError when the group fails it."""
+        if not self._healthy or (not force and time.monotonic() - self._last_sent < self.keepalive_interval):
+            return
+        try:
+            self._send_header(StepHeader(OP_NOOP))
+        except Exception as exc:
+            self._fail(exc)
+            raise ShardGroupError(f"the sharded group failed its keepalive: {exc}") from exc
 
     def close(self) -> None:
         """Stop the followers (and the processes launch.py started); idempotent."""
-        if self.healthy:
+        if self._healthy:
             try:
-                self._send_header([OP_STOP] + [0] * (HEADER_LEN - 1))
+                self._send_header(StepHeader(OP_STOP))
             except Exception as exc:  # noqa: BLE001 (already broken: nothing to tell)
                 log.warning("could not stop the followers cleanly: %s", exc)
-            self.healthy = False
+            self._healthy = False
         if self._launched is not None:
             # followers of a broken group may sit in a collective forever: do not wait for them
-            self._launched.join(timeout=60.0 if not self._broken else 0.0)
+            self._launched.join(timeout=60.0 if self._broken is None else 0.0)
             self._launched = None
 
     # -- internals ------------------------------------------------------------------------
 
     def _check_healthy(self) -> None:
-        if not self.healthy:
+        if not self._healthy:
             raise ShardGroupError("the sharded group is stopped or broken")
 
     def _fail(self, exc: BaseException) -> None:
         log.error("sharded group broken: %s", exc)
-        self.healthy = False
-        self._broken = True
+        self._healthy = False
+        self._broken = str(exc) or type(exc).__name__
 
-    def _send_header(self, header: list[int]) -> None:
+    def _send_header(self, header: StepHeader) -> None:
         # A follower that died is not always noticed by the collective: a gloo broadcast to a
         # killed rank hung on the (24-day) control timeout in a loaded CPU test run. The
         # processes this engine launched are checked first (a waitpid each).
         exited = self._launched.exited() if self._launched is not None else []
         if exited:
             raise ShardGroupError(", ".join(f"follower pid {pid} exited with code {code}" for pid, code in exited))
-        t = torch.tensor(header, dtype=torch.int64)
-        dist.broadcast(t, src=_global0(self.control), group=self.control)
+        dist.broadcast(header.tensor(), src=_global0(self.control), group=self.control)
+        self._last_sent = time.monotonic()
 
     def _broadcast_latent(self, x: torch.Tensor) -> torch.Tensor:
         buf = x.to(self._comm_device)
@@ -383,11 +410,12 @@ class Follower:
 
     def __init__(
         self,
-        base: Any,
+        base: DecodeEngine,
         *,
         data_group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
         kernels: str = "auto",
+        control_timeout: datetime.timedelta = DEFAULT_CONTROL_TIMEOUT,
     ) -> None:
         self.runner = _ShardRunner(base, data_group, kernels)
         if self.runner.rank == 0:
@@ -395,13 +423,21 @@ class Follower:
         self.base = base
         self.control = control_group
         self.states: dict[int, ShardedState] = {}
+        self.control_timeout = control_timeout
         self._comm_device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else base.device
+
+    def _next_header(self) -> StepHeader:
+        """The next descriptor; raises after `control_timeout` without one (rank 0 is gone or
+        stopped sending keepalives)."""
+        t = torch.empty(StepHeader.LEN, dtype=torch.int64)
+        work = dist.broadcast(t, src=_global0(self.control), group=self.control, async_op=True)
+        work.wait(timeout=self.control_timeout)
+        return StepHeader.of(t)
 
     def run(self) -> None:
         while True:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
-            dist.broadcast(header, src=_global0(self.control), group=self.control)
-            op, sid, b, z, h, w, index, rgb8, raw, axis, precision, _ = header.tolist()
+            header = self._next_header()
+            op, sid = header.op, header.sid
             if op == OP_STOP:
                 log.info("rank %d: stop", self.runner.rank)
                 return
@@ -415,17 +451,17 @@ class Follower:
                 continue
             if op != OP_FRAME:
                 raise ShardGroupError(f"unknown step op {op}")
+            b, h, w, index = header.b, header.h, header.w, header.index
             state = self.states.get(sid)
             if state is None:
                 if index != 0:
                     raise ShardGroupError(f"session {sid} starts at latent frame {index}, expected 0")
-                extent = h if _AXES[axis] == "height" else w
-                plan = ShardPlan(_AXES[axis], split_sizes(extent, self.runner.world))  # type: ignore[arg-type]
+                axis = _AXES[header.axis]
+                plan = ShardPlan(axis, split_sizes(h if axis == "height" else w, self.runner.world))  # type: ignore[arg-type]
                 state = ShardedState(sid=sid, plan=plan, cache=[None] * self.base.num_convs, shape=(b, h, w))
                 self.states[sid] = state
             if state.next_latent_frame != index:
                 raise ShardGroupError(f"session {sid}: rank 0 sent frame {index}, this rank is at {state.next_latent_frame}")
-            x = torch.empty((b, z, 1, h, w), dtype=self.base.dtype, device=self._comm_device)
+            x = torch.empty((b, header.z, 1, h, w), dtype=self.base.dtype, device=self._comm_device)
             dist.broadcast(x, src=_global0(self.runner.group), group=self.runner.group)
-            output = _Output(bool(rgb8), _RAW_DTYPES[raw], True, _PRECISIONS[precision])
-            self.runner.step(state, x.to(self.base.device), output)
+            self.runner.step(state, x.to(self.base.device), header.output())

@@ -31,13 +31,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..heap import freeze_startup_heap
-from .engine import Follower, ShardedEngine, ShardGroupError
+from .engine import DEFAULT_CONTROL_TIMEOUT, Follower, ShardedEngine, ShardGroupError
 
 log = logging.getLogger(__name__)
 
-# the control group waits for the next step while the server idles; gloo keeps a
-# timeout in milliseconds, 24 days stays under 2**31 ms (call engine.keepalive() to idle longer)
-CONTROL_TIMEOUT = datetime.timedelta(days=24)
+# the control group waits for the next step while the server idles; rank 0's device worker
+# calls engine.keepalive(), which sends a no-op every quarter of it (vaed.worker)
+CONTROL_TIMEOUT = DEFAULT_CONTROL_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class GroupConfig:
     axis: str = "auto"
     min_pixels: int = 0
     timeout_s: float = 300.0          # data-group collectives (a dead rank surfaces after this)
+    # a follower's wait for the next step descriptor (tests shorten it; rank 0 keeps it alive)
+    control_timeout_s: float = CONTROL_TIMEOUT.total_seconds()
     backend: str | None = None        # None: nccl for cuda devices, else gloo
     init_method: str | None = None    # None: tcp://127.0.0.1:<free port>
     cpu_threads: int = 1              # torch threads of each CPU follower (CPU groups: tests, development)
@@ -58,6 +60,10 @@ class GroupConfig:
     @property
     def world(self) -> int:
         return len(self.devices)
+
+    @property
+    def control_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.control_timeout_s)
 
     def resolved_backend(self) -> str:
         if self.backend:
@@ -88,7 +94,9 @@ def _join_group(cfg: GroupConfig, rank: int, init_method: str) -> dist.ProcessGr
         world_size=cfg.world,
         timeout=datetime.timedelta(seconds=cfg.timeout_s),
     )
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # the start-up barrier on it waits for every model to load: never shorter than the data group's
+    wait = max(cfg.control_timeout, datetime.timedelta(seconds=cfg.timeout_s))
+    return dist.new_group(backend="gloo", timeout=wait)
 
 
 def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
@@ -101,7 +109,7 @@ def _follower_main(rank: int, cfg: GroupConfig, init_method: str) -> None:
     control = _join_group(cfg, rank, init_method)
     try:
         base = _load_base(cfg, device)
-        follower = Follower(base, control_group=control, kernels=cfg.kernels)
+        follower = Follower(base, control_group=control, kernels=cfg.kernels, control_timeout=cfg.control_timeout)
         dist.barrier(group=control)  # ready: rank 0 waits here for every model
         freeze_startup_heap()  # a GC pause here would stall every rank's step (vaed.heap)
         follower.run()
@@ -181,4 +189,5 @@ def start_sharded_engine(cfg: GroupConfig, base: Any = None) -> ShardedEngine:
         min_pixels=cfg.min_pixels,
         kernels=cfg.kernels,
         launched=group,
+        control_timeout=cfg.control_timeout,
     )
