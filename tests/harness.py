@@ -181,7 +181,7 @@ def every_value(dtype: torch.dtype, device: str = "cuda") -> torch.Tensor:
 
 
 def rgb8(decoded: torch.Tensor) -> torch.Tensor:
-    """DESIGN.md's RGB8 postprocess of a clamped decoder output [B, 3, T, H, W] -> [B, T, H, W, 3]."""
+    """The RGB8 postprocess (as vaed.engine_protocol.postprocess) of a clamped decoder output [B, 3, T, H, W] -> [B, T, H, W, 3]."""
     return ((decoded.float() * 0.5 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
 
 

@@ -295,9 +295,6 @@ class VaedServer:
         unfreeze_heap()  # this process may go on (tests, an embedding app): its garbage is collectable again
         log.info("stopped")
 
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
 
 # Exit code of a second SIGTERM/SIGINT during the drain: 128 + SIGTERM, as a shell reports it.
 FORCED_EXIT_CODE = 128 + signal.SIGTERM

@@ -190,10 +190,6 @@ class AvWriter:
         return self._paths
 
 
-# The CLI's historical name for the mp4 writer.
-Mp4Writer = AvWriter
-
-
 class PngWriter:
     """One folder of PNG frames per batch item (lossless)."""
 

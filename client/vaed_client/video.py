@@ -1,6 +1,6 @@
 """Decoded chunks and their assembly into a whole video.
 
-Layouts (DESIGN.md): RGB8 frames are `[B, t, H, W, 3]` uint8 (time axis 1),
+Layouts (as the server sends them): RGB8 frames are `[B, t, H, W, 3]` uint8 (time axis 1),
 RAW frames `[B, 3, t, H, W]` (time axis 2). Every FrameChunk message says where
 its frames start (`first_frame`), so assembly is placement, not concatenation:
 messages may be split, and order does not matter.

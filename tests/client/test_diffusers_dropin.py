@@ -144,7 +144,7 @@ def test_decode_matches_local_decode_and_follows_dtype(served: Any, pipes: tuple
 def test_offload_hook_moves_the_remote_vae(served: Any, pipes: tuple[Any, Any, Any]) -> None:
     """enable_model_cpu_offload() runs accelerate's CpuOffload hook before decode: it reads the
     module's first parameter and moves the module to the execution device (here the CPU)."""
-    accelerate = pytest.importorskip("accelerate")
+    import accelerate  # a test dependency
     local_pipe, _, _ = pipes
     remote = RemoteAutoencoderKLWan(served.target)
     want = run(local_pipe, "np")
@@ -306,13 +306,9 @@ def test_pipeline_on_cuda_equals_local_vae_same_layout(model: str, dtype: str) -
         assert remote.device.type == "cuda" and remote_pipe._execution_device.type == "cuda"
         for output_type in ("np", "pt", "pil", "latent"):
             assert_same(run(local_pipe, output_type, "cuda", hw), run(remote_pipe, output_type, "cuda", hw), output_type)
-        try:
-            import accelerate  # noqa: F401
-        except ImportError:
-            accelerate = None
-        if accelerate is not None:  # offload hooks move the (empty) module and set the execution device
-            want = run(local_pipe, "np", "cuda", hw)
-            remote_pipe.enable_model_cpu_offload()
-            assert remote_pipe._execution_device.type == "cuda"
-            assert np.array_equal(run(remote_pipe, "np", "cuda", hw), want)
+        # accelerate (a test dependency): offload hooks move the (empty) module and set the execution device
+        want = run(local_pipe, "np", "cuda", hw)
+        remote_pipe.enable_model_cpu_offload()
+        assert remote_pipe._execution_device.type == "cuda"
+        assert np.array_equal(run(remote_pipe, "np", "cuda", hw), want)
         remote.close()

@@ -42,8 +42,8 @@ GPU_OVERLAYS = [o for o in OVERLAYS if o != "cpu"]
 # Overlays that serve real weights from a PVC with auth on (the production shape).
 PROD_OVERLAYS = ["prod", "wan21", "wan22", "offline"]
 
-# Flags the manifests use that `vaed serve` gained for issue 10 / issue 8.
-# test_new_serve_flags_exist names the ones the server does not have yet.
+# Connection-management and warmup flags the manifests set on `vaed serve`;
+# test_new_serve_flags_exist names any the server does not have.
 NEW_SERVE_FLAGS = [
     "--keepalive-time", "--keepalive-timeout", "--min-ping-interval",
     "--max-connection-age", "--max-connection-age-grace", "--warmup-shapes",

@@ -161,7 +161,6 @@ OK_RESULTS = {
     "unary_stream": [b"x0", b"x1", b"x2"],
     "stream_stream": [b"A", b"B"],
 }
-ECHO_METHODS = [f"/{SERVICE}/Unary", f"/{SERVICE}/UnaryStream", f"/{SERVICE}/StreamStream"]
 
 
 def _run(coro):  # type: ignore[no-untyped-def]

@@ -2,7 +2,7 @@
 
 The memory tests run `vaed serve` in a subprocess with a token and read its
 RSS from /proc while four concurrent unauthenticated calls push 250 MiB each
-(issue 8's attack: 0.9 -> 3.0 GB when the refusal still read the request;
+(the attack: 0.9 -> 3.0 GB of server memory when the refusal still read the request;
 measured here 2.7 GB of growth before, 25 MB after). The bound, 200 MB, is
 under a fifth of one payload, so reading even one request would fail it.
 """

@@ -10,7 +10,7 @@ stops and joins the followers.
 
 Why processes and not threads: one Python process drives one GPU at full
 speed only when its host thread is free (~274 launches and ~53 ms of host
-dispatch per 480p chunk, DESIGN.md); two GPUs from one interpreter would share
+dispatch per 480p chunk, measured on an H200); two GPUs from one interpreter would share
 one GIL. NCCL also needs one rank per process here.
 
 NVLink multicast (NVLS) stays off: `NCCL_NVLS_ENABLE=0` is put in the

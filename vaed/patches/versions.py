@@ -29,7 +29,6 @@ import re
 
 # [low, high] as (major, minor), both included; patch releases within are trusted
 VERIFIED_DIFFUSERS: tuple[tuple[int, int], tuple[int, int]] = ((0, 38), (0, 42))
-TESTED_DIFFUSERS = "0.42.1"
 
 
 def installed_diffusers_version() -> str | None:
