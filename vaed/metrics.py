@@ -21,6 +21,8 @@ Exported names (all prefixed ``vaed_``):
 * ``vaed_time_to_first_frame_seconds{method}``     histogram
 * ``vaed_frames_decoded_total``                    counter (output frames)
 * ``vaed_latent_frames_decoded_total``             counter (input latent frames)
+* ``vaed_skipped_frames_total``                    counter: output frames a resumed call decoded
+  again but did not send (``DecodeOptions.skip_frames``: the client had them)
 * ``vaed_active_sessions{device}``                 gauge, scrape time
 * ``vaed_pending_latent_frames{device}``           gauge, scrape time: the autoscaling signal
 * ``vaed_device_healthy{device}``                  gauge, scrape time (1/0)
@@ -208,6 +210,10 @@ class ServerMetrics:
         self._latent_frames = Counter(
             "vaed_latent_frames_decoded", "Input latent frames decoded.", registry=r,
         )
+        self._skipped_frames = Counter(
+            "vaed_skipped_frames",
+            "Output frames a resumed call decoded again but did not send (the client had them).", registry=r,
+        )
         r.register(_LoadCollector(load))
         self._http: _MetricsHttpServer | None = None
 
@@ -241,6 +247,11 @@ class ServerMetrics:
 
     def frames_decoded(self, frames: int, latent_frames: int) -> None:
         self._frames.inc(frames)
+        self._latent_frames.inc(latent_frames)
+
+    def frames_skipped(self, frames: int, latent_frames: int) -> None:
+        """Frames a resumed call decoded for its causal cache only; their latent frames count as decoded."""
+        self._skipped_frames.inc(frames)
         self._latent_frames.inc(latent_frames)
 
     # -- exposition ------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -143,6 +144,8 @@ def _log_line(record: CallRecord, code: grpc.StatusCode) -> str:
         f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={_ms(first)} "
         f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} first_gpu_ms={_ms(record.first_gpu_s)} "
         f"first_launch_ms={_ms(record.first_launch_s)} total_ms={total_ms:.1f}"
+        # a resumed call: frames decoded for the causal cache but not sent (the client had them)
+        + (f" skipped_frames={record.skipped_frames}" if record.skipped_frames else "")
     )
 
 
@@ -308,12 +311,21 @@ class VaeDecoderService:
         session.validate(shape, dtype)
         session.accept(wire.to_torch(message))
 
-    async def _frames(self, session: Session) -> AsyncIterator[Any]:
-        """The session's frame messages, then the final message; raises the session's failure."""
+    async def _frames(self, session: Session, skip_frames: int = 0) -> AsyncIterator[Any]:
+        """The session's frame messages, then the final message; raises the session's failure.
+        Frames before `skip_frames` (a resumed call's, already delivered elsewhere) are decoded
+        but not sent: their latent frames still build the causal cache the later frames need."""
         record = session.record
         cap = self.config.frame_message_bytes
         time_dim = session.output.time_dim
-        while (group := await session.next_group()) is not None:
+        groups = frames_total = 0  # of the whole video, skipped ones included (the final message's counts)
+        while (decoded := await session.next_group()) is not None:
+            groups += 1
+            frames_total += decoded.frames.shape[time_dim]
+            group = self._unsent_part(decoded, record, time_dim, skip_frames)
+            if group is None:
+                session.group_sent()
+                continue
             if record.first_step_s is None:
                 record.first_wait_s = group.step_started - record.started
                 record.first_step_s = group.device_seconds
@@ -330,9 +342,24 @@ class VaeDecoderService:
             record.device_seconds += group.device_seconds
             if self.metrics is not None:
                 self.metrics.frames_decoded(frames, 1)
-        yield pb.FrameChunk(
-            request_id=record.request_id, chunk_index=record.groups_out, first_frame=record.frames_out, final=True,
-        )
+        yield pb.FrameChunk(request_id=record.request_id, chunk_index=groups, first_frame=frames_total, final=True)
+
+    def _unsent_part(self, group: HostGroup, record: CallRecord, time_dim: int, skip_frames: int) -> HostGroup | None:
+        """What of `group` a call that skips its first `skip_frames` frames sends: all of it, its
+        tail (a group across the boundary) or nothing (None). Skipped frames are counted in the
+        record, the log line and vaed_skipped_frames_total."""
+        if group.first_frame >= skip_frames:
+            return group
+        frames = group.frames.shape[time_dim]
+        cut = min(frames, skip_frames - group.first_frame)
+        record.skipped_frames += cut
+        if self.metrics is not None:
+            self.metrics.frames_skipped(cut, latent_frames=1 if cut == frames else 0)
+        if cut == frames:
+            record.device_seconds += group.device_seconds
+            return None
+        return dataclasses.replace(
+            group, first_frame=skip_frames, frames=group.frames.narrow(time_dim, cut, frames - cut))
 
     @contextlib.asynccontextmanager
     async def _admitted(self) -> AsyncIterator[SessionSlot]:
@@ -351,6 +378,7 @@ class VaeDecoderService:
             request = parse(pb.DecodeRequest, raw)
             record.request_id = checked_request_id(request.options.request_id)
             session = self._open(record, request.options)
+            skip = request.options.skip_frames
             self._accept(session, request.latents)
             del request, raw  # the session holds the only copy of the latents
             session.finish_input()
@@ -358,7 +386,7 @@ class VaeDecoderService:
             more = asyncio.create_task(
                 self._refuse_a_second_request(requests, session, self.config.session_first_message_timeout))
             try:
-                async for message in self._frames(session):
+                async for message in self._frames(session, skip):
                     if message.final:
                         await more  # the call succeeds only once its one message was all it sent
                     yield message
@@ -379,12 +407,13 @@ class VaeDecoderService:
             first = parse(pb.LatentChunk, raw)
             record.request_id = checked_request_id(first.options.request_id)
             session = self._open(record, first.options)
+            skip = first.options.skip_frames
             self._accept(session, first.latents)
             del first, raw
             worker = self.pool.attach(session, slot)
             reader = asyncio.create_task(self._read_rest(requests, session))
             try:
-                async for message in self._frames(session):
+                async for message in self._frames(session, skip):
                     yield message
             finally:
                 reader.cancel()

@@ -216,6 +216,7 @@ class CallRecord:
     chunks_in: int = 0
     groups_out: int = 0
     frames_out: int = 0
+    skipped_frames: int = 0   # decoded but not sent: the client resumed the call holding them
     device_seconds: float = 0.0
     first_frame_at: float | None = None
     # The first frame's time split in two known parts, the step with its GPU share (the rest is

@@ -132,8 +132,8 @@ class DeviceWorker:
 
     def attach(self, session: Session) -> None:
         with self._lock:
-            if not self.healthy:
-                raise CapacityExhausted(f"device {self.device} is out of rotation; retry")
+            if not self.healthy:  # the device, not the request: another replica can serve it
+                raise NotReady(f"device {self.device} is out of rotation; retry")
             session.lock = self._lock
             session.device = self.device
             self._sessions.append(session)
@@ -294,6 +294,8 @@ class DeviceWorker:
             log.exception("decode step failed in session %d on %s", session.id, self.device)
             if is_device_fault(exc):
                 self._leave_rotation(exc)
+                # UNAVAILABLE, not INTERNAL: the request was fine and a client resumes it elsewhere
+                exc = NotReady(f"device {self.device} failed; retry on another device or replica")
             self._fail(session, exc)
         finally:
             with self._lock:
@@ -316,7 +318,7 @@ class DeviceWorker:
             self.fault = exc
             others = [s for s in self._sessions if not s.busy]
         for other in others:
-            self._fail(other, CapacityExhausted(f"device {self.device} failed; retry on another device"))
+            self._fail(other, NotReady(f"device {self.device} failed; retry on another device or replica"))
         if self.on_fault is not None:
             self.on_fault()
 

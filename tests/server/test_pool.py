@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
+from vaed.errors import NotReady
 from vaed.server import engine_factory
-from vaed_client import VaeClient
-from vaed_client.errors import InternalError
+from vaed_client import VaeClient, wire
 
 from harness import make_config, serve_in_thread
 
@@ -80,6 +80,15 @@ def test_a_worker_that_fails_to_start_leaves_rotation():
         assert [load.healthy for load in pool.device_loads()].count(False) == 1
 
 
+def _raw_decode_error(target: str, latents: torch.Tensor) -> grpc.RpcError:
+    """A Decode on a plain channel (no retry policy, unlike VaeClient's): the server's own status."""
+    with grpc.insecure_channel(target) as channel:
+        stub = wire.pb_grpc.VaeDecoderStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Decode(wire.pb.DecodeRequest(latents=wire.to_message(latents)), timeout=60))
+    return info.value
+
+
 def test_a_device_fault_takes_its_worker_out_and_the_server_keeps_serving(two_workers, monkeypatch):
     pool = two_workers.server.pool
     faulty = pool.workers[0]
@@ -88,10 +97,14 @@ def test_a_device_fault_takes_its_worker_out_and_the_server_keeps_serving(two_wo
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(faulty.engine, "decode_frame", fault)
+    # UNAVAILABLE, not INTERNAL: the request was fine, so a client may retry it elsewhere
+    error = _raw_decode_error(two_workers.target, torch.randn(1, Z, 2, 5, 7))  # the first session goes to worker 0
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "device cpu failed; retry" in error.details()
+    assert not faulty.healthy
+    with pytest.raises(NotReady, match="out of rotation"):  # a session routed to it just before it left
+        faulty.attach(None)
     with VaeClient(two_workers.target) as client:
-        with pytest.raises(InternalError):
-            client.decode(torch.randn(1, Z, 2, 5, 7))  # the first session goes to worker 0
-        assert not faulty.healthy
         for _ in range(3):
             assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
         assert client.model_info().devices == ["cpu"]
@@ -116,8 +129,9 @@ def test_each_device_has_a_health_entry_that_follows_its_worker(two_workers, mon
 
     monkeypatch.setattr(faulty.engine, "decode_frame", fault)
     with VaeClient(two_workers.target) as client:
-        with pytest.raises(InternalError):
-            client.decode(torch.randn(1, Z, 2, 5, 7))
+        # worker 0 fails it with UNAVAILABLE, which the client's channel retries on worker 1
+        assert client.decode(torch.randn(1, Z, 2, 5, 7)).shape[1] == 5
+    assert not faulty.healthy
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     _wait_for(lambda: status("vaed.v1.VaeDecoder/cpu") == not_serving)
     assert status("vaed.v1.VaeDecoder/cpu:1") == serving

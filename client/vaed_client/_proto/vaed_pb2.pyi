@@ -49,20 +49,22 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("format", "raw_dtype", "raw_latents", "request_id", "precision", "allow_non_finite")
+    __slots__ = ("format", "raw_dtype", "raw_latents", "request_id", "precision", "allow_non_finite", "skip_frames")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     RAW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RAW_LATENTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FRAMES_FIELD_NUMBER: _ClassVar[int]
     format: OutputFormat
     raw_dtype: DataType
     raw_latents: bool
     request_id: str
     precision: Precision
     allow_non_finite: bool
-    def __init__(self, format: _Optional[_Union[OutputFormat, str]] = ..., raw_dtype: _Optional[_Union[DataType, str]] = ..., raw_latents: bool = ..., request_id: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., allow_non_finite: bool = ...) -> None: ...
+    skip_frames: int
+    def __init__(self, format: _Optional[_Union[OutputFormat, str]] = ..., raw_dtype: _Optional[_Union[DataType, str]] = ..., raw_latents: bool = ..., request_id: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., allow_non_finite: bool = ..., skip_frames: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("latents", "options")
