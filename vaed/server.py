@@ -28,7 +28,8 @@ from .heap import freeze_startup_heap, unfreeze_heap
 from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
 from .logs import installed as installed_log_handler
-from .metrics import ServerMetrics
+from .http import HttpServer
+from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
 from .service import Lifecycle, VaeDecoderService
@@ -173,6 +174,11 @@ class VaedServer:
         if self.metrics is not None and (log_handler := installed_log_handler()) is not None:
             self.metrics.registry.register(DroppedLogCollector(log_handler))
         self.metrics_port: int | None = None
+        # The one HTTP stack; /metrics is its first route.
+        self.http: HttpServer | None = None
+        if self.metrics is not None:
+            self.http = HttpServer(name="metrics")
+            add_metrics_route(self.http.app, self.metrics)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -218,8 +224,10 @@ class VaedServer:
         await server.start()
         self._server = server
         self.port = port
-        if self.metrics is not None:
-            self.metrics_port = self.metrics.start_http_server(cfg.metrics_port or 0, cfg.metrics_host or cfg.host)
+        if self.http is not None:
+            self.metrics_port = await self.http.start(cfg.metrics_host or cfg.host, cfg.metrics_port or 0)
+            shown = (cfg.metrics_host or cfg.host).strip("[]")
+            log.info("metrics on http://%s:%d%s", f"[{shown}]" if ":" in shown else shown, self.metrics_port, METRICS_PATH)
         loop = asyncio.get_running_loop()
         self.pool.on_change = lambda: loop.call_soon_threadsafe(self._on_pool_change)
         self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
@@ -289,8 +297,8 @@ class VaedServer:
             await self._server.stop(max(0.0, deadline - loop.time()))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.pool.stop)
-        if self.metrics is not None:
-            self.metrics.stop_http_server()
+        if self.http is not None:
+            await self.http.stop()
         self._stopped.set()
         unfreeze_heap()  # this process may go on (tests, an embedding app): its garbage is collectable again
         log.info("stopped")

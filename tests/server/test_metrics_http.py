@@ -1,17 +1,31 @@
-"""The metrics HTTP endpoint: GET /metrics only, bounded threads and sockets under idle connections."""
+"""The metrics HTTP endpoint: GET /metrics only, bounded threads and sockets under idle connections.
+
+Each endpoint runs as the server runs it: ``vaed.http.HttpServer`` with the
+metrics route, in an asyncio loop (here on a thread of the test, as the
+server's own loop would be).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from vaed.metrics import HTTP_MAX_CONNECTIONS, PENDING_LATENT_FRAMES_METRIC, DeviceLoad, ServerMetrics
+from vaed.http import HttpLimits, HttpServer
+from vaed.metrics import PENDING_LATENT_FRAMES_METRIC, DeviceLoad, ServerMetrics, add_metrics_route
+
+HTTP_MAX_CONNECTIONS = HttpLimits().max_connections
+T = TypeVar("T")
 
 
 class StaticLoad:
@@ -49,6 +63,21 @@ def raw_exchange(port: int, data: bytes) -> bytes:
     return b"".join(chunks)
 
 
+def refused_exchange(port: int, data: bytes) -> bytes:
+    """Send `data` and read the answer of a server that may refuse and close before
+    reading it all: its close with unread bytes resets the connection, which can
+    overtake the answer (then b"" comes back)."""
+    chunks: list[bytes] = []
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(data)
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    return b"".join(chunks)
+
+
 def closed_by_server(sock: socket.socket, within: float) -> bool:
     """True when the server closed `sock` (EOF or reset) within `within` seconds."""
     sock.settimeout(within)
@@ -60,14 +89,56 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return False
 
 
+class Endpoint:
+    """A metrics endpoint as the server runs it, its loop on a daemon thread of the test."""
+
+    def __init__(self, metrics: ServerMetrics, limits: HttpLimits | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.http = self.run(self._make(metrics, limits))
+
+    @staticmethod
+    async def _make(metrics: ServerMetrics, limits: HttpLimits | None) -> HttpServer:
+        http = HttpServer(limits, name="metrics")
+        add_metrics_route(http.app, metrics)
+        return http
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        return self.run(self.http.start(host, port))
+
+    def stop(self) -> None:
+        self.run(self.http.stop())
+
+    def close(self) -> None:
+        self.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
 @pytest.fixture()
-def served() -> Iterator[tuple[ServerMetrics, int]]:
+def endpoints() -> Iterator[list[Endpoint]]:
+    """Endpoints a test makes; all closed at its end."""
+    made: list[Endpoint] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def endpoint(endpoints: list[Endpoint], metrics: ServerMetrics | None = None, **limits: Any) -> Endpoint:
+    e = Endpoint(metrics or ServerMetrics(), HttpLimits(**limits) if limits else None)
+    endpoints.append(e)
+    return e
+
+
+@pytest.fixture()
+def served(endpoints: list[Endpoint]) -> Iterator[tuple[ServerMetrics, int]]:
     m = ServerMetrics(StaticLoad(DeviceLoad("cpu", True, 1, 7)))
-    port = m.start_http_server(0, host="127.0.0.1")
-    try:
-        yield m, port
-    finally:
-        m.stop_http_server()
+    yield m, endpoint(endpoints, m).start()
 
 
 def test_scrape_returns_the_registry(served: tuple[ServerMetrics, int]) -> None:
@@ -100,16 +171,37 @@ def test_other_paths_are_404(served: tuple[ServerMetrics, int], path: str) -> No
 def test_other_methods_are_405(served: tuple[ServerMetrics, int], method: str) -> None:
     reply = raw_exchange(served[1], f"{method} /metrics HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert reply.startswith(b"HTTP/1.1 405 ")
+    assert b"\r\nConnection: close\r\n" in reply  # one request per connection
     assert b"\r\nAllow: GET\r\n" in reply
     assert b"vaed_" not in reply
 
 
-def test_malformed_and_oversized_heads(served: tuple[ServerMetrics, int]) -> None:
+def status_of(reply: bytes) -> int:
+    """The status code of a raw HTTP/1.x answer (aiohttp answers an unparsable head as HTTP/1.0)."""
+    version, code, _ = reply.split(b" ", 2)
+    assert version in (b"HTTP/1.0", b"HTTP/1.1"), reply[:80]
+    return int(code)
+
+
+def test_malformed_and_oversized_heads(served: tuple[ServerMetrics, int], caplog: pytest.LogCaptureFixture) -> None:
     port = served[1]
-    assert raw_exchange(port, b"GARBAGE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
-    assert raw_exchange(port, b"GET /metrics SPDY/3\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+    assert status_of(raw_exchange(port, b"GARBAGE\r\n\r\n")) == 400
+    assert status_of(raw_exchange(port, b"GET /metrics SPDY/3\r\n\r\n")) == 400
+    # Past aiohttp's max_field_size (one header), max_line_size (the request line) and
+    # max_headers, the head is refused with 400 (the hand-written server answered 431).
+    limits = HttpLimits()
     big = b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n"
-    assert raw_exchange(port, big).startswith(b"HTTP/1.1 431 ")
+    reply = raw_exchange(port, big)
+    assert status_of(reply) == 400 and f"Got more than {limits.max_field_size} bytes".encode() in reply
+    mib = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (1 << 20) + b"\r\n\r\n"
+    reply = refused_exchange(port, mib)
+    assert reply == b"" or status_of(reply) == 400, reply[:80]
+    long_line = b"GET /" + b"a" * (limits.max_line_size + 1) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert status_of(raw_exchange(port, long_line)) == 400
+    many = b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(limits.max_headers + 1))
+    assert status_of(raw_exchange(port, many + b"\r\n")) == 400
+    # A client's garbage is not logged as a server error (aiohttp would log each with a traceback).
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
     # The endpoint still answers afterwards.
     assert get(port)[0] == 200
 
@@ -139,76 +231,65 @@ def test_idle_connections_hold_no_threads_and_scrapes_still_work(served: tuple[S
             s.close()
 
 
-def test_idle_and_slow_connections_time_out() -> None:
-    m = ServerMetrics()
-    port = m.start_http_server(0, host="127.0.0.1", timeout=0.5)
-    try:
-        idle = socket.create_connection(("127.0.0.1", port), timeout=5)
-        slow = socket.create_connection(("127.0.0.1", port), timeout=5)
-        started = time.monotonic()
-        idle_closed = closed_by_server(idle, 5.0)
-        # A slowloris client that keeps dribbling bytes is cut off by the same deadline.
-        slow_closed = False
-        while time.monotonic() - started < 5.0:
-            try:
-                slow.sendall(b"G")
-            except (BrokenPipeError, ConnectionResetError):
-                slow_closed = True
-                break
-            time.sleep(0.1)
-        elapsed = time.monotonic() - started
-        assert idle_closed and slow_closed, (idle_closed, slow_closed, elapsed)
-        idle.close()
-        slow.close()
-        assert get(port)[0] == 200
-    finally:
-        m.stop_http_server()
+def test_idle_and_slow_connections_time_out(endpoints: list[Endpoint]) -> None:
+    port = endpoint(endpoints, head_timeout=0.5).start()
+    idle = socket.create_connection(("127.0.0.1", port), timeout=5)
+    slow = socket.create_connection(("127.0.0.1", port), timeout=5)
+    started = time.monotonic()
+    idle_closed = closed_by_server(idle, 5.0)
+    # A slowloris client that keeps dribbling bytes is cut off by the same deadline.
+    slow_closed = False
+    while time.monotonic() - started < 5.0:
+        try:
+            slow.sendall(b"G")
+        except (BrokenPipeError, ConnectionResetError):
+            slow_closed = True
+            break
+        time.sleep(0.1)
+    elapsed = time.monotonic() - started
+    assert idle_closed and slow_closed, (idle_closed, slow_closed, elapsed)
+    idle.close()
+    slow.close()
+    assert get(port)[0] == 200
 
 
-def test_start_twice_stop_idempotent_and_port_released() -> None:
-    m = ServerMetrics()
-    port = m.start_http_server(0, host="127.0.0.1")
-    try:
-        with pytest.raises(RuntimeError, match="already running"):
-            m.start_http_server(0, host="127.0.0.1")
-    finally:
-        m.stop_http_server()
-    m.stop_http_server()  # idempotent
+def test_start_twice_stop_idempotent_and_port_released(endpoints: list[Endpoint]) -> None:
+    e = endpoint(endpoints)
+    port = e.start()
+    with pytest.raises(RuntimeError, match="already running"):
+        e.start()
+    e.stop()
+    e.stop()  # idempotent
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
-def test_empty_host_is_refused() -> None:
-    m = ServerMetrics()
+def test_empty_host_is_refused(endpoints: list[Endpoint]) -> None:
+    e = endpoint(endpoints)
     with pytest.raises(ValueError, match="metrics host"):
-        m.start_http_server(0, host="")
-    m.stop_http_server()
+        e.start(host="")
+    e.stop()
 
 
-def test_port_in_use_raises_oserror() -> None:
-    a, b = ServerMetrics(), ServerMetrics()
-    port = a.start_http_server(0, host="127.0.0.1")
-    try:
-        with pytest.raises(OSError):
-            b.start_http_server(port, host="127.0.0.1")
-        b.stop_http_server()  # nothing started: still safe
-        assert get(port)[0] == 200
-    finally:
-        a.stop_http_server()
+def test_port_in_use_raises_oserror(endpoints: list[Endpoint]) -> None:
+    a, b = endpoint(endpoints), endpoint(endpoints)
+    port = a.start()
+    with pytest.raises(OSError):
+        b.start(port=port)
+    b.stop()  # nothing started: still safe
+    assert get(port)[0] == 200
+    with pytest.raises(OSError):  # a failed start left nothing half-started
+        b.start(port=port)
 
 
-def test_two_endpoints_in_one_process_serve_their_own_registry() -> None:
+def test_two_endpoints_in_one_process_serve_their_own_registry(endpoints: list[Endpoint]) -> None:
     a = ServerMetrics(StaticLoad(DeviceLoad("cpu", True, 0, 1)))
     b = ServerMetrics(StaticLoad(DeviceLoad("cpu", True, 0, 2)))
-    pa = a.start_http_server(0, host="127.0.0.1")
-    pb = b.start_http_server(0, host="127.0.0.1")
-    try:
-        assert pa != pb
-        for port, want in ((pa, "1.0"), (pb, "2.0")):
-            assert f'{PENDING_LATENT_FRAMES_METRIC}{{device="cpu"}} {want}' in get(port)[2]
-    finally:
-        a.stop_http_server()
-        b.stop_http_server()
+    pa = endpoint(endpoints, a).start()
+    pb = endpoint(endpoints, b).start()
+    assert pa != pb
+    for port, want in ((pa, "1.0"), (pb, "2.0")):
+        assert f'{PENDING_LATENT_FRAMES_METRIC}{{device="cpu"}} {want}' in get(port)[2]
 
 
 def _has_ipv6_loopback() -> bool:
@@ -222,17 +303,46 @@ def _has_ipv6_loopback() -> bool:
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
-def test_ipv6_host(host: str) -> None:
-    m = ServerMetrics()
-    port = m.start_http_server(0, host=host)
-    try:
-        with socket.create_connection(("::1", port), timeout=5) as s:
-            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert s.recv(64).startswith(b"HTTP/1.1 200 ")
-        # Bound to ::1 only, so not reachable on IPv4 loopback. Read from the listening sockets:
-        # connecting to 127.0.0.1:port instead fails when another process (a parallel test run)
-        # happens to listen on that port number over IPv4.
-        sockets = m._http._server.sockets  # type: ignore[union-attr]
-        assert [(s.family, s.getsockname()[:2]) for s in sockets] == [(socket.AF_INET6, ("::1", port))]
-    finally:
-        m.stop_http_server()
+def test_ipv6_host(endpoints: list[Endpoint], host: str) -> None:
+    e = endpoint(endpoints)
+    port = e.start(host=host)
+    with socket.create_connection(("::1", port), timeout=5) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.1 200 ")
+    # Bound to ::1 only, so not reachable on IPv4 loopback. Read from the listening sockets:
+    # connecting to 127.0.0.1:port instead fails when another process (a parallel test run)
+    # happens to listen on that port number over IPv4.
+    sockets = e.http.sockets
+    assert [(s.family, s.getsockname()[:2]) for s in sockets] == [(socket.AF_INET6, ("::1", port))]
+
+
+def test_past_the_cap_a_busy_connection_is_kept_and_the_new_one_closed(endpoints: list[Endpoint]) -> None:
+    """The cap closes the oldest *idle* connection; with every slot answering, the newcomer goes."""
+    e = endpoint(endpoints, max_connections=2)
+    release = asyncio.Event()
+    entered: list[int] = []
+
+    async def slow(request: web.Request) -> web.Response:  # a route the HTTP front might add
+        entered.append(1)
+        await release.wait()
+        return web.Response(text="done")
+
+    e.http.app.router.add_get("/slow", slow)
+    port = e.start()
+    busy = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    for s in busy:
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+    deadline = time.monotonic() + 10
+    while len(entered) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(entered) == 2
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as extra:
+        assert closed_by_server(extra, 5.0)
+    e.loop.call_soon_threadsafe(release.set)
+    for s in busy:
+        with s:
+            s.settimeout(10)
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"done")
