@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import torch
 
+from .choices import CudaGraphs, Kernels, Layout
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CASES = ("wan2.1:480x832x81", "wan2.1:720x1280x81", "wan2.2:704x1280x121")
@@ -94,9 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=2, help="timed decodes per variant (min is reported)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "off"),
+    parser.add_argument("--kernels", default=Kernels.AUTO, choices=Kernels.values(),
                         help="fused kernels for vaed-lossless")
-    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="off",
+    parser.add_argument("--cuda-graphs", choices=CudaGraphs.values(), default=CudaGraphs.OFF,
                         help="vaed variants replay captured decoder calls (vaed serve --cuda-graphs)")
     parser.add_argument("--seed", type=int, default=0, help="latents seed")
     parser.add_argument("--psnr", action="store_true", help="PSNR / max abs error against an fp32 stock decode")
@@ -126,14 +128,14 @@ Decode = Callable[[Any, torch.Tensor], torch.Tensor]
 WarmUp = Callable[[torch.Tensor], None]
 
 
-def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = "off") -> tuple[Decode, WarmUp] | None:
+def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = CudaGraphs.OFF) -> tuple[Decode, WarmUp] | None:
     """The server's own decode path (DecodeEngine: session-owned cache, one decoder call per
     latent frame, fast paths installed, clamp), as a decode function and its warm-up."""
     from vaed.engine import DecodeEngine, OutputSpec, warm_up
     from vaed.models import LoadedModel
 
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
-                          kernels=kernels, layout="channels_last", cuda_graphs=cuda_graphs)
+                          kernels=kernels, layout=Layout.CHANNELS_LAST, cuda_graphs=cuda_graphs)
     if precision not in engine.precisions:
         log.warning("vaed-%s skipped: tier not available here (%s)", precision, engine.fast_paths.summary)
         return None
@@ -200,15 +202,15 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
     fp32 = fp32_reference(spec, z, device) if args.psnr else None
     for variant in variants:
         if variant in ("stock", "stock-cl3d"):
-            layout = "contiguous" if variant == "stock" else "channels_last"
-            prepare_decoder(vae, kernels="off", layout=layout)
+            layout = Layout.CONTIGUOUS if variant == "stock" else Layout.CHANNELS_LAST
+            prepare_decoder(vae, kernels=Kernels.OFF, layout=layout)
             zi, fn, ref_key = to_decoder_layout(z, layout), stock_decode, variant
             warm: WarmUp = lambda zz: stock_decode(vae, zz[:, :, :WARMUP_LATENT_FRAMES])  # noqa: E731
         else:
             engine_fns = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"), args.cuda_graphs)
             if engine_fns is None:
                 continue
-            (fn, warm), zi, ref_key = engine_fns, to_decoder_layout(z, "channels_last"), "stock-cl3d"
+            (fn, warm), zi, ref_key = engine_fns, to_decoder_layout(z, Layout.CHANNELS_LAST), "stock-cl3d"
         with torch.inference_mode():
             warm(zi)  # up to the steady chunk: Triton compiles, cuDNN plans (and captures, with graphs)
             secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)

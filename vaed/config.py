@@ -1,7 +1,9 @@
 """Server configuration: one frozen dataclass, filled from the CLI (or tests).
 
 Nothing here reads the environment; `vaed.cli` turns flags into a
-ServerConfig and every other module takes what it needs from it.
+ServerConfig and every other module takes what it needs from it. Each field
+that is a `vaed serve` flag declares it here (name, help, choices; the default
+is the field's), so the parser, `--help` and the config cannot disagree.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from vaed_client import wire
+
+from .choices import ComputeDtype, CudaGraphs, Kernels, Layout, LogLevel, Parallel, Precision, SpatialAxis
+from .flags import coerce_choices, option, positive_int, seconds, shapes
 
 DEFAULT_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 DEFAULT_PORT = 50051
@@ -32,9 +37,6 @@ DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
 # ms with 16 threads; median 28.0 ms, max 31.7, 14/14 with this default.
 GPU_SERVER_CPU_THREADS = 1
 
-PRECISIONS = ("lossless", "fast")
-CUDA_GRAPH_CHOICES = ("on", "off")
-
 # --parallel spatial shards a session only from this output frame size (H*W).
 # 480x832 gains 1.78x on two H200s (0.706 s against 1.254 s for 81 frames);
 # smaller sizes were not measured, so they stay on one GPU until
@@ -42,20 +44,58 @@ CUDA_GRAPH_CHOICES = ("on", "off")
 SPATIAL_MIN_PIXELS = 480 * 832
 
 
+# The model spec's help: what `--model` accepts.
+_MODEL_HELP = (
+    "local diffusers folder (repo root or its vae/), hub id (subfolder vae), or "
+    "random:wan2.1 / random:wan2.2[?seed=N] (real architectures, seeded random weights) or "
+    "random:wan2.1-tiny / random:wan2.2-tiny (a few channels, for CPU development)"
+)
+
+
+def _op_names() -> list[str]:
+    # vaed.patches imports torch and the kernels; only a parser being built needs the names.
+    from .patches import OP_NAMES
+
+    return sorted(OP_NAMES)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = DEFAULT_MODEL
+    """Everything `vaed serve` is told. A field with a flag (`option(...)`) is that flag:
+    vaed.cli builds the parser from these fields (vaed.flags), so name, default, choices and
+    help are written here once. `devices` comes from --gpu/--device (resolved against the
+    host's CUDA devices by vaed.cli); the message sizes are set only by code."""
+
+    model: str = option(DEFAULT_MODEL, _MODEL_HELP)
     devices: tuple[str, ...] = ("cpu",)  # "cpu" or "cuda:N"; several GPUs form a pool behind one port
-    dtype: str | None = None            # None: bfloat16 on CUDA, float32 on CPU
-    host: str = "0.0.0.0"
-    port: int = DEFAULT_PORT            # 0 picks a free port (tests)
-    max_sessions: int = 16              # concurrent Decode/DecodeStream calls (all devices)
-    max_concurrent_rpcs: int | None = None  # None: 2 x max_sessions + 8 (health checks are never capped)
-    max_batch: int = 8                  # B of one request
-    max_latent_frames: int = 1024       # T of one request / session total
-    max_pixels: int = 1280 * 1280       # output H * W of one frame
-    queue_chunks: int = 2               # decoded groups buffered per session (output backpressure)
-    max_backlog_frames: int = 4         # latent frames buffered per DecodeStream session (input backpressure)
+    dtype: ComputeDtype | None = option(None, "compute dtype", choices=ComputeDtype,
+                                        no_default="bfloat16 on CUDA, float32 on CPU")
+    host: str = option("0.0.0.0", "address to bind")
+    port: int = option(DEFAULT_PORT, "port to bind; 0 picks a free one", parse=int)
+    precision: Precision = option(
+        Precision.LOSSLESS, "tier of requests that do not ask for one; a request may always ask for lossless",
+        choices=Precision)
+    parallel: Parallel = option(
+        Parallel.OFF, "spatial: a large request is decoded by all --gpu devices together", choices=Parallel)
+    spatial_axis: SpatialAxis = option(
+        SpatialAxis.AUTO, "axis split by --parallel spatial; auto = the longer one", choices=SpatialAxis)
+    spatial_min_pixels: int = option(
+        SPATIAL_MIN_PIXELS, "--parallel spatial shards output frames of at least this many pixels; smaller "
+        "ones decode on the first GPU", parse=int, default_note="= 480x832")
+    max_sessions: int = option(16, "concurrent decode calls; more get RESOURCE_EXHAUSTED", parse=int)
+    max_concurrent_rpcs: int | None = option(
+        None, "concurrent RPCs of any kind but health; more get RESOURCE_EXHAUSTED unread", parse=int,
+        no_default="2 x --max-sessions + 8")
+    max_batch: int = option(8, "largest B of one call", parse=int)
+    max_latent_frames: int = option(
+        1024, "largest T (latent frames) of one call or session; 0 = no limit", parse=int)
+    max_pixels: int = option(
+        1280 * 1280, "largest output H*W of one frame; 0 = no limit", parse=int, default_note="= 1280x1280")
+    queue_chunks: int = option(
+        2, "decoded chunks buffered per call before its decode waits for the client",
+        parse=int)
+    max_backlog_frames: int = option(
+        4, "latent frames a DecodeStream session buffers before the server stops reading its client", parse=int)
     # How long an admitted call may wait for its client's messages (0 = no limit): past it the
     # call ends DEADLINE_EXCEEDED and frees its slot, so idle calls cannot hold every slot until
     # their connection ages out (300 s + 60 s grace). 10 s before the first message: the client
@@ -65,37 +105,78 @@ class ServerConfig:
     # generator's time counts: not while the server still decodes or sends what it received
     # (a lockstep client waits for those frames), nor while a full backlog keeps the server
     # from reading, nor after the client half-closed.
-    session_first_message_timeout: float = 10.0
-    session_idle_timeout: float = 30.0
+    session_first_message_timeout: float = option(
+        10.0, "seconds a Decode or DecodeStream call may wait for its first message; then it ends "
+        "DEADLINE_EXCEEDED and frees its session slot; 0 = no limit", parse=seconds, metavar="SECONDS")
+    session_idle_timeout: float = option(
+        30.0, "seconds a DecodeStream session may wait for its next message once everything it "
+        "sent is decoded and sent back; then it ends DEADLINE_EXCEEDED and frees its "
+        "slot; 0 = no limit", parse=seconds, metavar="SECONDS")
     frame_message_bytes: int = wire.FRAME_MESSAGE_BYTES
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
-    grace: float = 30.0                 # seconds SIGTERM waits for in-flight streams
-    kernels: str = "auto"               # auto | triton | off
-    disabled_ops: tuple[str, ...] = ()  # fused ops switched off one by one
-    layout: str = "auto"                # auto | channels_last | contiguous
-    cuda_graphs: str = "off"            # on | off: replay captured decoder calls (vaed.graphs)
-    precision: str = "lossless"         # default tier of requests that do not ask
-    parallel: str = "off"               # off | spatial (one request over all devices)
-    spatial_axis: str = "auto"          # auto | height | width
-    spatial_min_pixels: int = SPATIAL_MIN_PIXELS  # smaller output frames decode on one GPU
-    cpu_threads: int | None = None      # torch intra-op threads; None: GPU_SERVER_CPU_THREADS on CUDA, torch's default on CPU
-    warmup: bool = True                 # warm-up decodes before reporting SERVING
-    warmup_shapes: tuple[tuple[int, int], ...] | None = None  # None: DEFAULT_WARMUP_SHAPES by z_dim
-    keepalive_time: float = 60.0        # server pings an idle connection every N s
-    keepalive_timeout: float = 20.0     # ... and drops it when the ping is not answered within N s
-    min_ping_interval: float = 30.0     # clients may ping every >= N s (the client library pings every 60 s)
-    max_connection_age: float = 300.0   # close connections after ~N s so clients re-resolve DNS (0 = never)
-    max_connection_age_grace: float = 60.0  # in-flight calls get N s more after that
+    grace: float = option(
+        30.0, "seconds SIGTERM lets in-flight streams finish; a second SIGTERM exits at once", parse=float)
+    kernels: Kernels = option(
+        Kernels.AUTO, "fused bit-exact Triton data movement: auto (when eligible), triton (required), off",
+        choices=Kernels)
+    disabled_ops: tuple[str, ...] = option(
+        (), "switch one fused op off (repeatable); the stock aten chain runs in its place",
+        name="--disable-op", choices=_op_names, action="append")
+    layout: Layout = option(
+        Layout.AUTO, "decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU", choices=Layout)
+    cuda_graphs: CudaGraphs = option(
+        CudaGraphs.OFF, "replay each decoder call signature from a captured CUDA graph (bit-identical; "
+        "more GPU memory for the graphs' buffers)", choices=CudaGraphs)
+    cpu_threads: int | None = option(
+        None, "threads of torch's CPU ops in this process", parse=positive_int, metavar="N",
+        no_default="1 with --gpu, whose CPU work is small and was slowed by waking a pool per op; with "
+        "--device cpu 1 for the -tiny models, up to 10x faster on a busy machine, and torch's default, one "
+        "per core, for the full-size ones")
+    warmup: bool = option(True, "report SERVING without warm-up decodes", name="--no-warmup", action="store_false")
+    warmup_shapes: tuple[tuple[int, int], ...] | None = option(
+        None, "output sizes decoded up to their steady chunk before SERVING", parse=shapes,
+        metavar="HxW[,HxW...]|none",
+        no_default="480x832,720x1280 for Wan2.1, 704x1280 for Wan2.2 on CUDA; a small one on CPU")
+    keepalive_time: float = option(60.0, "seconds between server pings on an idle connection", parse=float)
+    keepalive_timeout: float = option(
+        20.0, "seconds a ping may go unanswered before the connection is dropped", parse=float)
+    min_ping_interval: float = option(
+        30.0, "shortest client ping interval allowed, in seconds",
+        parse=float)
+    max_connection_age: float = option(
+        300.0, "seconds after which a connection is closed so clients re-resolve DNS and reach "
+        "new replicas; 0 = never", parse=float)
+    max_connection_age_grace: float = option(
+        60.0, "seconds in-flight calls get after --max-connection-age", parse=float)
     # Connection and stream limits (gRPC core; see vaed.server.grpc_options for the measurements).
-    handshake_timeout: float = 10.0     # a connection that has not sent the HTTP/2 preface by then is closed
-    max_connections: int = 1000         # concurrent connections (all peers); more are closed on accept
-    max_streams_per_connection: int | None = None  # None: max_sessions + 16 (HTTP/2 MAX_CONCURRENT_STREAMS)
-    max_health_calls: int = 8           # health requests read at once; more get RESOURCE_EXHAUSTED unread
-    metrics_port: int | None = None
-    metrics_host: str | None = None     # None: same as host
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    auth_token_file: str | None = None
+    handshake_timeout: float = option(
+        10.0, "seconds a new connection may take to send the HTTP/2 preface (and TLS handshake) "
+        "before it is closed", parse=float, metavar="SECONDS")
+    max_connections: int = option(
+        1000, "concurrent connections from all peers; more are closed as they are accepted, and "
+        "it is lowered to leave 256 fds under RLIMIT_NOFILE", parse=positive_int, metavar="N")
+    max_streams_per_connection: int | None = option(
+        None, "concurrent calls on one connection (HTTP/2 MAX_CONCURRENT_STREAMS); clients queue "
+        "past it, and a connection resetting streams faster gets REFUSED_STREAM", parse=positive_int,
+        metavar="N", no_default="--max-sessions + 16")
+    max_health_calls: int = option(
+        8, "health requests read at once (they need no token and are at most 4096 bytes); "
+        "more get RESOURCE_EXHAUSTED", parse=positive_int, metavar="N")
+    metrics_port: int | None = option(None, "serve Prometheus metrics at /metrics on this port", parse=int)
+    metrics_host: str | None = option(None, "address the metrics endpoint binds", no_default="--host")
+    tls_cert: str | None = option(None, "PEM certificate chain; with --tls-key serves TLS")
+    tls_key: str | None = option(None, "PEM private key for --tls-cert")
+    tls_client_ca: str | None = option(
+        None, "PEM CA bundle; with --tls-cert/--tls-key clients must present a certificate it signed "
+        "(mutual TLS)", metavar="PATH")
+    auth_token_file: str | None = option(
+        None, "require 'authorization: Bearer <token>' on every RPC but health; "
+        "without this flag the token is read from $VAED_AUTH_TOKEN when set")
+    log_level: LogLevel = option(
+        LogLevel.INFO, "least severe log records written to stderr", choices=LogLevel)
+
+    def __post_init__(self) -> None:
+        coerce_choices(self)  # ServerConfig(kernels="off") holds Kernels.OFF
 
     @property
     def device(self) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from . import patches
+from .choices import ComputeDtype, CudaGraphs, Kernels, Layout, Precision
 from .engine_protocol import DecodedGroup, Engine, EngineInfo, LatentInput, ModelFacts, OutputSpec
 from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
 from .models import LoadedModel, load_model
@@ -38,9 +39,9 @@ from .models import LoadedModel, load_model
 log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
+    ComputeDtype.FLOAT32: torch.float32,
+    ComputeDtype.FLOAT16: torch.float16,
+    ComputeDtype.BFLOAT16: torch.bfloat16,
 }
 
 
@@ -65,10 +66,10 @@ class DecodeEngine(Engine):
         self,
         loaded: LoadedModel,
         *,
-        kernels: str = "auto",
-        layout: str = "auto",
+        kernels: str = Kernels.AUTO,
+        layout: str = Layout.AUTO,
         disabled_ops: tuple[str, ...] = (),
-        cuda_graphs: str = "off",
+        cuda_graphs: str = CudaGraphs.OFF,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         self.loaded = loaded
@@ -82,14 +83,12 @@ class DecodeEngine(Engine):
         # picks its session's op set (`patches.using`). Off CUDA only lossless is usable.
         self.fast_paths = patches.prepare_decoder(
             self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
-            tiers=("lossless", "fast"),
+            tiers=tuple(Precision),
         )
         # Captured decoder calls (vaed.graphs): CUDA only; the sharded path never uses them.
         self.graphs: DecoderGraphs | None = None
-        if cuda_graphs == "on" and self.device.type == "cuda":
+        if CudaGraphs.parse(cuda_graphs, "cuda_graphs") == CudaGraphs.ON and self.device.type == "cuda":
             self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs)
-        elif cuda_graphs not in ("on", "off"):
-            raise ValueError(f"cuda_graphs must be 'on' or 'off', got {cuda_graphs!r}")
         log.info("decoder ready on %s: %s%s", self.device, self.fast_paths.summary,
                  ", CUDA graphs on" if self.graphs is not None else "")
 
@@ -115,7 +114,7 @@ class DecodeEngine(Engine):
     @property
     def precisions(self) -> tuple[str, ...]:
         """Tiers this engine decodes: lossless always (the stock chain is lossless), fast when its ops passed."""
-        return ("lossless",) + (("fast",) if "fast" in self.fast_paths.op_sets else ())
+        return (Precision.LOSSLESS,) + ((Precision.FAST,) if Precision.FAST in self.fast_paths.op_sets else ())
 
     # -- decoding ----------------------------------------------------------------
 

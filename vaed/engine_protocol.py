@@ -32,13 +32,15 @@ import torch
 
 from vaed_client import wire
 
+from .choices import Parallel, Precision
+
 
 @dataclass(frozen=True)
 class OutputSpec:
     rgb8: bool                      # True: uint8 [B, t, H, W, 3]; False: RAW [B, 3, t, H, W]
     raw_dtype: torch.dtype | None   # RAW only; None = compute dtype
     raw_latents: bool               # True: latents already in VAE space
-    precision: str = "lossless"     # op set tier: "lossless" | "fast"
+    precision: str = Precision.LOSSLESS  # op set tier
     allow_non_finite: bool = False  # False: NaN/Inf latents are refused
 
     @property
@@ -66,7 +68,7 @@ class EngineInfo:
     kernels: str
     layout: str
     fast_paths_note: str
-    precisions: tuple[str, ...] = field(default=("lossless",))
+    precisions: tuple[str, ...] = field(default=(Precision.LOSSLESS,))
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,7 @@ class Engine(ABC):
 
     def describe(self) -> str:
         """ModelInfo.parallel: "off" for one device (a sharded engine names its group)."""
-        return "off"
+        return Parallel.OFF
 
     def health_entries(self) -> dict[str, bool]:
         """Extra health-service entries (name suffix -> serving) beside the device's own."""

@@ -21,6 +21,7 @@ from vaed_client import wire
 from vaed_client.channel import read_token
 
 from .auth import BearerTokenInterceptor, server_credentials
+from .choices import Parallel
 from .config import ServerConfig
 from .engine import DecodeEngine
 from .engine_protocol import Engine, EngineFactory
@@ -52,7 +53,7 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
             kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
             cuda_graphs=config.cuda_graphs,
         )
-        if config.parallel != "spatial":
+        if config.parallel != Parallel.SPATIAL:
             return engine
         from .parallel import GroupConfig, start_sharded_engine
 
@@ -68,9 +69,15 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
     return build
 
 
+def _transport_summary(cfg: ServerConfig) -> str:
+    if not cfg.tls_cert:
+        return "plaintext"
+    return "mutual TLS (client certificates required)" if cfg.tls_client_ca else "TLS"
+
+
 def worker_devices(config: ServerConfig) -> tuple[str, ...]:
     """One worker per device, or one worker whose engine spans every device (spatial)."""
-    return config.devices[:1] if config.parallel == "spatial" else config.devices
+    return config.devices[:1] if config.parallel == Parallel.SPATIAL else config.devices
 
 
 # File descriptors kept free of gRPC connections for the metrics endpoint, model files,
@@ -210,10 +217,12 @@ class VaedServer:
         )
         address = f"{cfg.host}:{cfg.port}" if ":" not in cfg.host else f"[{cfg.host}]:{cfg.port}"
         try:
-            if cfg.tls_cert or cfg.tls_key:
+            if cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca:
                 if not (cfg.tls_cert and cfg.tls_key):
-                    raise StartupError("TLS needs both --tls-cert and --tls-key")
-                port = server.add_secure_port(address, server_credentials(cfg.tls_cert, cfg.tls_key))
+                    raise StartupError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client "
+                                       "certificates to TLS)")
+                credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+                port = server.add_secure_port(address, credentials)
             else:
                 port = server.add_insecure_port(address)
         except RuntimeError as exc:
@@ -232,7 +241,7 @@ class VaedServer:
         self.pool.on_change = lambda: loop.call_soon_threadsafe(self._on_pool_change)
         self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
         log.info("listening on %s (port %d, %s, %s); loading %s on %s",
-                 address, port, "TLS" if cfg.tls_cert else "plaintext", auth_summary(cfg, token is not None),
+                 address, port, _transport_summary(cfg), auth_summary(cfg, token is not None),
                  cfg.model, ", ".join(cfg.devices))
         return port
 

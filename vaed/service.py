@@ -36,7 +36,8 @@ from google.protobuf.message import DecodeError, Message
 
 from vaed_client import wire
 
-from .config import PRECISIONS, ServerConfig
+from .choices import Parallel, Precision
+from .config import ServerConfig
 from .engine import DTYPES, OutputSpec
 from .errors import ClientIdle, InvalidInput, NotReady, status_for
 from .parallel.pool import SessionSlot, WorkerPool
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 pb = wire.pb
 _WIRE_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
-_PRECISION_NAMES = {pb.LOSSLESS: "lossless", pb.FAST: "fast"}
+_PRECISION_NAMES = {pb.LOSSLESS: Precision.LOSSLESS, pb.FAST: Precision.FAST}
 _PRECISION_VALUES = {name: value for value, name in _PRECISION_NAMES.items()}
 
 
@@ -256,9 +257,9 @@ class VaeDecoderService:
     @property
     def _offered(self) -> tuple[str, ...]:
         engine = self.pool.engine
-        offered = engine.info.precisions if engine is not None else ("lossless",)
+        offered = engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
         default = self.config.precision
-        return (default,) + tuple(p for p in PRECISIONS if p in offered and p != default)
+        return (default,) + tuple(p for p in Precision if p in offered and p != default)
 
     def _model_info(self) -> Any:
         engine = self.pool.engine
@@ -284,7 +285,7 @@ class VaeDecoderService:
             fast_paths_note=info.fast_paths_note,
             precisions=[_PRECISION_VALUES[p] for p in self._offered],
             # a spatial group is one worker whose engine spans every configured device
-            devices=list(cfg.devices) if engine.describe() != "off" else [w.device for w in self.pool.healthy_workers],
+            devices=list(cfg.devices) if engine.describe() != Parallel.OFF else [w.device for w in self.pool.healthy_workers],
             parallel=engine.describe(),
         )
 

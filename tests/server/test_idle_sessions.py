@@ -11,6 +11,7 @@ connection ages out (300 s + 60 s grace).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import socket
 import threading
@@ -245,20 +246,60 @@ def test_the_timeout_flags_reach_the_config():
             build_parser("serve").parse_args(["serve", f"{IDLE_FLAG}={bad}"])
 
 
-def test_the_readme_flag_table_matches_vaed_serve_help():
-    """Every `vaed serve` flag has a row in the README's table and every row a flag; the
-    timeout rows give the config's defaults."""
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
-    flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+def _readme_flag_rows() -> list[tuple[list[str], str]]:
+    """(flags, default cell) per row of the README's `vaed serve` flag table."""
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     table = readme.split("## `vaed serve` flags", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in table.splitlines() if line.startswith("| `--")]
-    in_table = {flag for row in rows for flag in re.findall(r"`(--[a-z0-9-]+)", row.split(" | ")[0])}
-    assert flags == in_table, f"only in --help: {sorted(flags - in_table)}; only in README: {sorted(in_table - flags)}"
-    defaults = {row.split(" | ")[0].strip("| `"): row.split(" | ")[1] for row in rows}
-    assert float(defaults[FIRST_FLAG]) == ServerConfig.session_first_message_timeout
-    assert float(defaults[IDLE_FLAG]) == ServerConfig.session_idle_timeout
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("| `--"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]  # no cell holds a "|"
+            rows.append((re.findall(r"`(--[a-z0-9-]+)", cells[0]), cells[1]))
+    return rows
+
+
+def _readme_defaults() -> dict[str, str]:
+    """flag -> its README default: a row of N flags with N comma-separated defaults pairs them
+    ("`--host`, `--port` | `0.0.0.0`, `50051`"); otherwise every flag of the row gets the cell."""
+    out: dict[str, str] = {}
+    for flags, cell in _readme_flag_rows():
+        parts = [p.strip() for p in cell.split(", ")]
+        for i, flag in enumerate(flags):
+            out[flag] = parts[i] if len(flags) > 1 and len(parts) == len(flags) else cell
+    return out
+
+
+def test_the_readme_flag_table_matches_vaed_serve_help():
+    """Every `vaed serve` flag has a row in the README's table and every row a flag, and each
+    row's default is the one --help shows (the config's): a concrete default is written as that
+    value, a flag without one (None) in words, a switch (--no-warmup, --disable-op) with none."""
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    actions = {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
+    actions.pop("--help")
+    in_table = _readme_defaults()
+    assert set(actions) == set(in_table), (
+        f"only in --help: {sorted(set(actions) - set(in_table))}; only in README: {sorted(set(in_table) - set(actions))}"
+    )
+    fields = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    for flag, action in actions.items():
+        readme = in_table[flag]
+        if action.dest in fields:  # --gpu/--device set `devices` and have no config default
+            assert action.default == fields[action.dest].default or action.default == [], flag
+        switch = isinstance(action, (argparse._StoreFalseAction, argparse._AppendAction))
+        if switch:
+            assert readme == "", f"{flag} is a switch; the README gives it a default {readme!r}"
+        elif action.default is None:
+            # said in words ("off", "2 x sessions + 8"), never as a value the flag does not default to
+            assert readme and not re.fullmatch(r"`?[\d.]+`?", readme), f"{flag}: README default {readme!r}"
+        else:
+            value = readme.split(" (")[0].strip("`")
+            if isinstance(action.default, (int, float)):
+                assert float(value) == action.default, f"{flag}: README says {readme!r}, --help {action.default!r}"
+            else:
+                assert value == str(action.default), f"{flag}: README says {readme!r}, --help {action.default!r}"
+    assert float(in_table[FIRST_FLAG]) == ServerConfig.session_first_message_timeout
+    assert float(in_table[IDLE_FLAG]) == ServerConfig.session_idle_timeout
 
 
 # -- a real `vaed serve` --------------------------------------------------------------------------------

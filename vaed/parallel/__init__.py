@@ -45,7 +45,6 @@ scripts/bench_sharded.py --min-size for where sharding starts to win).
 from .engine import Follower, ShardedEngine, ShardedState, ShardGroupError, StepHeader
 from .launch import GroupConfig, start_sharded_engine
 from .plan import (
-    AXIS_CHOICES,
     ShardPlan,
     choose_axis,
     min_latent_extent,
@@ -54,7 +53,6 @@ from .plan import (
 )
 
 __all__ = [
-    "AXIS_CHOICES",
     "Follower",
     "GroupConfig",
     "ShardGroupError",

@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from ..choices import Kernels, Parallel, Precision, SpatialAxis
 from ..engine import DecodeEngine
 from ..engine_protocol import DecodedGroup, Engine, EngineInfo, OutputSpec
 from ..errors import ShardGroupError
@@ -56,14 +57,15 @@ from ..patches.ops import OpSet
 from .comm import gather_along, group_rank_world
 from .forward import ShardContext, check_shardable, decoder_forward
 from .inner_ops import resolve_inner_ops
-from .plan import AXIS_CHOICES, ShardPlan, plan_shards, split_sizes
+from .plan import ShardPlan, plan_shards, split_sizes
 
 log = logging.getLogger(__name__)
 
 OP_STOP, OP_FRAME, OP_FREE, OP_NOOP, OP_STATS = 0, 1, 2, 3, 4
 _RAW_DTYPES: list[torch.dtype | None] = [None, torch.float32, torch.float16, torch.bfloat16]
-_AXES = ("height", "width")
-_PRECISIONS = ("lossless", "fast")
+# the step header's codes: an index into these
+_AXES = (SpatialAxis.HEIGHT, SpatialAxis.WIDTH)
+_PRECISIONS = tuple(Precision)
 # how long a follower waits for the next descriptor by default: gloo keeps a timeout in
 # milliseconds, 24 days stays under 2**31 ms (rank 0's keepalive covers longer idles)
 DEFAULT_CONTROL_TIMEOUT = datetime.timedelta(days=24)
@@ -117,7 +119,7 @@ class ShardedState:
 def _inner_ops(base: DecodeEngine, kernels: str, precision: str) -> OpSet:
     """The op set of a precision tier: the one the wrapped engine prepared for it (its start-up
     checks and per-op switches included), else the lossless set, else plain torch."""
-    if kernels != "off":
+    if kernels != Kernels.OFF:
         try:
             return base.fast_paths.ops_for(precision)
         except KeyError:  # tier not prepared (e.g. kernels off on this device)
@@ -182,14 +184,13 @@ class ShardedEngine(Engine):
         *,
         data_group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
-        axis: str = "auto",
+        axis: str = SpatialAxis.AUTO,
         min_pixels: int = 0,
-        kernels: str = "auto",
+        kernels: str = Kernels.AUTO,
         launched: Any = None,
         control_timeout: datetime.timedelta = DEFAULT_CONTROL_TIMEOUT,
     ) -> None:
-        if axis not in AXIS_CHOICES:
-            raise ValueError(f"axis must be one of {AXIS_CHOICES}, got {axis!r}")
+        axis = SpatialAxis.parse(axis, "axis")
         rank, world = group_rank_world(data_group)
         if rank != 0:
             raise ValueError(f"ShardedEngine runs on the group's rank 0; this is rank {rank} (run Follower)")
@@ -236,7 +237,7 @@ class ShardedEngine(Engine):
         """ModelInfo.parallel: "spatial x2 (axis auto, shard from 0 px)"; "off" once the group
         broke (every session then decodes on rank 0 alone)."""
         if self._broken is not None:
-            return "off"
+            return Parallel.OFF
         return f"spatial x{self.world} (axis {self.axis}, shard from {self.min_pixels} px)"
 
     def health_entries(self) -> dict[str, bool]:
@@ -414,7 +415,7 @@ class Follower:
         *,
         data_group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
-        kernels: str = "auto",
+        kernels: str = Kernels.AUTO,
         control_timeout: datetime.timedelta = DEFAULT_CONTROL_TIMEOUT,
     ) -> None:
         self.runner = _ShardRunner(base, data_group, kernels)
@@ -457,7 +458,7 @@ class Follower:
                 if index != 0:
                     raise ShardGroupError(f"session {sid} starts at latent frame {index}, expected 0")
                 axis = _AXES[header.axis]
-                plan = ShardPlan(axis, split_sizes(h if axis == "height" else w, self.runner.world))  # type: ignore[arg-type]
+                plan = ShardPlan(axis, split_sizes(h if axis == SpatialAxis.HEIGHT else w, self.runner.world))
                 state = ShardedState(sid=sid, plan=plan, cache=[None] * self.base.num_convs, shape=(b, h, w))
                 self.states[sid] = state
             if state.next_latent_frame != index:

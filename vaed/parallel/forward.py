@@ -57,6 +57,7 @@ from .comm import (
     fill_halo,
     memory_format_of,
 )
+from ..choices import SpatialAxis
 from .plan import ShardPlan
 
 
@@ -90,7 +91,7 @@ class ShardContext:
 def _split_halo(ctx: ShardContext, pad: tuple[int, ...]) -> int:
     """The conv's padding along the split axis: the halo its neighbours fill ('same' convs, checked)."""
     pw0, _, ph0, _, _, _ = pad
-    return ph0 if ctx.plan.axis == "height" else pw0
+    return ph0 if ctx.plan.axis == SpatialAxis.HEIGHT else pw0
 
 
 def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
@@ -104,7 +105,7 @@ def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor, *, bias: bool = 
     """
     ph, pw = conv.padding  # type: ignore[misc]
     dim = ctx.dim
-    halo, strip_padding = (ph, (0, pw)) if ctx.plan.axis == "height" else (pw, (ph, 0))
+    halo, strip_padding = (ph, (0, pw)) if ctx.plan.axis == SpatialAxis.HEIGHT else (pw, (ph, 0))
     n = x.shape[dim]
 
     def run(inp: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:

@@ -10,15 +10,14 @@ kernels keep working on shards. `ATEN_OPS` is the patches' plain-torch op set
 
 from __future__ import annotations
 
+from vaed.choices import Kernels
 from vaed.patches.ops import LOSSLESS_OPS, REFERENCE_OPS, OpSet
 
 # The stock diffusers chains (no kernels): the patches' plain-torch op set, one copy.
 ATEN_OPS = REFERENCE_OPS
 
 
-def resolve_inner_ops(kernels: str = "auto") -> OpSet:
+def resolve_inner_ops(kernels: str = Kernels.AUTO) -> OpSet:
     """The op set shards run with: "off" -> plain torch; "auto"/"triton" -> the lossless op set
     (Triton, per-call fallback to its reference)."""
-    if kernels not in ("auto", "triton", "off"):
-        raise ValueError(f"kernels must be auto, triton or off, got {kernels!r}")
-    return ATEN_OPS if kernels == "off" else LOSSLESS_OPS
+    return ATEN_OPS if Kernels.parse(kernels, "kernels") == Kernels.OFF else LOSSLESS_OPS

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..choices import Kernels, Layout, SpatialAxis
 from ..heap import freeze_startup_heap
 from .engine import DEFAULT_CONTROL_TIMEOUT, Follower, ShardedEngine, ShardGroupError
 
@@ -45,9 +46,9 @@ class GroupConfig:
     model: str                        # a --model spec, loaded by every rank
     devices: tuple[str, ...]          # one per rank, rank 0 first ("cuda:0", "cuda:1" / "cpu", "cpu")
     dtype: str = "bfloat16"
-    kernels: str = "auto"
-    layout: str = "auto"
-    axis: str = "auto"
+    kernels: str = Kernels.AUTO
+    layout: str = Layout.AUTO
+    axis: str = SpatialAxis.AUTO
     min_pixels: int = 0
     timeout_s: float = 300.0          # data-group collectives (a dead rank surfaces after this)
     # a follower's wait for the next step descriptor (tests shorten it; rank 0 keeps it alive)

@@ -20,20 +20,18 @@ threshold (scripts/bench_sharded.py --min-size) passed in as `min_pixels`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-Axis = Literal["height", "width"]
-AXIS_CHOICES = ("auto", "height", "width")
+from vaed.choices import SpatialAxis
+
 HALO = 1  # every spatial conv of the Wan decoder is 3x3, stride 1, padding 1
 
 
-def choose_axis(h: int, w: int, axis: str = "auto") -> Axis:
-    """`auto` = the longer latent axis (fewer halo bytes per shard), width on ties."""
-    if axis not in AXIS_CHOICES:
-        raise ValueError(f"axis must be one of {AXIS_CHOICES}, got {axis!r}")
-    if axis == "auto":
-        return "height" if h > w else "width"
-    return axis  # type: ignore[return-value]
+def choose_axis(h: int, w: int, axis: str = SpatialAxis.AUTO) -> SpatialAxis:
+    """HEIGHT or WIDTH: `auto` = the longer latent axis (fewer halo bytes per shard), width on ties."""
+    chosen = SpatialAxis.parse(axis, "axis")
+    if chosen == SpatialAxis.AUTO:
+        return SpatialAxis.HEIGHT if h > w else SpatialAxis.WIDTH
+    return chosen
 
 
 def split_sizes(extent: int, world: int) -> tuple[int, ...]:
@@ -56,7 +54,7 @@ class ShardPlan:
     """How one session's feature maps are split: along `axis`, rank r owns latent rows/cols
     [offsets[r], offsets[r] + sizes[r]) and s times that at a level of scale s."""
 
-    axis: Axis
+    axis: SpatialAxis  # HEIGHT or WIDTH
     sizes: tuple[int, ...]
 
     @property
@@ -78,7 +76,7 @@ class ShardPlan:
     @property
     def dim(self) -> int:
         """The split dim of a [..., H, W] tensor (5-D activations, 4-D images, RAW output)."""
-        return -2 if self.axis == "height" else -1
+        return -2 if self.axis == SpatialAxis.HEIGHT else -1
 
     def scaled(self, scale: int) -> tuple[int, ...]:
         return tuple(s * scale for s in self.sizes)
@@ -88,7 +86,7 @@ def plan_shards(
     h: int,
     w: int,
     world: int,
-    axis: str = "auto",
+    axis: str = SpatialAxis.AUTO,
     *,
     scale_spatial: int = 8,
     min_pixels: int = 0,
@@ -106,7 +104,7 @@ def plan_shards(
     if world <= 1:
         return None
     chosen = choose_axis(h, w, axis)
-    extent = h if chosen == "height" else w
+    extent = h if chosen == SpatialAxis.HEIGHT else w
     if extent < min_latent_extent(world, halo):
         return None
     if min_pixels and h * w * scale_spatial * scale_spatial < min_pixels:

@@ -22,17 +22,17 @@ Typical use (the engine)::
         out = vae.decoder(x, feat_cache=cache, feat_idx=[0], first_chunk=first)
 """
 
+from vaed.choices import Precision
 from vaed.patches.context import current_ops, using
 from vaed.patches.fast import FAST_OPS, LOSSLESS_TILED_OPS
 from vaed.patches.installer import (
-    KERNEL_CHOICES,
     FastPathError,
     FastPathReport,
     installed_report,
     prepare_decoder,
     remove_fast_paths,
 )
-from vaed.patches.layout import LAYOUT_CHOICES, to_decoder_layout
+from vaed.patches.layout import to_decoder_layout
 from vaed.patches.ops import (
     LOSSLESS_OPS,
     OP_NAMES,
@@ -44,13 +44,11 @@ from vaed.patches.ops import (
 from vaed.patches.table import PATCH_TABLE
 from vaed.patches.versions import VERIFIED_DIFFUSERS, diffusers_unverified_reason
 
-# tier name -> op set; the first is the default tier
-OP_SETS: dict[str, OpSet] = {"lossless": LOSSLESS_OPS, "fast": FAST_OPS}
+# tier -> op set; the first is the default tier
+OP_SETS: dict[str, OpSet] = {Precision.LOSSLESS: LOSSLESS_OPS, Precision.FAST: FAST_OPS}
 
 __all__ = [
     "FAST_OPS",
-    "KERNEL_CHOICES",
-    "LAYOUT_CHOICES",
     "LOSSLESS_OPS",
     "LOSSLESS_TILED_OPS",
     "OP_NAMES",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vaed.choices import Kernels, Layout, Precision
 from vaed.kernels import _runtime as rt
 from vaed.patches.checks import check_op_set
 from vaed.patches.context import OPS_ATTR
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "triton", "off")
 _MARK = "_vaed_fast_path"  # set on every module whose forward we replaced
 _REPORT = "_vaed_fast_path_report"
 
@@ -52,8 +52,8 @@ class FastPathError(RuntimeError):
 
 @dataclass(frozen=True)
 class FastPathReport:
-    kernels: str  # "triton" when Triton ops are installed, else "off"
-    layout: str  # "channels_last" or "contiguous"
+    kernels: Kernels  # TRITON when Triton ops are installed, else OFF
+    layout: Layout  # CHANNELS_LAST or CONTIGUOUS
     installed: tuple[str, ...]  # human-readable list of what was installed
     skipped: tuple[str, ...]  # what was skipped and why
     ops: str = "stock"  # name of the default op set the forwards use ("stock": none installed)
@@ -81,11 +81,11 @@ class FastPathReport:
 
 
 def _kernel_reason(kernels: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    if kernels == "off":
+    if kernels == Kernels.OFF:
         return "disabled (--kernels off)"
     if not rt.triton_available():
         return "triton is not importable"
-    if device.type != "cuda" and not (device.type == "cpu" and kernels == "triton" and rt.interpreter_active()):
+    if device.type != "cuda" and not (device.type == "cpu" and kernels == Kernels.TRITON and rt.interpreter_active()):
         return f"decoder is on {device.type}, kernels need CUDA"
     if dtype not in rt.SUPPORTED_DTYPES:
         return f"unsupported dtype {dtype}"
@@ -114,10 +114,10 @@ def _resolve_tiers(
 def prepare_decoder(
     vae: AutoencoderKLWan,
     *,
-    kernels: str = "auto",
-    layout: str = "auto",
+    kernels: str = Kernels.AUTO,
+    layout: str = Layout.AUTO,
     disabled_ops: Iterable[str] = frozenset(),
-    tiers: Iterable[str] = ("lossless",),
+    tiers: Iterable[str] = (Precision.LOSSLESS,),
     ops: OpSet | None = None,
 ) -> FastPathReport:
     """Set the decoder's weight layout and install the table's forwards (idempotent).
@@ -128,8 +128,7 @@ def prepare_decoder(
     ``disabled_ops`` switches single ops (``OP_NAMES``) to their references
     in every tier.
     """
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
+    kernels = Kernels.parse(kernels, "kernels")
     disabled = frozenset(disabled_ops)
     unknown = disabled - set(OP_NAMES)
     if unknown:
@@ -144,10 +143,10 @@ def prepare_decoder(
 
     stock_reason = diffusers_unverified_reason()
     if stock_reason is not None:
-        if kernels == "triton":
+        if kernels == Kernels.TRITON:
             raise FastPathError(f"--kernels triton requested but unavailable: {stock_reason}")
         log.warning("fast paths: %s", stock_reason)
-        return _finish(vae, FastPathReport("off", lay, tuple(installed), (stock_reason,), stock_reason=stock_reason))
+        return _finish(vae, FastPathReport(Kernels.OFF, lay, tuple(installed), (stock_reason,), stock_reason=stock_reason))
 
     skipped: list[str] = []
     usable: dict[str, OpSet] = {}
@@ -155,13 +154,13 @@ def prepare_decoder(
     k_reason = _kernel_reason(kernels, device, dtype)
     for tier, opset in wanted:
         if opset.uses_triton and k_reason is not None:
-            if kernels == "triton":
+            if kernels == Kernels.TRITON:
                 raise FastPathError(f"--kernels triton requested but unavailable: {k_reason}")
             skipped.append(f"fused kernels: {k_reason}" if tier == wanted[0][0] else f"tier {tier}: {k_reason}")
             continue
         masked = opset.without(disabled & set(opset.differs_from_reference()))
         failed = check_op_set(masked, device, dtype)
-        if failed and kernels == "triton":
+        if failed and kernels == Kernels.TRITON:
             raise FastPathError(f"--kernels triton requested but start-up checks failed: {failed}")
         for name, why in failed.items():
             skipped.append(f"{tier} {name}: start-up check failed ({why})")
@@ -172,14 +171,14 @@ def prepare_decoder(
 
     default_tier = wanted[0][0]
     if default_tier not in usable:
-        if kernels == "auto":
+        if kernels == Kernels.AUTO:
             log.info("fast paths: layout=%s, kernels off (%s)", lay, k_reason)
-        return _finish(vae, FastPathReport("off", lay, tuple(installed), tuple(skipped), disabled_ops=tuple(sorted(disabled))))
+        return _finish(vae, FastPathReport(Kernels.OFF, lay, tuple(installed), tuple(skipped), disabled_ops=tuple(sorted(disabled))))
     default = usable[default_tier]
     counts = _install(vae, default)
     installed += [f"{label} ({n})" for label, n in counts.items() if n]
     report = FastPathReport(
-        kernels="triton" if default.uses_triton else "off",
+        kernels=Kernels.TRITON if default.uses_triton else Kernels.OFF,
         layout=lay,
         installed=tuple(installed),
         skipped=tuple(skipped),

@@ -11,16 +11,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-LAYOUT_CHOICES = ("auto", "channels_last", "contiguous")
+from vaed.choices import Layout
 
 
-def resolve_layout(layout: str, device: torch.device) -> str:
-    if layout not in LAYOUT_CHOICES:
-        raise ValueError(f"layout must be one of {LAYOUT_CHOICES}, got {layout!r}")
-    if layout == "auto":
+def resolve_layout(layout: str, device: torch.device) -> Layout:
+    """CHANNELS_LAST or CONTIGUOUS (`auto` by device); a ValueError for an unknown name."""
+    chosen = Layout.parse(layout, "layout")
+    if chosen == Layout.AUTO:
         # channels_last_3d is where the fused kernels pay (1.20x vs 0.98x contiguous, H200)
-        return "channels_last" if device.type == "cuda" else "contiguous"
-    return layout
+        return Layout.CHANNELS_LAST if device.type == "cuda" else Layout.CONTIGUOUS
+    return chosen
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -33,15 +33,14 @@ def to_decoder_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Make a 5-D activation channels_last_3d or contiguous ("auto": by device)."""
     if x.dim() != 5:
         raise ValueError(f"expected a 5-D tensor, got shape {tuple(x.shape)}")
-    layout = resolve_layout(layout, x.device)
-    if layout == "channels_last":
+    if resolve_layout(layout, x.device) == Layout.CHANNELS_LAST:
         return x.contiguous(memory_format=torch.channels_last_3d)
     return x.contiguous()
 
 
 def convert_conv3d_weights(vae: nn.Module, layout: str) -> int:
     """Put the decoder's (and post_quant_conv's) Conv3d weights in ``layout``; returns how many."""
-    fmt = torch.channels_last_3d if layout == "channels_last" else torch.contiguous_format
+    fmt = torch.channels_last_3d if layout == Layout.CHANNELS_LAST else torch.contiguous_format
     n = 0
     for root in (vae.decoder, getattr(vae, "post_quant_conv", None)):
         if root is None:
