@@ -246,6 +246,72 @@ def write_self_signed(directory: Any, host: str = "localhost") -> tuple[Any, Any
     return cert_path, key_path
 
 
+@dataclass(frozen=True)
+class Pki:
+    """A CA and certificates it signed, written as PEM files (keys 0600) for a mutual TLS test."""
+
+    ca: Any  # the CA certificate: --tls-client-ca, and the client's tls= to verify the server
+    server_cert: Any
+    server_key: Any
+    client_cert: Any
+    client_key: Any
+
+
+def _key_pem(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def write_pki(directory: Any, name: str = "test", host: str = "localhost") -> Pki:
+    """A fresh CA `name` and, signed by it, a server certificate for `host` and 127.0.0.1
+    (serverAuth) and a client certificate (clientAuth), under directory/name-*.pem."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject: str, key: Any, issuer: x509.Name, signer: Any, *, ca: bool,
+             usage: Any = None, san: Any = None) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if usage is not None:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if san is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+    ca_cert = cert(f"{name} CA", ca_key, ca_name, ca_key, ca=True)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = cert(host, server_key, ca_name, ca_key, ca=False, usage=ExtendedKeyUsageOID.SERVER_AUTH,
+                  san=[x509.DNSName(host), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = cert(f"{name} client", client_key, ca_name, ca_key, ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+
+    paths = Pki(*(directory / f"{name}-{part}.pem" for part in ("ca", "server", "server-key", "client", "client-key")))
+    for path, c in ((paths.ca, ca_cert), (paths.server_cert, server), (paths.client_cert, client)):
+        path.write_bytes(c.public_bytes(serialization.Encoding.PEM))
+    for path, k in ((paths.server_key, server_key), (paths.client_key, client_key)):
+        path.write_bytes(_key_pem(k))
+        os.chmod(path, 0o600)
+    return paths
+
+
 # -- a fake VaeDecoder for client tests (no model, no torch math) -------------
 
 SPATIAL = 8

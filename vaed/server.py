@@ -216,12 +216,16 @@ class VaedServer:
             server,
         )
         address = f"{cfg.host}:{cfg.port}" if ":" not in cfg.host else f"[{cfg.host}]:{cfg.port}"
+        credentials = None
+        if cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca:
+            # checked before binding: StartupError is a RuntimeError, which the bind below reports
+            # as an address problem
+            if not (cfg.tls_cert and cfg.tls_key):
+                raise StartupError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client "
+                                   "certificates to TLS)")
+            credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
         try:
-            if cfg.tls_cert or cfg.tls_key or cfg.tls_client_ca:
-                if not (cfg.tls_cert and cfg.tls_key):
-                    raise StartupError("TLS needs both --tls-cert and --tls-key (--tls-client-ca adds client "
-                                       "certificates to TLS)")
-                credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            if credentials is not None:
                 port = server.add_secure_port(address, credentials)
             else:
                 port = server.add_insecure_port(address)

@@ -28,7 +28,7 @@ import grpc
 import grpc.aio
 
 from . import wire
-from .channel import Metadata, TlsSpec, create_aio_channel, prepare_channel, with_default_port
+from .channel import Metadata, PemSpec, TlsSpec, create_aio_channel, prepare_channel, with_default_port
 from .client import closed_message
 from .core import (
     END,
@@ -61,11 +61,16 @@ class AsyncVaeClient:
         token: str | None = None,
         tls_server_name: str | None = None,
         options: list[tuple[str, Any]] | None = None,
+        tls_client_cert: PemSpec = None,
+        tls_client_key: PemSpec = None,
     ) -> None:
         self.target = with_default_port(target)
         self.timeout = timeout
-        self._channel_args: dict[str, Any] = dict(tls=tls, token=token, options=options, tls_server_name=tls_server_name)
-        prepare_channel(tls, token, options, tls_server_name)  # bad TLS specs fail here, like VaeClient
+        self._channel_args: dict[str, Any] = dict(
+            tls=tls, token=token, options=options, tls_server_name=tls_server_name,
+            tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
+        )
+        prepare_channel(**self._channel_args)  # bad TLS specs fail here, like VaeClient
         self._channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._metadata: Metadata = ()

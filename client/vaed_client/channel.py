@@ -21,6 +21,9 @@
 - TLS: `tls=` (see `channel_credentials`) and `tls_server_name=`, the name
   expected in the server certificate when it differs from the target's host
   (e.g. reaching a pod by IP with a cert for `vaed.<ns>.svc`).
+- Mutual TLS: `tls_client_cert=` / `tls_client_key=` (PEM paths or bytes, both
+  or neither) present a client certificate, for a server run with
+  `--tls-client-ca`; they need `tls=` (the server is verified as ever).
 - Port: a target without one (`127.0.0.1`, `vaed`, `dns:///vaed-headless`)
   gets vaed's `wire.DEFAULT_PORT`, 50051, where gRPC would silently dial 443
   (`with_default_port`); other schemes (`unix:`, `ipv4:`, ...) are left as given.
@@ -67,6 +70,7 @@ KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 TlsSpec = Union[bool, bytes, str, "os.PathLike[str]", grpc.ChannelCredentials, None]
+PemSpec = Union[bytes, str, "os.PathLike[str]", None]  # PEM contents, or the path of a PEM file
 Metadata = tuple[tuple[str, str], ...]
 
 
@@ -129,21 +133,46 @@ def channel_options(
     return options
 
 
-def channel_credentials(tls: TlsSpec) -> grpc.ChannelCredentials | None:
-    """None/False: insecure. True: system roots. bytes: CA PEM contents.
-    str/PathLike: path of a CA PEM file. ChannelCredentials: used as is."""
-    if tls is None or tls is False:
+def _pem(spec: PemSpec, what: str) -> bytes | None:
+    if spec is None:
         return None
-    if tls is True:
-        return grpc.ssl_channel_credentials()
+    if isinstance(spec, (bytes, bytearray)):
+        return bytes(spec)
+    if isinstance(spec, (str, os.PathLike)):
+        with open(spec, "rb") as f:
+            return f.read()
+    raise TypeError(f"{what} must be PEM bytes or a PEM file path, not {type(spec).__name__}")
+
+
+def channel_credentials(
+    tls: TlsSpec, *, client_cert: PemSpec = None, client_key: PemSpec = None
+) -> grpc.ChannelCredentials | None:
+    """None/False: insecure. True: system roots. bytes: CA PEM contents.
+    str/PathLike: path of a CA PEM file. ChannelCredentials: used as is.
+    `client_cert` and `client_key` (both or neither) add a client certificate (mutual TLS)."""
+    if (client_cert is None) != (client_key is None):
+        raise ValueError("mutual TLS needs both tls_client_cert and tls_client_key")
+    if tls is None or tls is False:
+        if client_cert is not None:
+            raise ValueError("tls_client_cert needs a TLS channel: pass tls=True or a CA certificate")
+        return None
     if isinstance(tls, grpc.ChannelCredentials):
+        if client_cert is not None:
+            raise ValueError("tls_client_cert cannot be added to ready-made grpc.ChannelCredentials; build them with it")
         return tls
-    if isinstance(tls, (bytes, bytearray)):
-        return grpc.ssl_channel_credentials(root_certificates=bytes(tls))
-    if isinstance(tls, (str, os.PathLike)):
-        with open(tls, "rb") as f:
-            return grpc.ssl_channel_credentials(root_certificates=f.read())
-    raise TypeError(f"tls must be None, bool, CA PEM bytes, a CA file path or grpc.ChannelCredentials, not {type(tls).__name__}")
+    if tls is True:
+        roots = None
+    elif isinstance(tls, (bytes, bytearray, str, os.PathLike)):
+        roots = _pem(tls, "tls")
+    else:
+        raise TypeError(
+            f"tls must be None, bool, CA PEM bytes, a CA file path or grpc.ChannelCredentials, not {type(tls).__name__}"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=roots,
+        private_key=_pem(client_key, "tls_client_key"),
+        certificate_chain=_pem(client_cert, "tls_client_cert"),
+    )
 
 
 def read_token(path: str | None, env_var: str | None = None) -> str | None:
@@ -186,9 +215,14 @@ def _secure_credentials(credentials: grpc.ChannelCredentials, token: str | None)
 
 
 def prepare_channel(
-    tls: TlsSpec, token: str | None, options: list[tuple[str, Any]] | None, tls_server_name: str | None
+    tls: TlsSpec,
+    token: str | None,
+    options: list[tuple[str, Any]] | None,
+    tls_server_name: str | None,
+    tls_client_cert: PemSpec = None,
+    tls_client_key: PemSpec = None,
 ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
-    credentials = channel_credentials(tls)
+    credentials = channel_credentials(tls, client_cert=tls_client_cert, client_key=tls_client_key)
     if tls_server_name and credentials is None:
         raise ValueError("tls_server_name needs a TLS channel: pass tls=True or a CA certificate")
     return credentials, channel_options(options, tls_server_name=tls_server_name)
@@ -201,11 +235,13 @@ def create_channel(
     token: str | None = None,
     options: list[tuple[str, Any]] | None = None,
     tls_server_name: str | None = None,
+    tls_client_cert: PemSpec = None,
+    tls_client_key: PemSpec = None,
 ) -> tuple[grpc.Channel, Metadata]:
     """A sync channel and the metadata every call on it must send (`target`
     without a port: vaed's 50051, see `with_default_port`)."""
     target = with_default_port(target)
-    credentials, opts = prepare_channel(tls, token, options, tls_server_name)
+    credentials, opts = prepare_channel(tls, token, options, tls_server_name, tls_client_cert, tls_client_key)
     if credentials is None:
         return grpc.insecure_channel(target, options=opts), bearer_metadata(token)
     return grpc.secure_channel(target, _secure_credentials(credentials, token), options=opts), ()
@@ -218,10 +254,12 @@ def create_aio_channel(
     token: str | None = None,
     options: list[tuple[str, Any]] | None = None,
     tls_server_name: str | None = None,
+    tls_client_cert: PemSpec = None,
+    tls_client_key: PemSpec = None,
 ) -> tuple[grpc.aio.Channel, Metadata]:
     """A grpc.aio channel (bound to the running loop) and the metadata every call must send."""
     target = with_default_port(target)
-    credentials, opts = prepare_channel(tls, token, options, tls_server_name)
+    credentials, opts = prepare_channel(tls, token, options, tls_server_name, tls_client_cert, tls_client_key)
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=opts), bearer_metadata(token)
     return grpc.aio.secure_channel(target, _secure_credentials(credentials, token), options=opts), ()

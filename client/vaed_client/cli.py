@@ -147,6 +147,10 @@ def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | N
     parser.add_argument("--tls-server-name", metavar="NAME",
                         help="expected name in the server certificate when it differs from HOST "
                              "(e.g. checking localhost against a cert for vaed.<ns>.svc; default: HOST)")
+    parser.add_argument("--tls-client-cert", metavar="PATH",
+                        help="PEM client certificate chain for a server run with --tls-client-ca (mutual TLS; "
+                             "needs --tls or --ca-cert, and --tls-client-key)")
+    parser.add_argument("--tls-client-key", metavar="PATH", help="PEM private key of --tls-client-cert")
     parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
                         help="deadline of the call" + (f" (default {timeout:g})" if timeout else " (default: none)"))
 
@@ -162,13 +166,21 @@ def connection_settings(args: argparse.Namespace) -> dict[str, Any]:
         tls = True
     if args.tls_server_name and tls is None:
         raise CommandError("--tls-server-name needs --tls or --ca-cert")
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise CommandError("mutual TLS needs both --tls-client-cert and --tls-client-key")
+    if args.tls_client_cert and tls is None:
+        raise CommandError("--tls-client-cert needs --tls or --ca-cert")
+    for flag, path in (("--tls-client-cert", args.tls_client_cert), ("--tls-client-key", args.tls_client_key)):
+        if path and not os.path.isfile(path):
+            raise CommandError(f"{flag} {path}: no such file")
     token = None
     if hasattr(args, "token_file"):
         try:
             token = read_token(args.token_file, wire.AUTH_TOKEN_ENV)
         except ValueError as e:
             raise CommandError(str(e)) from None
-    return dict(timeout=args.timeout, tls=tls, token=token, tls_server_name=args.tls_server_name)
+    return dict(timeout=args.timeout, tls=tls, token=token, tls_server_name=args.tls_server_name,
+                tls_client_cert=args.tls_client_cert, tls_client_key=args.tls_client_key)
 
 
 def connect(args: argparse.Namespace) -> Any:
@@ -346,11 +358,14 @@ def check_health(args: argparse.Namespace) -> tuple[bool, str]:
 
     try:
         settings = connection_settings(args)
-        channel, _ = create_channel(args.server, tls=settings["tls"], tls_server_name=settings["tls_server_name"])
+        channel, _ = create_channel(
+            args.server, tls=settings["tls"], tls_server_name=settings["tls_server_name"],
+            tls_client_cert=settings["tls_client_cert"], tls_client_key=settings["tls_client_key"],
+        )
     except CommandError as e:
         return False, f"ERROR: {e}"
     except OSError as e:
-        return False, f"ERROR: cannot read CA certificate: {e}"
+        return False, f"ERROR: cannot read a TLS file: {e}"
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import grpc
 
 from . import wire
-from .channel import TlsSpec, create_channel, with_default_port
+from .channel import PemSpec, TlsSpec, create_channel, with_default_port
 from .core import (
     END,
     Assembly,
@@ -57,7 +57,8 @@ class VaeClient:
     """Client for a vaed server (or a `dns:///` name of several replicas).
 
     `timeout` (seconds) is the deadline of each call: one decode, one stream or
-    one whole session. `tls`, `tls_server_name` and `token` are described in
+    one whole session. `tls`, `tls_server_name`, `tls_client_cert`/`tls_client_key`
+    (mutual TLS) and `token` are described in
     `vaed_client.channel`; `options` are extra gRPC channel arguments. A
     target without a port gets vaed's 50051. Calls after `close()` (or after
     the `with` block) raise `ClientClosedError`.
@@ -72,11 +73,14 @@ class VaeClient:
         token: str | None = None,
         tls_server_name: str | None = None,
         options: list[tuple[str, Any]] | None = None,
+        tls_client_cert: PemSpec = None,
+        tls_client_key: PemSpec = None,
     ) -> None:
         self.target = with_default_port(target)
         self.timeout = timeout
         self._channel, self._metadata = create_channel(
-            self.target, tls=tls, token=token, options=options, tls_server_name=tls_server_name
+            self.target, tls=tls, token=token, options=options, tls_server_name=tls_server_name,
+            tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
         )
         self._stub_obj = wire.pb_grpc.VaeDecoderStub(self._channel)
         self._closed = False
