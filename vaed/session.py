@@ -5,22 +5,39 @@ input is checked against, its position in the video, its causal cache (the
 engine's `DecodeState`), the bounded backlog of latent frames not yet on the
 device, its output credits, and the `FrameChannel` its frames leave on.
 
-Two threads touch a session, and each field says who writes it:
+Every change of a session's state is a method of `Session`; the two threads
+that drive it only ask it to move:
 
-* the gRPC handler (event loop thread) validates and queues input
-  (`accept`, `finish_input`), waits for backlog room (`wait_for_room`) and
-  reads output (`next_group`, `group_sent`);
-* the device worker (one thread per device) takes steps: it pops one latent
-  frame, decodes it, and puts the group on the channel.
+* the call (event loop thread) validates and queues input (`accept`,
+  `finish_input`), waits for backlog room (`wait_for_room`), reads output
+  (`next_group`, `group_sent`), fails it on bad input (`fail`) and closes it
+  when it leaves (`close`);
+* the device worker (one thread per device) attaches it (`attach`) and takes
+  steps: `begin_step`, `take_frame`, `decoder_state`, then `end_step` (with
+  the step's failure, if any); a session whose input is all decoded
+  `finish`es; the delivery thread hands its groups over (`deliver_group`).
 
-Shared fields are guarded by the worker's condition variable (`lock`), which
-the worker also waits on; every handler-side change notifies it.
+Shared fields are guarded by the worker's condition variable (the `lock` of
+the `Placement` given on attach), which the worker also waits on; every
+change notifies it. The end and a failure reach the channel through the
+placement's delivery queue, behind the groups handed over before them, so
+the call always reads a session's groups, then its end or failure.
 
 Life is an explicit state (`SessionState`)::
 
     OPEN --finish_input--> INPUT_DONE --(backlog empty)--> ENDED
-      \\______________________ any error ________________--> FAILED
-    any state --handler leaves--> CLOSED  (the worker frees the cache)
+      \\______________________ fail ____________________--> FAILED
+    any state --close (the call left)--> CLOSED
+
+A session's decoder cache is released as soon as it is FAILED or CLOSED and
+no step of it runs (`fail`, `close` or `end_step`, whichever comes last).
+
+Frame 0 first: a session's latent frame 1 waits until frame 0 is on the host
+and handed to the event loop (`runnable`). Dispatching frame 1 meanwhile
+(~14 ms of Python kernel launches at 480x832, holding the GIL) delayed frame
+0's delivery: on an H200 the server's first_frame_ms median was 31.4 ms with
+the hold and 36.2 ms without (8 calls each). It costs the GPU one idle gap of
+a few ms per video when no other session is runnable.
 
 Credits (output backpressure): the worker takes one before each decode step
 and the handler returns it once the group's messages are sent, so a slow
@@ -267,6 +284,24 @@ async def first_message(requests: AsyncIterator[bytes], method: str, timeout: fl
     ))
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a session runs: what its device worker gives it on `Session.attach`."""
+
+    device: str
+    lock: threading.Condition                       # the worker's: guards shared fields, wakes the worker
+    deliver: Callable[[Callable[[], None]], None]   # run a job on the delivery thread, behind earlier groups
+    free_cache: Callable[[Any], None]               # the engine's release of a decoder cache
+
+
+def _deliver_now(job: Callable[[], None]) -> None:
+    job()
+
+
+def _no_cache(cache: Any) -> None:
+    """Before attach there is no engine and no cache to release."""
+
+
 class Session:
     """One Decode call or DecodeStream session (see the module docstring)."""
 
@@ -286,11 +321,12 @@ class Session:
         self.limits = limits
         self.channel = FrameChannel(loop)
         self.state = SessionState.OPEN
-        self.lock: threading.Condition = threading.Condition()  # replaced by the worker's on attach
-        self.device: str | None = None
-        self.decode_state: Any = None    # the engine's DecodeState (cache + position), worker-owned
-        self.busy = False                # the worker is inside a step of this session
-        self.first_group_pending = False  # frame 0 decoded, not yet on its way to the client
+        # until attach: the session's own lock, failures delivered at once, nothing to free
+        self._placement = Placement("", threading.Condition(), _deliver_now, _no_cache)
+        self._cache: Any = None           # the engine's DecodeState (cache + position); worker thread
+        self._busy = False                # the worker is inside a step of this session
+        self._first_group_pending = False  # frame 0 taken, its group not yet handed to the event loop
+        self._frames_taken = 0
         self._backlog: collections.deque[torch.Tensor] = collections.deque()  # CPU [B, z, 1, h, w]
         self._credits = credits
         self._max_backlog = max(1, max_backlog_frames)
@@ -303,6 +339,20 @@ class Session:
         self._groups_sent = 0            # one group per latent frame; handler side only
         self._delivered = asyncio.Event()  # every latent frame received so far was decoded and sent
         self._delivered.set()
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The condition variable guarding the shared fields: the worker's once attached."""
+        return self._placement.lock
+
+    @property
+    def device(self) -> str | None:
+        return self._placement.device or None
+
+    @property
+    def busy(self) -> bool:
+        """A step of this session runs on its worker."""
+        return self._busy
 
     # -- handler side ----------------------------------------------------------
 
@@ -330,14 +380,6 @@ class Session:
         with self.lock:
             if self.state is SessionState.OPEN:
                 self.state = SessionState.INPUT_DONE
-            self.lock.notify_all()
-
-    def fail(self, exc: BaseException) -> None:
-        """The input was bad: stop decoding and end the call with `exc`."""
-        with self.lock:
-            if self.state in (SessionState.OPEN, SessionState.INPUT_DONE):
-                self.mark_failed(exc)
-                self.channel.fail(exc)
             self.lock.notify_all()
 
     async def wait_for_room(self) -> None:
@@ -373,43 +415,108 @@ class Session:
     def latent_frames_received(self) -> int:
         return self._frames_in
 
-    # -- worker side (call with `lock` held) ------------------------------------------
+    def close(self) -> None:
+        """The call left (done, failed or cancelled): nothing more is delivered; the cache is
+        released now, or when the running step ends."""
+        with self.lock:
+            self.state = SessionState.CLOSED
+            self._backlog.clear()
+            self._release_cache_if_done()
+            self.lock.notify_all()
+
+    # -- either side -------------------------------------------------------------------
+
+    def fail(self, exc: BaseException) -> None:
+        """The one failure path (bad input from the call, a failed step from the worker): stop
+        decoding, drop the backlog, release the cache once no step runs, and end the call with
+        `exc` behind the groups already handed over. A session already over stays as it is."""
+        with self.lock:
+            if self.state in (SessionState.OPEN, SessionState.INPUT_DONE):
+                self.state = SessionState.FAILED
+                self._backlog.clear()
+                self._update_room()
+                self._placement.deliver(lambda: self.channel.fail(exc))
+            self._release_cache_if_done()
+            self.lock.notify_all()
+
+    # -- worker side -------------------------------------------------------------------
+
+    def attach(self, placement: Placement) -> None:
+        """The session joins its device worker (before the worker can see it): from now on the
+        worker's condition variable guards it and its end travels the worker's delivery queue."""
+        with self.lock:
+            self._placement = placement
 
     @property
     def backlog_frames(self) -> int:
         return len(self._backlog)
 
     def runnable(self) -> bool:
-        """A step can run now: a frame and a credit, or the end to deliver (never while frame 0
-        is still on its way out: see vaed.worker)."""
-        if self.first_group_pending:
+        """A step can run now (call with `lock` held): a frame and a credit, or the end to
+        deliver; never while frame 0 is still on its way out (see the module docstring)."""
+        if self._first_group_pending:
             return False
         if self.state is SessionState.INPUT_DONE and not self._backlog:
             return True
         return self.state in (SessionState.OPEN, SessionState.INPUT_DONE) and bool(self._backlog) and self._credits > 0
 
+    def begin_step(self) -> None:
+        """The worker picked this runnable session for its next step."""
+        with self.lock:
+            self._busy = True
+
     def take_frame(self) -> torch.Tensor | None:
-        """Pop the next latent frame and its credit; None when the step is the end."""
-        if not self._backlog:
-            return None
-        self._credits -= 1
-        frame = self._backlog.popleft()
-        self._update_room()
-        return frame
+        """Pop the next latent frame and its credit; None when the step is the end (`finish`)."""
+        with self.lock:
+            if not self._backlog:
+                return None
+            self._credits -= 1
+            frame = self._backlog.popleft()
+            if self._frames_taken == 0:
+                self._first_group_pending = True
+            self._frames_taken += 1
+            self._update_room()
+            return frame
 
-    # The worker puts the end or the failure on the channel itself, behind the
-    # session's last group (see vaed.worker): these only move the state.
-    def mark_ended(self) -> None:
-        self.state = SessionState.ENDED
+    def decoder_state(self, new_state: Callable[[], Any]) -> Any:
+        """The engine's DecodeState of this session, made by `new_state` at its first step."""
+        assert self._busy, "the decoder state is only used inside a step"
+        if self._cache is None:
+            self._cache = new_state()
+        return self._cache
 
-    def mark_failed(self, exc: BaseException) -> None:
-        self.state = SessionState.FAILED
-        self._backlog.clear()
-        self._update_room()
+    def finish(self) -> None:
+        """Every latent frame was decoded after the input ended: deliver the end."""
+        with self.lock:
+            if self.state is SessionState.INPUT_DONE:
+                self.state = SessionState.ENDED
+                self._placement.deliver(self.channel.end)
 
-    def mark_closed(self) -> None:
-        self.state = SessionState.CLOSED
-        self._backlog.clear()
+    def end_step(self, failure: BaseException | None = None) -> None:
+        """The step is over; `failure` fails the session (after the step, so its cache goes at once)."""
+        with self.lock:
+            self._busy = False
+            if failure is not None:
+                self.fail(failure)
+            self._release_cache_if_done()
+            self.lock.notify_all()
+
+    def deliver_group(self, group: HostGroup) -> None:
+        """Put a decoded group on the channel (delivery thread); after frame 0's, the worker may
+        step the session again."""
+        self.channel.put_group(group)
+        if self._first_group_pending:
+            with self.lock:
+                self._first_group_pending = False
+                self.lock.notify_all()
+
+    def _release_cache_if_done(self) -> None:
+        """Free the decoder cache of a failed or closed session that no step uses (`lock` held)."""
+        if self._busy or self._cache is None:
+            return
+        if self.state in (SessionState.FAILED, SessionState.CLOSED):
+            cache, self._cache = self._cache, None
+            self._placement.free_cache(cache)
 
     def _update_room(self) -> None:
         """Re-evaluate backlog room on the handler's loop (now, when already on it)."""

@@ -5,6 +5,9 @@ latent frame (one decoder call, one frame group), so concurrent sessions
 share the GPU fairly and a long video never blocks a short one for long. A
 session is runnable when it has a latent frame and an output credit (see
 `vaed.session`), or when its input ended and only the end is left to deliver.
+The worker writes no field of a session: it asks the session to move
+(`attach`, `begin_step`, `take_frame`, `end_step`, `finish`, `fail`, `close`),
+so a session's life is read in one module.
 
 Overlap: each group is copied to pinned host memory on a side stream; a
 delivery thread waits for the copy and puts the group on the session's
@@ -33,17 +36,9 @@ from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, warm_up
 from .engine_protocol import Engine, EngineFactory
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
-from .session import HostGroup, Session, SessionState, check_finite
+from .session import HostGroup, Placement, Session, check_finite
 
 log = logging.getLogger(__name__)
-
-# A session's latent frame 1 waits until frame 0 is on the host and handed to the
-# event loop. Dispatching frame 1 meanwhile (~14 ms of Python kernel launches at
-# 480x832, holding the GIL) delayed frame 0's delivery: on an H200 the server's
-# first_frame_ms median was 31.4 ms with the hold and 36.2 ms without (8 calls
-# each). Costs the GPU one idle gap of a few ms per video when no other session
-# is runnable.
-HOLD_UNTIL_FIRST_GROUP_DELIVERED = True
 
 # Without --warmup-shapes on CPU: one small decode (tests, development).
 CPU_WARMUP_LATENT_HW = (8, 8)
@@ -93,6 +88,7 @@ class DeviceWorker:
         self._copy_stream: torch.cuda.Stream | None = None
         self.on_ready: Callable[[], None] | None = None
         self.on_fault: Callable[[], None] | None = None  # called once the device left rotation
+        self._placement = Placement(device, self._lock, self._deliver_later, self._free_cache)
 
     @property
     def is_cuda(self) -> bool:
@@ -134,19 +130,16 @@ class DeviceWorker:
         with self._lock:
             if not self.healthy:  # the device, not the request: another replica can serve it
                 raise NotReady(f"device {self.device} is out of rotation; retry")
-            session.lock = self._lock
-            session.device = self.device
+            session.attach(self._placement)
             self._sessions.append(session)
             self._lock.notify_all()
 
     def detach(self, session: Session) -> None:
         """The handler left (done, failed or cancelled); the cache is freed now or after the running step."""
         with self._lock:
-            session.mark_closed()
+            session.close()
             if session in self._sessions:
                 self._sessions.remove(session)
-            if not session.busy:
-                self._free(session)
             self._lock.notify_all()
 
     def load(self) -> DeviceLoad:
@@ -158,10 +151,14 @@ class DeviceWorker:
                 pending_latent_frames=sum(s.backlog_frames for s in self._sessions),
             )
 
-    def _free(self, session: Session) -> None:
-        if session.decode_state is not None and self.engine is not None:
-            self.engine.free(session.decode_state)
-        session.decode_state = None
+    def _free_cache(self, cache: Any) -> None:
+        """A session's decoder cache is released (called by the session, `_lock` held)."""
+        if self.engine is not None:
+            self.engine.free(cache)
+
+    def _deliver_later(self, job: Callable[[], None]) -> None:
+        """A session's end or failure, queued behind the groups handed over before it."""
+        self._outbox.put((None, job))
 
     # -- worker thread ---------------------------------------------------------------
 
@@ -251,44 +248,27 @@ class DeviceWorker:
                     session = self._sessions[0]
                     self._sessions.rotate(-1)
                     if session.runnable():
-                        session.busy = True
+                        session.begin_step()
                         return session
                 if not self._lock.wait(timeout=0.5):
                     return _IDLE  # nothing runnable for a while: the loop keeps the group alive
 
     def _step(self, session: Session) -> None:
-        assert self.engine is not None
-        engine = self.engine
+        """Run one step of `session`; whatever goes wrong fails that session, not the worker."""
+        failure: BaseException | None = None
         try:
-            with self._lock:
-                frame = session.take_frame()
-                if frame is None:  # input ended and nothing is left: deliver the end
-                    session.mark_ended()
-                    self._outbox.put((None, session.channel.end))
-                    return
-            started = time.perf_counter()
-            if session.decode_state is None:
-                session.decode_state = engine.new_state()
-            # only frame 0's GPU time is reported (first_gpu_ms): later steps record no event
-            started_event = self._timing_event() if session.decode_state.next_latent_frame == 0 else None
-            if not session.output.allow_non_finite:
-                check_finite(frame, session.decode_state.next_latent_frame)
-            group = engine.decode_frame(session.decode_state, frame, session.output)
-            if group.chunk_index == 0 and HOLD_UNTIL_FIRST_GROUP_DELIVERED:
-                with self._lock:
-                    session.first_group_pending = True
-            self._hand_over(session, group, started, started_event)
+            self._decode_next(session)
         except torch.cuda.OutOfMemoryError:
             log.warning("CUDA out of memory in session %d on %s; freeing its cache", session.id, self.device)
-            self._fail(session, CapacityExhausted(
-                "the GPU ran out of memory for this request; retry with fewer frames or a smaller batch"))
+            failure = CapacityExhausted(
+                "the GPU ran out of memory for this request; retry with fewer frames or a smaller batch")
         except VaedServerError as exc:
-            self._fail(session, exc)
+            failure = exc
         except ShardGroupError as exc:
             # The spatial group broke (a follower died); the engine already runs new
             # sessions on this GPU alone, so the worker stays in rotation.
             log.error("spatial group failed in session %d on %s: %s", session.id, self.device, exc)
-            self._fail(session, NotReady("the multi-GPU decode group failed; retry (the server continues on one GPU)"))
+            failure = NotReady("the multi-GPU decode group failed; retry (the server continues on one GPU)")
             self._group_changed()
         except Exception as exc:  # never let one call take the worker down
             log.exception("decode step failed in session %d on %s", session.id, self.device)
@@ -296,20 +276,28 @@ class DeviceWorker:
                 self._leave_rotation(exc)
                 # UNAVAILABLE, not INTERNAL: the request was fine and a client resumes it elsewhere
                 exc = NotReady(f"device {self.device} failed; retry on another device or replica")
-            self._fail(session, exc)
+            failure = exc
         finally:
-            with self._lock:
-                session.busy = False
-                if session.state is SessionState.CLOSED:
-                    self._free(session)
-
-    def _fail(self, session: Session, exc: BaseException) -> None:
-        with self._lock:
-            session.mark_failed(exc)
-            self._free(session)
-        if self.is_cuda:
+            session.end_step(failure)  # a failed session's cache is freed here
+        if failure is not None and self.is_cuda:
             torch.cuda.empty_cache()
-        self._outbox.put((None, lambda: session.channel.fail(exc)))
+
+    def _decode_next(self, session: Session) -> None:
+        """Decode the session's next latent frame and hand its group over, or deliver its end."""
+        assert self.engine is not None
+        engine = self.engine
+        frame = session.take_frame()
+        if frame is None:  # input ended and nothing is left: deliver the end
+            session.finish()
+            return
+        started = time.perf_counter()
+        state = session.decoder_state(engine.new_state)
+        # only frame 0's GPU time is reported (first_gpu_ms): later steps record no event
+        started_event = self._timing_event() if state.next_latent_frame == 0 else None
+        if not session.output.allow_non_finite:
+            check_finite(frame, state.next_latent_frame)
+        group = engine.decode_frame(state, frame, session.output)
+        self._hand_over(session, group, started, started_event)
 
     def _leave_rotation(self, exc: BaseException) -> None:
         """A device fault: fail every session here and take no new ones."""
@@ -318,7 +306,9 @@ class DeviceWorker:
             self.fault = exc
             others = [s for s in self._sessions if not s.busy]
         for other in others:
-            self._fail(other, NotReady(f"device {self.device} failed; retry on another device or replica"))
+            other.fail(NotReady(f"device {self.device} failed; retry on another device or replica"))
+        if self.is_cuda:
+            torch.cuda.empty_cache()
         if self.on_fault is not None:
             self.on_fault()
 
@@ -349,15 +339,11 @@ class DeviceWorker:
 
         def deliver() -> None:
             gpu = started_event.elapsed_time(done) / 1e3 if started_event is not None and done is not None else None
-            session.channel.put_group(HostGroup(
+            session.deliver_group(HostGroup(
                 chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
                 device_seconds=time.perf_counter() - started, step_started=started, gpu_seconds=gpu,
                 launch_seconds=launched,
             ))
-            if session.first_group_pending:
-                with self._lock:
-                    session.first_group_pending = False
-                    self._lock.notify_all()
 
         self._outbox.put((done, deliver))
 
