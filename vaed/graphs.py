@@ -43,7 +43,6 @@ the largest call's working set plus the live graphs' static outputs. At most
 
 from __future__ import annotations
 
-import collections
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,6 +50,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .lru import LruCache
 
 log = logging.getLogger(__name__)
 
@@ -111,29 +112,6 @@ class GraphStats:
     failed: int = 0        # captures that failed (the signature stays eager)
 
 
-class RecentSet:
-    """A set that keeps only its ``limit`` most recently added members."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._members: collections.OrderedDict[Any, None] = collections.OrderedDict()
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self._members
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def add(self, item: Any) -> None:
-        self._members[item] = None
-        self._members.move_to_end(item)
-        while len(self._members) > self.limit:
-            self._members.popitem(last=False)
-
-    def discard(self, item: Any) -> None:
-        self._members.pop(item, None)
-
-
 class DecoderGraphs:
     """Per-device cache of captured decoder calls (the engine owns one; device thread only)."""
 
@@ -145,9 +123,12 @@ class DecoderGraphs:
         self.max_graphs = max_graphs
         self.backend = backend or CudaGraphBackend(device)
         self.stats = GraphStats()
-        self._graphs: collections.OrderedDict[Any, CapturedCall] = collections.OrderedDict()
-        self._eager_only = RecentSet(MAX_REMEMBERED_SIGNATURES)  # captures that ran out of memory
-        self._seen_once = RecentSet(MAX_REMEMBERED_SIGNATURES)  # run eagerly once, captured on their next call
+        # An evicted graph's owner keeps its cache tensors: they are its references now.
+        self._graphs: LruCache[Any, CapturedCall] = LruCache(max_graphs)
+        # Signatures (values unused): captures that ran out of memory; run eagerly once,
+        # captured on their next call.
+        self._eager_only: LruCache[Any, None] = LruCache(MAX_REMEMBERED_SIGNATURES)
+        self._seen_once: LruCache[Any, None] = LruCache(MAX_REMEMBERED_SIGNATURES)
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -158,15 +139,14 @@ class DecoderGraphs:
         captured = self._graphs.get(sig)
         if captured is None:
             if sig not in self._seen_once or sig in self._eager_only:
-                self._seen_once.add(sig)
+                self._seen_once[sig] = None
                 self.stats.eager += 1
                 return call(x, state.cache)
-            self._seen_once.discard(sig)  # captured or eager-only from here
+            self._seen_once.pop(sig)  # captured or eager-only from here
             captured = self._capture(sig, x, state.cache, call)
             if captured is None:
                 self.stats.eager += 1
                 return call(x, state.cache)
-        self._graphs.move_to_end(sig)
         return self._replay(captured, state, x)
 
     # -- internals ---------------------------------------------------------------
@@ -178,15 +158,13 @@ class DecoderGraphs:
             graph, out, static_out, resident = self.backend.capture(call, static_x, static_in)
         except torch.cuda.OutOfMemoryError:
             log.warning("no memory to capture a CUDA graph of %s; that call stays eager", _describe(sig))
-            self._eager_only.add(sig)
+            self._eager_only[sig] = None
             self.stats.failed += 1
             self.backend.trim()
             return None
         captured = CapturedCall(graph, static_x, static_in, static_out, out, resident)
-        self._graphs[sig] = captured
+        self._graphs[sig] = captured  # the least recently used one past max_graphs is dropped
         self.stats.captured += 1
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)  # an owner keeps its cache tensors: they are its references now
         log.debug("captured %s (%d graphs)", _describe(sig), len(self._graphs))
         return captured
 

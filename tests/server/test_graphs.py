@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vaed.engine import DecodeEngine, OutputSpec, warm_up
-from vaed.graphs import DecoderGraphs, GraphBackend, RecentSet, RerunBackend, signature
+from vaed.graphs import DecoderGraphs, GraphBackend, RerunBackend, signature
 
 RAW = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True)
 
@@ -131,19 +131,6 @@ def test_engine_refuses_an_unknown_graph_mode() -> None:
 def test_graphs_stay_off_on_cpu() -> None:
     engine = DecodeEngine.load("random:wan2.1-tiny", device="cpu", dtype="float32", cuda_graphs="on")
     assert engine.graphs is None
-
-
-def test_recent_set_keeps_the_latest_members() -> None:
-    recent = RecentSet(3)
-    for item in "abcd":
-        recent.add(item)
-    assert len(recent) == 3 and "a" not in recent and all(i in recent for i in "bcd")
-    recent.add("b")  # re-adding makes it the newest
-    recent.add("e")
-    assert "c" not in recent and all(i in recent for i in "bde")
-    recent.discard("d")
-    recent.discard("zz")  # absent: nothing happens
-    assert len(recent) == 2
 
 
 def test_signatures_seen_once_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
