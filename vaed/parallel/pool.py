@@ -48,8 +48,11 @@ class WorkerPool:
             raise ValueError("a pool needs at least one device worker")
         self.workers = workers
         self.max_sessions = max_sessions
-        self._sessions = 0
-        self._slots = [0] * len(workers)  # slots held per worker, admission to release
+        # Slots held per worker, admission to release; their sum is the admitted count.
+        # Not a BoundedSemaphore: admission picks the least-loaded worker from these counts
+        # in the same critical section that takes the slot, and the gauges read them, so a
+        # semaphore beside them would be a second count to keep equal (its value is private).
+        self._slots = [0] * len(workers)
         self._lock = threading.Lock()  # the counts above; taken before no other lock
         self.on_change: Callable[[], None] | None = None  # a worker left rotation (called on its thread)
 
@@ -111,10 +114,9 @@ class WorkerPool:
         pending = [w.load().pending_latent_frames for w in self.workers]  # worker locks, not under ours
         healthy = [i for i, w in enumerate(self.workers) if w.healthy] or list(range(len(self.workers)))
         with self._lock:
-            if self._sessions >= self.max_sessions:
+            if sum(self._slots) >= self.max_sessions:
                 raise CapacityExhausted(f"all {self.max_sessions} decode sessions are in use; retry shortly")
             index = min(healthy, key=lambda i: (self._slots[i], pending[i], i))
-            self._sessions += 1
             self._slots[index] += 1
         return SessionSlot(index, self._release_slot)
 
@@ -122,11 +124,10 @@ class WorkerPool:
     def admitted(self) -> int:
         """Calls holding a session slot (attached to a worker or about to be)."""
         with self._lock:
-            return self._sessions
+            return sum(self._slots)
 
     def _release_slot(self, slot: SessionSlot) -> None:
         with self._lock:
-            self._sessions -= 1
             self._slots[slot.index] -= 1
 
     def attach(self, session: Session, slot: SessionSlot) -> DeviceWorker:
