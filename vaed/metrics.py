@@ -46,7 +46,6 @@ threads, so a scrape is answered while they run).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from collections.abc import Collection, Iterator

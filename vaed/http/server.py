@@ -58,6 +58,7 @@ from typing import Any
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
+
 class _NotClientErrors(logging.Filter):
     """Drops aiohttp's record of a malformed request (it logs each at ERROR with a
     traceback: a client sending garbage would fill the log); handler errors stay."""
@@ -135,7 +136,9 @@ class HttpServer:
         runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
         await runner.setup()
         try:
-            # aiohttp's documented low-level use: a protocol factory for create_server.
+            # aiohttp's Server is a protocol factory for create_server (its documented
+            # low-level use); this one builds its RequestHandler subclass, which reports
+            # each new connection for the cap.
             self._listener = await asyncio.get_running_loop().create_server(
                 self._connection_factory(runner), address, port
             )
@@ -162,22 +165,20 @@ class HttpServer:
         limits = self.limits
         loop = asyncio.get_running_loop()
 
+        def made(new: web.RequestHandler) -> None:
+            self._enforce_cap(server, new)
+
         def connection() -> web.RequestHandler:
             return _Connection(
-                server, self._made, loop=loop, access_log=None, logger=_protocol_log,
+                server, made, loop=loop, access_log=None, logger=_protocol_log,
                 keepalive_timeout=limits.head_timeout, max_line_size=limits.max_line_size,
                 max_field_size=limits.max_field_size, max_headers=limits.max_headers,
             )
 
         return connection
 
-    def _made(self, new: web.RequestHandler) -> None:
-        """A connection opened: past the cap, close the oldest idle one (or this one)."""
-        runner = self._runner
-        server = runner.server if runner is not None else None
-        if server is None:
-            new.force_close()
-            return
+    def _enforce_cap(self, server: web.Server, new: web.RequestHandler) -> None:
+        """``new`` opened: past the cap, close the oldest idle connection (or ``new``)."""
         # Open ones in arrival order; a closed one stays listed until its task ends.
         others = [h for h in server.connections if h is not new and h.transport is not None]
         if len(others) < self.limits.max_connections:
