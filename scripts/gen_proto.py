@@ -1,11 +1,12 @@
 """Regenerate the committed gRPC stubs from proto/ into client/vaed_client/_proto.
 
 Run after editing proto/vaed/v1/vaed.proto:  python scripts/gen_proto.py
-tests/test_proto_stubs.py fails when the committed stubs are stale.
+tests/client/test_proto_stubs.py fails when the committed stubs are stale.
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 import tempfile
@@ -43,6 +44,7 @@ def generate(out_dir: pathlib.Path) -> dict[str, str]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help writes nothing
     with tempfile.TemporaryDirectory() as tmp:
         texts = generate(pathlib.Path(tmp))
     for name, text in texts.items():

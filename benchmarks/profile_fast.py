@@ -10,15 +10,15 @@ random weights, white-noise latents; 480p also with smooth latents) prints:
   2-D channels-last causal-input kernel) and ``fast``;
 * bit-identity of lossless and lossless-tiled to stock with that layout;
 * PSNR of RGB8 frames and max abs RAW error against an fp32 stock decode of
-  the same latents (the issue-12 gate: fast within 0.5 dB of stock bf16 and
+  the same latents (the fast tier's quality gate: within 0.5 dB of stock bf16 and
   >= 40 dB);
 * achieved TFLOP/s for Wan2.1 (3.44 TFLOP per 480x832 frame, scaled by pixels);
 * a torch.profiler top-15 kernel table of one steady chunk, lossless and fast,
   with the chunk's GPU time and kernel count.
 
 Run on the GPU machine from the repository root:
-    python scripts/profile_fast.py            # all cases
-    python scripts/profile_fast.py --cases wan2.1-480p --runs 3
+    python benchmarks/profile_fast.py            # all cases
+    python benchmarks/profile_fast.py --cases wan2.1-480p --runs 3
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ CASES: dict[str, tuple[str, tuple[int, int, int]]] = {
 }
 DEFAULT_CASES = ("wan2.1-480p", "wan2.1-720p", "wan2.2-704p")
 DEVICE = "cuda"
-WAN21_TFLOP_PER_480P_FRAME = 3.44  # DESIGN.md, from the decoder's conv shapes
+WAN21_TFLOP_PER_480P_FRAME = 3.44  # summed over the decoder's conv shapes (2 * MACs)
 
 
 def latent_shape(vae: Any, frames: int, height: int, width: int) -> tuple[int, ...]:

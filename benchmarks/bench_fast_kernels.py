@@ -12,8 +12,8 @@ Calls a kernel declines (its fallback runs) are listed with their strides,
 each resample conv2d with its input, weight and output strides, and each
 conv3d whose output is not channels_last_3d.
 
-    python scripts/probe_fast_kernels.py                                   # Wan2.1 480x832
-    python scripts/probe_fast_kernels.py --model random:wan2.2 --hw 44x80  # Wan2.2 704x1280
+    python benchmarks/bench_fast_kernels.py                                   # Wan2.1 480x832
+    python benchmarks/bench_fast_kernels.py --model random:wan2.2 --hw 44x80  # Wan2.2 704x1280
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Client-observed decode time, time to first frame and server peak GPU memory
 of a real `vaed serve` process, against AutoencoderKLWan.decode in one process.
 
-    python scripts/bench_service.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
+    python benchmarks/bench_service.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
 
 Runs the server as a subprocess on --gpu, measures through VaeClient over
 loopback, reads the server's peak GPU memory from its Prometheus endpoint,

@@ -1,7 +1,7 @@
 """Start-up time per warm-up shape, first request vs steady at each warmed
 shape, and time to first frame, of a real `vaed serve` process through the client.
 
-    python scripts/bench_warmup.py --gpu 0            # Wan2.1 (480x832, 720x1280 x81) and Wan2.2 (704x1280 x121)
+    python benchmarks/bench_warmup.py --gpu 0            # Wan2.1 (480x832, 720x1280 x81) and Wan2.2 (704x1280 x121)
 
 For each model the server starts with its default --warmup-shapes; the script
 reads the per-shape warm-up times from its log, then decodes each warmed shape

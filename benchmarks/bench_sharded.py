@@ -1,10 +1,10 @@
 """Spatially-sharded decode on several GPUs vs one GPU running vaed lossless (random weights).
 
-    python scripts/bench_sharded.py                  # 2 GPUs, the three issue-11 cases, < 6 min on 2 H200s
-    python scripts/bench_sharded.py --gpus 4         # issue 13: the same over 4 GPUs
-    python scripts/bench_sharded.py --min-size       # smallest frame size where sharding wins
-    python scripts/bench_sharded.py --cases wan2.1-480p --repeats 3
-    python scripts/bench_sharded.py --profile wan2.1-720p   # where rank 0's time goes, one GPU vs sharded
+    python benchmarks/bench_sharded.py                  # 2 GPUs: Wan2.1 480p and 720p, Wan2.2 704x1280; < 6 min on 2 H200s
+    python benchmarks/bench_sharded.py --gpus 4         # the same over 4 GPUs
+    python benchmarks/bench_sharded.py --min-size       # smallest frame size where sharding wins
+    python benchmarks/bench_sharded.py --cases wan2.1-480p --repeats 3
+    python benchmarks/bench_sharded.py --profile wan2.1-720p   # where rank 0's time goes, one GPU vs sharded
 
 Per case it prints: seconds of the one-GPU engine (vaed lossless, the served
 per-latent-frame loop) and of the sharded engine (same loop, all GPUs), the

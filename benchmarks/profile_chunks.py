@@ -1,7 +1,7 @@
 """Per-chunk host and GPU time of the engine, eager vs CUDA graphs, lossless vs fast (one GPU).
 
-    python scripts/profile_chunks.py                       # Wan2.1 480x832x81, bf16
-    python scripts/profile_chunks.py --model random:wan2.2 --hw 44x80 --frames 31
+    python benchmarks/profile_chunks.py                       # Wan2.1 480x832x81, bf16
+    python benchmarks/profile_chunks.py --model random:wan2.2 --hw 44x80 --frames 31
 
 For each tier and mode prints, over one video decoded one latent frame at a time:
 

@@ -1,7 +1,7 @@
 """Sweep the channels-last tile kernels' launch shape over a steady chunk's real calls (one GPU run).
 
 Records the fast tier's kernel calls of one steady chunk (as
-``probe_fast_kernels.py`` does), then replays each distinct call under
+``bench_fast_kernels.py`` does), then replays each distinct call under
 several tile shapes -- elements per program (``rt.CHANNEL_TILE``) x warps --
 and prints the GPU time of each, the chunk's total per shape, and the total
 with every call at its own best shape. Calls are timed in batches of
@@ -9,7 +9,7 @@ with every call at its own best shape. Calls are timed in batches of
 GPU's and only kernel time counts. Calls with a deferred conv bias are also
 timed without it (same tile shape), to see what the bias costs.
 
-    python scripts/sweep_channel_tiles.py --model random:wan2.1 --hw 60x104
+    python benchmarks/sweep_channel_tiles.py --model random:wan2.1 --hw 60x104
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from probe_fast_kernels import Call, describe, record
+from bench_fast_kernels import Call, describe, record
 
 from vaed import patches as P
 from vaed.kernels import _runtime as rt

@@ -2,7 +2,7 @@
 GPU vs on several (`vaed serve --gpu 0` vs `--gpu 0,1`), and one large video
 through `--parallel spatial`.
 
-    python scripts/bench_pool.py --gpus 0,1 --sessions 4        # 480x832x81 each
+    python benchmarks/bench_pool.py --gpus 0,1 --sessions 4        # 480x832x81 each
 
 Clients run in separate processes (the client's own GIL stays out of the
 figure); each decodes one video, RGB8, and the wall time from the first start

@@ -10,7 +10,7 @@ without the float copy (``vector_norm(x, dtype=float32)``) with whether its
 bits equal, and a plain ``copy_`` of the conv input's bytes as the bandwidth
 reference.
 
-    python scripts/probe_causal_pad.py                       # Wan2.1 480x832
+    python benchmarks/bench_causal_pad.py                       # Wan2.1 480x832
 """
 
 from __future__ import annotations
