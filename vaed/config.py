@@ -32,7 +32,7 @@ DEFAULT_WARMUP_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
 # at 480x832), but with torch's default (one thread per core, 16 on the H200
 # host) each such op wakes the whole OpenMP pool and waits for its slowest
 # thread: latent frame 0's kernel launches then took 10-50 ms instead of 8-18 ms,
-# and the GPU waited on them. scripts/bench_service.py on an H200, 14 calls at
+# and the GPU waited on them. benchmarks/bench_service.py on an H200, 14 calls at
 # 480x832: first frame through the client median 37.9 ms, max 70.6, 8/14 <= 40
 # ms with 16 threads; median 28.0 ms, max 31.7, 14/14 with this default.
 GPU_SERVER_CPU_THREADS = 1
@@ -40,7 +40,7 @@ GPU_SERVER_CPU_THREADS = 1
 # --parallel spatial shards a session only from this output frame size (H*W).
 # 480x832 gains 1.78x on two H200s (0.706 s against 1.254 s for 81 frames);
 # smaller sizes were not measured, so they stay on one GPU until
-# scripts/bench_sharded.py --min-size says otherwise.
+# benchmarks/bench_sharded.py --min-size says otherwise.
 SPATIAL_MIN_PIXELS = 480 * 832
 
 

@@ -2,7 +2,7 @@
 
 Why: one decoder call launches ~274 kernels through diffusers' Python
 modules; a replay launches them all at once. Measured on an H200 (bf16,
-scripts/profile_chunks.py): host time per steady 480x832 chunk 13.9 -> 7.2 ms
+benchmarks/profile_chunks.py): host time per steady 480x832 chunk 13.9 -> 7.2 ms
 (lossless) and 19.4 -> 5.6 ms (fast). The GPU stays the bound from 240x416 up,
 so whole videos are no faster (480x832x81 lossless 1.248 s eager, 1.274 s
 replayed) and the graphs' buffers cost memory: `--cuda-graphs` is off by

@@ -220,7 +220,7 @@ class StreamedLatents:
     frame waits for 0.4 MB (bf16 at 480x832) instead of the whole request
     (4.2 MB at 480x832x81). The rest is held back until the first frame
     arrives: uploaded at once, it shares the connection with the first reply
-    and delays it (scripts/probe_first_reply.py, loopback, 1.2 MB reply:
+    and delays it (measured over loopback with a model-less server, 1.2 MB reply:
     median 12.4-14.6 ms with the 4 MB sent at once against 3.0-4.3 ms held
     back on a 2-core machine; 6.1 against 4.2 ms on an H200 host). One
     message before the first reply also means nothing is written into a call

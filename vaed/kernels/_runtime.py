@@ -119,7 +119,7 @@ def launch_opts(t: torch.Tensor) -> dict[str, Any]:
 
 
 # Elements per program of the channels-last tile kernels (pixels x all channels) and their
-# warps: 2048 bf16 values, 16 per thread. scripts/sweep_channel_tiles.py over every tile-kernel
+# warps: 2048 bf16 values, 16 per thread. benchmarks/sweep_channel_tiles.py over every tile-kernel
 # call of a steady chunk (H200, bf16, fast tier) put 2048/4 ahead of 4096/8 and 8192/16 at
 # each size: 8.02 / 8.12 / 8.63 ms at 480x832, 15.01 / 15.75 / 16.84 at 720x1280, 10.53 /
 # 10.58 / 11.36 at Wan2.2 704x1280.

@@ -9,7 +9,7 @@ contiguous) and, in the same pass, the next chunk's compact cache (the last
 ``CACHE_T`` unpadded frames). Optionally it applies WanRMS_norm + SiLU to the
 new frames on the way (see :mod:`vaed.kernels.rms_silu`).
 
-Speed (H200, Wan2.1 480x832 bf16, scripts/probe_causal_pad.py): int32
+Speed (H200, Wan2.1 480x832 bf16, benchmarks/bench_causal_pad.py): int32
 offsets, the channel count as a compile-time constant and per-row branches
 (zero rows store, cached rows copy, only new rows run the norm) took a first
 chunk's 30 calls from 9.5 to 5.0 ms and a steady chunk's 32 from 15.2 to

@@ -39,7 +39,7 @@ Server integration (`vaed serve --gpu 0,1 --parallel spatial --spatial-axis auto
 Trade-off of this first design: GPUs 1.. only ever work on sharded sessions,
 so with mostly small requests the other GPUs idle (the pool of one-GPU
 workers is the better mode there); `min_pixels` is the knob (see
-scripts/bench_sharded.py --min-size for where sharding starts to win).
+benchmarks/bench_sharded.py --min-size for where sharding starts to win).
 """
 
 from .engine import Follower, ShardedEngine, ShardedState, ShardGroupError, StepHeader

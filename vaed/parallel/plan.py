@@ -14,7 +14,7 @@ rows, so the tightest constraint is at the latent level (s = 1):
 
 That is the correctness minimum (`min_latent_extent`); below it the request
 falls back to one GPU. Whether sharding is *worth it* is a separate, measured
-threshold (scripts/bench_sharded.py --min-size) passed in as `min_pixels`.
+threshold (benchmarks/bench_sharded.py --min-size) passed in as `min_pixels`.
 """
 
 from __future__ import annotations

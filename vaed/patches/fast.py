@@ -1,7 +1,7 @@
 """The fast tier's op set: lossy but near-identical, on the same forwards.
 
 What differs from ``LOSSLESS_OPS`` (each piece to be kept only if
-scripts/profile_fast.py shows it pays on the H200):
+benchmarks/profile_fast.py shows it pays on the H200):
 
 * ``norm_causal_pad``: WanRMS_norm + SiLU computed in one channels-last pass
   inside the causal-input kernel (the per-pixel channel norm reduced in fp32
@@ -70,7 +70,7 @@ from vaed.patches.ops import (
 )
 
 # Widest conv (channels in = out) that runs as an unfolded conv2d. On an H200 (bf16,
-# scripts/probe_conv.py, steady 480x832 chunk) a 96-channel 3x3x3 conv took 3.135 ms as
+# each conv of a steady 480x832 chunk timed alone) a 96-channel 3x3x3 conv took 3.135 ms as
 # conv3d (254 TFLOP/s, sm80-family cuDNN kernel) and 1.96 ms as the conv2d over unfolded
 # taps (406 TFLOP/s, sm90 kernel); 192 channels already reach 535 TFLOP/s as conv3d.
 UNFOLD_MAX_CHANNELS = 96
