@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from ..choices import Kernels, Parallel, Precision, SpatialAxis
+from ..choices import Kernels, Layout, Parallel, Precision, SpatialAxis
 from ..engine import DecodeEngine
 from ..engine_protocol import DecodedGroup, Engine, EngineInfo, OutputSpec
 from ..errors import ShardGroupError
@@ -145,7 +145,7 @@ class _ShardRunner:
         return self._ops[precision]
 
     def to_layout(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "channels_last":
+        if self.layout == Layout.CHANNELS_LAST:
             return x.contiguous(memory_format=torch.channels_last_3d)
         return x.contiguous()
 
