@@ -48,7 +48,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """`vaed serve`'s flags: --gpu/--device (the devices), then one per ServerConfig flag field."""
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--gpu", metavar="N[,M...]|all",
-                       help="serve on these CUDA devices, one worker each behind one port (default: 0 when CUDA is available)")
+                       help="serve on these CUDA devices, one worker each behind one port "
+                            "(default: 0 when CUDA is available)")
     where.add_argument("--device", choices=["cpu"], help="serve on the CPU (slow; for tests and development)")
     flags.add_arguments(parser, ServerConfig)
 

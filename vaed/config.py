@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from vaed_client import wire
 
@@ -121,7 +122,7 @@ class ServerConfig:
         choices=Kernels)
     disabled_ops: tuple[str, ...] = option(
         (), "switch one fused op off (repeatable); the stock aten chain runs in its place",
-        name="--disable-op", choices=_op_names, action="append")
+        name="--disable-op", choice_names=_op_names, action="append")
     layout: Layout = option(
         Layout.AUTO, "decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU", choices=Layout)
     cuda_graphs: CudaGraphs = option(
@@ -214,5 +215,5 @@ class ServerConfig:
             return self.max_streams_per_connection
         return self.max_sessions + 16
 
-    def replace(self, **changes: object) -> "ServerConfig":
+    def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)

@@ -33,9 +33,10 @@ class Flag:
     help: str
     name: str | None = None  # None: "--" + the field name with dashes
     parse: Callable[[str], Any] | None = None  # argparse `type`; None keeps the text
-    # A Choice enum (its values are the accepted strings), or a function giving them when
-    # computing them needs a heavy import (the op names need torch).
-    choices: type[Choice] | Callable[[], Sequence[str]] | None = None
+    choices: type[Choice] | None = None  # the accepted strings are its values
+    # The accepted strings of a flag that is no Choice, from a function because computing them
+    # needs a heavy import (the op names need torch).
+    choice_names: Callable[[], Sequence[str]] | None = None
     metavar: str | None = None
     default_note: str = ""  # said after the default: "(default 399360 = 480x832)"
     no_default: str | None = None  # what a None default means, in words: "(default: off)"
@@ -44,17 +45,12 @@ class Flag:
     def flag_name(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
 
-    def choice_enum(self) -> type[Choice] | None:
-        choices = self.choices
-        return choices if isinstance(choices, type) and issubclass(choices, Choice) else None
-
     def choice_values(self) -> list[str] | None:
-        if self.choices is None:
-            return None
-        enum = self.choice_enum()
-        if enum is not None:
-            return list(enum.values())
-        return list(self.choices())  # type: ignore[operator]  # the non-enum case is the callable
+        if self.choices is not None:
+            return list(self.choices.values())
+        if self.choice_names is not None:
+            return list(self.choice_names())
+        return None
 
 
 def option(default: Any, help: str, **flag: Any) -> Any:
@@ -115,7 +111,7 @@ def coerce_choices(obj: Any) -> None:
     """In a frozen dataclass's __post_init__: turn each choice field's string into its enum
     member (callers and tests may pass "off"), with a ValueError naming the field otherwise."""
     for field, flag in flag_fields(type(obj)):
-        enum = flag.choice_enum()
+        enum = flag.choices
         value = getattr(obj, field.name)
         if enum is not None and value is not None and not isinstance(value, enum):
             object.__setattr__(obj, field.name, enum.parse(value, field.name))

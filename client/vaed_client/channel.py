@@ -133,7 +133,7 @@ def channel_options(
     return options
 
 
-def _pem(spec: PemSpec, what: str) -> bytes | None:
+def _pem(spec: bytes | bytearray | str | os.PathLike[Any] | None, what: str) -> bytes | None:
     if spec is None:
         return None
     if isinstance(spec, (bytes, bytearray)):
@@ -158,7 +158,8 @@ def channel_credentials(
         return None
     if isinstance(tls, grpc.ChannelCredentials):
         if client_cert is not None:
-            raise ValueError("tls_client_cert cannot be added to ready-made grpc.ChannelCredentials; build them with it")
+            raise ValueError("tls_client_cert cannot be added to ready-made grpc.ChannelCredentials; "
+                             "build them with the certificate")
         return tls
     if tls is True:
         roots = None

@@ -33,7 +33,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, harness.Pki]:
 def mtls_server(pki: dict[str, harness.Pki]) -> Iterator[str]:
     ca = pki["trusted"]
     proc, target = harness.start_cli_server(
-        "--no-warmup", "--tls-cert", str(ca.server_cert), "--tls-key", str(ca.server_key), "--tls-client-ca", str(ca.ca),
+        "--no-warmup", "--tls-cert", str(ca.server_cert), "--tls-key", str(ca.server_key),
+        "--tls-client-ca", str(ca.ca),
     )
     try:
         yield target
