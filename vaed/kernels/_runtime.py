@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -155,7 +156,7 @@ def offsets_fit_int32(tensors: tuple[torch.Tensor | None, ...], slack: int = 0) 
     for t in tensors:
         if t is None:
             continue
-        last = sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride()) if size > 0)
+        last = sum((size - 1) * abs(st) for size, st in zip(t.shape, t.stride(), strict=True) if size > 0)
         if t.numel() > limit or last > limit:
             return False
     return True

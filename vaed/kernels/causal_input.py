@@ -18,8 +18,8 @@ chunk's 30 calls from 9.5 to 5.0 ms and a steady chunk's 32 from 15.2 to
 
 from __future__ import annotations
 
-
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +29,18 @@ from vaed.kernels.rms_silu import NormSilu, low_precision, rms_silu_exact_tile, 
 
 CACHE_T = 2
 _BLOCK = 1024
-tl = None  # filled in by rt.jit_lazy before the kernel is decorated
-triton = None
-libdevice = None
+if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
+    import triton.language as tl
+else:
+    tl = None  # filled in by rt.jit_lazy before the kernel is decorated
+triton: Any = None  # filled in by rt.jit_lazy
+libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 
 def causal_pad_reference(
     x: torch.Tensor,
     cache: torch.Tensor | None,
-    pad: tuple[int, int, int, int, int, int],
+    pad: tuple[int, ...],  # F.pad's six entries
     *,
     zero_history: bool = False,
     cache_t: int = CACHE_T,
@@ -94,7 +97,9 @@ def _stock_layouts(
     """
     # dtype matters: the norm chain copies bf16/fp16 to fp32 first, fp32 runs in place
     x = torch.empty_strided(x_shape, x_stride, device="meta", dtype=dtype)
-    c = None if c_shape is None else torch.empty_strided(c_shape, c_stride, device="meta", dtype=dtype)  # type: ignore[arg-type]
+    c = None
+    if c_shape is not None and c_stride is not None:
+        c = torch.empty_strided(c_shape, c_stride, device="meta", dtype=dtype)
     norm = NormSilu(torch.empty(x_shape[1], 1, 1, 1, device="meta", dtype=dtype), 1.0, 0.0) if with_norm else None
     p, n = causal_pad_reference(x, c, pad, zero_history=zero_history, cache_t=cache_t, norm=norm)
     assert n is not None
@@ -172,7 +177,7 @@ _kernel = rt.jit_lazy(_causal_pad_kernel, globals(), helpers=(rms_silu_exact_til
 def causal_pad(
     x: torch.Tensor,
     cache: torch.Tensor | None,
-    pad: tuple[int, int, int, int, int, int],
+    pad: tuple[int, ...],  # F.pad's six entries
     *,
     zero_history: bool = False,
     cache_t: int = CACHE_T,
@@ -196,7 +201,8 @@ def causal_pad(
     if not _eligible(x, cache, pad, zero_history, cache_t, norm):
         return None
     use_cache = cache is not None and pad[4] > 0
-    c_meta = (tuple(cache.shape), tuple(cache.stride())) if use_cache else (None, None)  # type: ignore[union-attr]
+    src_c = cache if cache is not None and use_cache else x  # the kernel's cache operand (x: unused)
+    c_meta = (tuple(src_c.shape), tuple(src_c.stride())) if use_cache else (None, None)
     p_shape, p_stride, n_shape, n_stride = _stock_layouts(
         tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, norm is not None, x.dtype
     )
@@ -209,7 +215,7 @@ def causal_pad(
     else:
         return None
     B, C, T, H, W = x.shape
-    hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
+    hist = src_c.shape[2] if use_cache else 0
     _, _, TP, HP, WP = p_shape
     K = n_shape[2] if emit_cache else 0
     inner = WP * C if cl else HP * WP
@@ -219,8 +225,8 @@ def causal_pad(
     nxt = rt.empty_with_strides(n_shape, n_stride, x) if emit_cache else None
     if padded.numel() == 0:
         return None
-    src_c = cache if use_cache else x
     if norm is not None:
+        assert norm.denom is not None  # _eligible refused a norm without aten's denominator
         d, g, scale, bias = norm.denom, norm.gamma, float(norm.scale), float(norm.bias)
         sd = (d.stride(0), d.stride(2), d.stride(3), d.stride(4))
     else:
@@ -228,7 +234,7 @@ def causal_pad(
     rows = padded.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
     idx64 = not rt.offsets_fit_int32((x, src_c, padded, nxt, d), slack=_BLOCK)
-    _kernel()[grid](  # type: ignore[index]
+    _kernel()[grid](
         x, src_c, padded, padded if nxt is None else nxt, d, g,
         C, T, H, W, TP, HP, WP, inner,
         pad[4] - hist, hist, K, pad[2], pad[0],

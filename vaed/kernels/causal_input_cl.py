@@ -35,6 +35,8 @@ each slot it feeds; the next cache is the same as without it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from vaed.kernels import _runtime as rt
@@ -42,9 +44,12 @@ from vaed.kernels.causal_input import CACHE_T, _stock_layouts
 from vaed.kernels.causal_input import _eligible as _eligible_1d
 from vaed.kernels.rms_silu import NormSilu, low_precision, rms_silu_exact_tile
 
-tl = None  # filled in by rt.jit_lazy
-triton = None
-libdevice = None
+if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
+    import triton.language as tl
+else:
+    tl = None  # filled in by rt.jit_lazy
+triton: Any = None  # filled in by rt.jit_lazy
+libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 _MAX_C = 4096
 NORM_EPS = 1e-12  # F.normalize's eps
@@ -158,7 +163,8 @@ def causal_pad_cl(
     if not _eligible(x, cache, pad, zero_history, cache_t, norm, norm_cl):
         return None
     use_cache = cache is not None and pad[4] > 0
-    c_meta = (tuple(cache.shape), tuple(cache.stride())) if use_cache else (None, None)  # type: ignore[union-attr]
+    src_c = cache if cache is not None and use_cache else x  # the kernel's cache operand (x: unused)
+    c_meta = (tuple(src_c.shape), tuple(src_c.stride())) if use_cache else (None, None)
     p_shape, p_stride, n_shape, n_stride = _stock_layouts(
         tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t,
         norm is not None or norm_cl is not None, x.dtype,
@@ -175,12 +181,12 @@ def causal_pad_cl(
     else:
         padded = rt.empty_with_strides(p_shape, p_stride, x)
     nxt = rt.empty_with_strides(n_shape, n_stride, x) if emit_cache else None
-    hist = cache.shape[2] if use_cache else 0  # type: ignore[union-attr]
-    src_c = cache if use_cache else x
+    hist = src_c.shape[2] if use_cache else 0
     d, sd = x, (0, 0, 0, 0)
     x_bias = None
     if norm is not None:
         mode, g, scale, bias = 1, norm.gamma, float(norm.scale), float(norm.bias)
+        assert norm.denom is not None  # _eligible refused a norm without aten's denominator
         d = norm.denom
         sd = (d.stride(0), d.stride(2), d.stride(3), d.stride(4))
     elif norm_cl is not None:
@@ -190,7 +196,7 @@ def causal_pad_cl(
         mode, g, scale, bias = 0, x, 1.0, 0.0
     block_w, block_c, num_warps = rt.channel_tile(C, WP)
     grid = (B * TP * HP, -(-WP // block_w))
-    _kernel()[grid](  # type: ignore[index]
+    _kernel()[grid](
         x, src_c, padded, padded if nxt is None else nxt, g, d, g if x_bias is None else x_bias,
         C, H, W, TP, HP, WP,
         pad[4] - hist, hist, n_shape[2] if emit_cache else 0, pad[2], pad[0],

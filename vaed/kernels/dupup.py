@@ -21,17 +21,20 @@ kernel takes 0.93 ms.
 
 from __future__ import annotations
 
-
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vaed.kernels import _runtime as rt
 
 _BLOCK = 1024
-tl = None  # filled in by rt.jit_lazy
-triton = None
-libdevice = None
+if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
+    import triton.language as tl
+else:
+    tl = None  # filled in by rt.jit_lazy
+triton: Any = None  # filled in by rt.jit_lazy
+libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 # output memory orders the kernel addresses (LAYOUT constexpr)
 _LAYOUTS = (rt.ORDER_CONTIGUOUS, rt.ORDER_CL3D, rt.ORDER_NTCHW)
@@ -207,7 +210,7 @@ def dupup_add(
     repeats = c * factor_t * factor_s * factor_s // sc
     if order == rt.ORDER_CL3D and c <= _CL_MAX_C:
         block_w, block_c, num_warps = rt.channel_tile(c, w)
-        _cl_kernel()[(b * t * h, -(-w // block_w))](  # type: ignore[index]
+        _cl_kernel()[(b * t * h, -(-w // block_w))](
             main, source, main if bias is None else bias, out,
             c, t, h, w, *main.stride(), *source.stride(), t_off,
             REPEATS=repeats, FT=factor_t, FS=factor_s, HAS_BIAS=bias is not None,
@@ -220,7 +223,7 @@ def dupup_add(
         return None
     rows = out.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
-    _kernel()[grid](  # type: ignore[index]
+    _kernel()[grid](
         main, source, out,
         c, t, h, w, inner, shape[order[4]], shape[order[1]], shape[order[2]],
         *main.stride(), *source.stride(),

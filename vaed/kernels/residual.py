@@ -16,13 +16,18 @@ caller runs the reference.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from vaed.kernels import _runtime as rt
 
-tl = None  # filled in by rt.jit_lazy
-triton = None
-libdevice = None
+if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
+    import triton.language as tl
+else:
+    tl = None  # filled in by rt.jit_lazy
+triton: Any = None  # filled in by rt.jit_lazy
+libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 _MAX_C = 4096
 
@@ -87,7 +92,7 @@ def bias_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | Non
     out = rt.empty_with_strides(shape, out_stride, x)
     block_p, block_c, num_warps = rt.channel_tile(c)
     pixels = x.numel() // c
-    _kernel()[(-(-pixels // block_p),)](  # type: ignore[index]
+    _kernel()[(-(-pixels // block_p),)](
         x, h, x if bias is None else bias, out, pixels, c,
         HAS_BIAS=bias is not None, IDX64=not rt.offsets_fit_int32((x,), slack=block_p * c),
         BLOCK_P=block_p, BLOCK_C=block_c, num_warps=num_warps,

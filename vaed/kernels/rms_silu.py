@@ -11,7 +11,7 @@ summation order only aten's reduction kernel reproduces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,11 @@ import torch.nn.functional as F
 # F.normalize's default eps; clamp_min(eps) is applied to the fp32 norm.
 NORM_EPS = 1e-12
 
-tl = None  # filled in by rt.jit_lazy (for rms_silu_exact_tile, a device helper)
-libdevice = None
+if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
+    import triton.language as tl
+else:
+    tl = None  # filled in by rt.jit_lazy (for rms_silu_exact_tile, a device helper)
+libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 
 @dataclass(frozen=True)

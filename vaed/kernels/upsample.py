@@ -11,8 +11,8 @@ reshape/stack that doubles the frame count.
 
 from __future__ import annotations
 
-
 import functools
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,12 @@ import torch.nn.functional as F
 from vaed.kernels import _runtime as rt
 
 _BLOCK = 1024
-tl = None  # filled in by rt.jit_lazy
-triton = None
-libdevice = None
+if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
+    import triton.language as tl
+else:
+    tl = None  # filled in by rt.jit_lazy
+triton: Any = None  # filled in by rt.jit_lazy
+libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 _ORDER4_NCHW = (0, 1, 2, 3)
 _ORDER4_NHWC = (0, 2, 3, 1)
@@ -47,7 +50,9 @@ def upsample_nearest2x_reference(x: torch.Tensor, interleave: bool = False) -> t
 
 
 @functools.lru_cache(maxsize=1024)
-def _out_layout(shape: tuple[int, ...], stride: tuple[int, ...], interleave: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _out_layout(
+    shape: tuple[int, ...], stride: tuple[int, ...], interleave: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     x = torch.empty_strided(shape, stride, device="meta", dtype=torch.bfloat16)
     y = upsample_nearest2x_reference(x, interleave)
     return tuple(y.shape), tuple(y.stride())
@@ -84,7 +89,9 @@ def _upsample_kernel(
 _kernel = rt.jit_lazy(_upsample_kernel, globals())
 
 
-def upsample_nearest2x(x: torch.Tensor, interleave: bool = False, *, channels_last: bool = False) -> torch.Tensor | None:
+def upsample_nearest2x(
+    x: torch.Tensor, interleave: bool = False, *, channels_last: bool = False
+) -> torch.Tensor | None:
     """Fused ``upsample_nearest2x_reference``: returns (b*t', c, 2h, 2w) or None (caller falls back).
 
     The output has the reference's strides, or with ``channels_last`` the same values in NHWC
@@ -123,7 +130,7 @@ def upsample_nearest2x(x: torch.Tensor, interleave: bool = False, *, channels_la
     out = rt.empty_with_strides(shape, stride, x)
     rows = out.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
-    _kernel()[grid](  # type: ignore[index]
+    _kernel()[grid](
         x, out,
         co, h, w, n1, n2, inner, co if cl else wo, ho if cl else co,
         sxb, sxt, s2, sxc, sxh, sxw,
