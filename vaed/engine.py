@@ -19,6 +19,13 @@ another algorithm for another T). The tests check equality with diffusers at
 the sizes they decode (CPU fp32; real sizes on the H200). Decoding frame by
 frame also lets the first frame leave before the rest of the request is
 prepared.
+
+Encoding (`encode_call`, fed by `Engine.encode_frames`) is
+`AutoencoderKLWan._encode` taken apart the same way: one encoder call per
+latent frame (frame 0, then four frames), the session's cache list, and
+quant_conv per call where diffusers runs it once on the concatenated output
+(a 1x1x1 conv again: the tests compare with diffusers' encode). The encoder's
+weights are loaded only when asked (`load(..., encoder=True)`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,18 @@ import torch
 
 from . import patches
 from .choices import ComputeDtype, CudaGraphs, Kernels, Layout, Precision
-from .engine_protocol import DecodedGroup, Engine, EngineInfo, LatentInput, ModelFacts, OutputSpec
+from .engine_protocol import (
+    DecodedGroup,
+    EncodedGroup,
+    EncodeSpec,
+    EncodeState,
+    Engine,
+    EngineInfo,
+    LatentInput,
+    LatentOutput,
+    ModelFacts,
+    OutputSpec,
+)
 from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
 from .models import LoadedModel, load_model
 
@@ -79,6 +97,7 @@ class DecodeEngine(Engine):
         self.dtype: torch.dtype = param.dtype
         self.facts = ModelFacts.of(self.vae)
         self.latent_input = LatentInput(self.facts, self.device, self.dtype)
+        self.latent_output = LatentOutput(self.facts, self.device)
         # Both tiers are prepared on the one copy of the weights; each decoder call
         # picks its session's op set (`patches.using`). Off CUDA only lossless is usable.
         self.fast_paths = patches.prepare_decoder(
@@ -93,10 +112,13 @@ class DecodeEngine(Engine):
                  ", CUDA graphs on" if self.graphs is not None else "")
 
     @classmethod
-    def load(cls, model: str, *, device: str, dtype: str | torch.dtype, **options: Any) -> "DecodeEngine":
-        """Load `model` (a `--model` spec) decoder-only onto `device` and build the engine."""
+    def load(
+        cls, model: str, *, device: str, dtype: str | torch.dtype, encoder: bool = False, **options: Any
+    ) -> "DecodeEngine":
+        """Load `model` (a `--model` spec) onto `device` and build the engine; decoder-only
+        unless `encoder` (the encoder's weights: 0.1 GiB bf16 for Wan2.1)."""
         torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        return cls(load_model(model, device, torch_dtype, decoder_only=True), **options)
+        return cls(load_model(model, device, torch_dtype, decoder_only=not encoder), **options)
 
     @property
     def info(self) -> EngineInfo:
@@ -143,6 +165,30 @@ class DecodeEngine(Engine):
         state.next_latent_frame += 1
         state.next_output_frame += frames.shape[output.time_dim]
         return group
+
+    # -- encoding ----------------------------------------------------------------------------
+
+    @property
+    def encodes(self) -> bool:
+        return self.vae.encoder is not None
+
+    @torch.inference_mode()
+    def encode_call(self, state: EncodeState, frames: torch.Tensor, spec: EncodeSpec) -> EncodedGroup:
+        """One `AutoencoderKLWan._encode` loop step: the frames in the weights' layout (then
+        patchified for Wan2.2, as diffusers patchifies the whole input), the encoder with the
+        session's cache, quant_conv on its one latent frame."""
+        if not self.encodes:
+            raise NotImplementedError("this engine was loaded decoder-only")
+        x = patches.to_decoder_layout(frames.to(self.device, non_blocking=True).to(self.dtype), self.fast_paths.layout)
+        if self.patch_size is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+            x = patchify(x, patch_size=self.patch_size)
+        ops = self.fast_paths.op_sets.get(spec.precision)
+        with patches.using(ops) if ops is not None else contextlib.nullcontext():
+            moments = self.vae.quant_conv(self.vae.encoder(x, feat_cache=state.cache, feat_idx=[0]))
+        latents = self.latent_output(moments, spec.out_dtype or self.dtype) if spec.latents else None
+        return EncodedGroup(state.next_latent_frame, moments.to(spec.out_dtype or self.dtype), latents)
 
     def free(self, state: DecodeState) -> None:
         # may run on the event loop's thread (a detach): graphs notice a freed owner themselves

@@ -17,8 +17,17 @@ Shared here, written once:
 
 An engine decodes one latent frame per call (`decode_frame`) into a
 `DecodedGroup` on its device; `state` objects are the engine's own (its
-cache list and position). The encoder will be another method pair here
-(`new_encode_state` / `encode_frames`) over the same input/output halves.
+cache list and position).
+
+Encoding is the method pair `new_encode_state` / `encode_frames`. Frames may
+arrive in pieces of any length (a client stream); the causal encoder takes
+frame 0 alone, then `scale_temporal` frames per call, each call giving one
+latent frame, so `encode_frames` buffers what does not fill a call yet and
+runs every call that is full (`encode_call`, the engine's one hook). Fed in
+any pieces, the calls see the same frames as `AutoencoderKLWan._encode`'s
+loop, hence the same bytes; `end_encode` refuses a video whose frame count is
+not 1 + 4k. An engine that cannot encode (decode-only weights) says so in
+`encodes` and its `encode_call` raises.
 """
 
 from __future__ import annotations
@@ -57,6 +66,37 @@ class DecodedGroup:
     frames: torch.Tensor
 
 
+@dataclass(frozen=True)
+class EncodeSpec:
+    """What an encode returns: the moments (quant_conv's output, mean and log-variance stacked on
+    the channel dim, as DiagonalGaussianDistribution takes them) and, with `latents`, the
+    normalised latents (mean - latents_mean) / latents_std as the Wan pipelines compute them."""
+
+    latents: bool = False           # also the normalised latents
+    out_dtype: torch.dtype | None = None  # None: the encoder's compute dtype
+    precision: str = Precision.LOSSLESS  # op set tier
+
+
+@dataclass(frozen=True)
+class EncodedGroup:
+    """One encoder call's latent frame, still on the device."""
+
+    latent_frame: int
+    moments: torch.Tensor           # [B, 2 * z_dim, 1, h, w]
+    latents: torch.Tensor | None    # [B, z_dim, 1, h, w] when EncodeSpec.latents
+
+
+@dataclass
+class EncodeState:
+    """One video's encoder cache, the frames waiting for a whole encoder call, and position."""
+
+    cache: list[Any] | None
+    pending: list[torch.Tensor] = field(default_factory=list)  # [B, 3, t, H, W] pieces
+    pending_frames: int = 0
+    frames_in: int = 0
+    next_latent_frame: int = 0
+
+
 @dataclass
 class EngineInfo:
     """What ModelInfo reports about an engine."""
@@ -82,10 +122,13 @@ class ModelFacts:
     latents_mean: list[float]
     latents_std: list[float]
     num_convs: int  # the decoder's causal convs: the length of its cache list
+    encoder_convs: int = 0  # the encoder's (0: not loaded)
 
     @classmethod
     def of(cls, vae: Any) -> ModelFacts:
         cfg = vae.config
+        # diffusers counts at construction; a decode-only load drops the encoder afterwards
+        encoder_convs = vae._cached_conv_counts["encoder"] if getattr(vae, "encoder", None) is not None else 0
         return cls(
             z_dim=cfg.z_dim,
             scale_temporal=cfg.scale_factor_temporal,
@@ -94,6 +137,7 @@ class ModelFacts:
             latents_mean=list(cfg.latents_mean),
             latents_std=list(cfg.latents_std),
             num_convs=vae._cached_conv_counts["decoder"],
+            encoder_convs=encoder_convs,
         )
 
 
@@ -114,6 +158,28 @@ class LatentInput:
         if not output.raw_latents:
             x = x / self.inv_std + self.mean
         return x
+
+
+class LatentOutput:
+    """Moments -> normalised latents the way WanImageToVideoPipeline / WanVideoToVideoPipeline
+    compute them: the mean cast to the output dtype, then (mean - latents_mean) * latents_std
+    with latents_std = 1.0 / std, each constant cast to that dtype first (built per dtype)."""
+
+    def __init__(self, facts: ModelFacts, device: torch.device) -> None:
+        self.facts = facts
+        self.device = device
+        self._consts: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, moments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        z = self.facts.z_dim
+        consts = self._consts.get(dtype)
+        if consts is None:
+            shape = (1, z, 1, 1, 1)
+            mean = torch.tensor(self.facts.latents_mean).view(shape).to(self.device, dtype)
+            inv_std = 1.0 / torch.tensor(self.facts.latents_std).view(shape).to(self.device, dtype)
+            consts = self._consts[dtype] = (mean, inv_std)
+        mean, inv_std = consts
+        return (moments[:, :z].to(dtype) - mean) * inv_std
 
 
 def postprocess(out: torch.Tensor, output: OutputSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -212,6 +278,58 @@ class Engine(ABC):
             self.free(state)
         return torch.cat(groups, dim=output.time_dim)
 
+    # -- encoding ----------------------------------------------------------------------------
+
+    @property
+    def encodes(self) -> bool:
+        """Whether this engine holds an encoder (a decode-only load does not)."""
+        return False
+
+    def new_encode_state(self) -> EncodeState:
+        return EncodeState(cache=[None] * self.facts.encoder_convs)
+
+    def encode_call(self, state: EncodeState, frames: torch.Tensor, spec: EncodeSpec) -> EncodedGroup:
+        """One encoder call on frames [B, 3, t, H, W] in [-1, 1] (t = 1 first, then
+        `scale_temporal`), advancing `state.cache`: one latent frame."""
+        raise NotImplementedError(f"{type(self).__name__} does not encode")
+
+    def encode_frames(self, state: EncodeState, frames: torch.Tensor, spec: EncodeSpec) -> list[EncodedGroup]:
+        """Feed frames [B, 3, t, H, W] (any t >= 0, any device); returns the latent frames whose
+        encoder calls are now full (none while the first call's frame or four later ones are
+        still incomplete)."""
+        if frames.shape[2]:
+            state.pending.append(frames)
+            state.pending_frames += frames.shape[2]
+            state.frames_in += frames.shape[2]
+        groups = []
+        while state.pending_frames >= (need := 1 if state.next_latent_frame == 0 else self.scale_temporal):
+            groups.append(self.encode_call(state, _take_frames(state, need), spec))
+            state.next_latent_frame += 1
+        return groups
+
+    def free_encode(self, state: EncodeState) -> None:
+        """Drop an encode's cache and waiting frames (may run on the event loop's thread)."""
+        state.cache = None
+        state.pending.clear()
+        state.pending_frames = 0
+
+    def end_encode(self, state: EncodeState) -> None:
+        """The input ended: ValueError when it was not 1 + 4k frames (some are still waiting)."""
+        wire.encoded_latent_frames(state.frames_in, self.scale_temporal)
+
+    def encode_video(self, frames: torch.Tensor, spec: EncodeSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whole-video encode in this process: (moments, latents or None), the served loop concatenated."""
+        wire.encoded_latent_frames(frames.shape[2], self.scale_temporal)
+        state = self.new_encode_state()
+        try:
+            groups = self.encode_frames(state, frames, spec)
+            self.end_encode(state)
+        finally:
+            self.free_encode(state)
+        moments = torch.cat([g.moments for g in groups], dim=2)
+        latents = torch.cat([g.latents for g in groups], dim=2) if spec.latents else None  # type: ignore[misc]
+        return moments, latents
+
     # -- the group around the engine (a one-device engine has none) ------------------------------
 
     @property
@@ -232,6 +350,22 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds beyond its weights (a sharded engine stops its group)."""
+
+
+def _take_frames(state: EncodeState, n: int) -> torch.Tensor:
+    """The first `n` waiting frames, as one tensor (pieces are split where a call ends)."""
+    parts, got = [], 0
+    while got < n:
+        piece = state.pending[0]
+        take = min(n - got, piece.shape[2])
+        parts.append(piece[:, :, :take])
+        if take == piece.shape[2]:
+            state.pending.pop(0)
+        else:
+            state.pending[0] = piece[:, :, take:]
+        got += take
+    state.pending_frames -= n
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 EngineFactory = Callable[[str], Engine]  # device -> engine

@@ -60,6 +60,16 @@ def output_frames(latent_frames: int, temporal: int = DEFAULT_TEMPORAL_FACTOR) -
     return 0 if latent_frames == 0 else 1 + temporal * (latent_frames - 1)
 
 
+def encoded_latent_frames(frames: int, temporal: int = DEFAULT_TEMPORAL_FACTOR) -> int:
+    """Latent frames the causal encoder makes of `frames` frames (1 + temporal*k of them:
+    frame 0 alone, then `temporal` per latent frame); ValueError for any other count."""
+    if temporal < 1:
+        raise ValueError(f"temporal factor must be >= 1, got {temporal}")
+    if frames < 1 or (frames - 1) % temporal:
+        raise ValueError(f"the encoder takes 1 + {temporal}k frames (1, {1 + temporal}, {1 + 2 * temporal}, ...), got {frames}")
+    return 1 + (frames - 1) // temporal
+
+
 def frame_slices(count: int, frame_bytes: int, cap_bytes: int) -> list[tuple[int, int]]:
     """(start, length) pieces of a group of `count` frames of `frame_bytes`
     each, so that every piece's payload is <= cap_bytes; a frame larger than
@@ -85,6 +95,7 @@ __all__ = [
     "MAX_REQUEST_ID_CHARS",
     "DEFAULT_TEMPORAL_FACTOR",
     "output_frames",
+    "encoded_latent_frames",
     "frame_slices",
     "DTYPE_NAMES",
     "WIRE_DTYPE_BY_NAME",

@@ -82,8 +82,8 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
         rep = P.prepare_decoder(vae, layout=layout, ops=ops)
         calls.clear()  # the start-up checks called each op
         assert rep.ops == "counting" and rep.stock_reason is None and rep.op_sets == {"counting": ops}
-        expect = ["WanCausalConv3d", "WanDecoder3d", "WanResample", "WanResidualBlock"]
-        expect.append("WanResidualUpBlock" if arch.startswith("wan2.2") else "WanUpBlock")
+        expect = ["WanCausalConv3d", "WanDecoder3d", "WanEncoder3d", "WanResample", "WanResidualBlock"]
+        expect += ["WanResidualUpBlock", "WanResidualDownBlock"] if arch.startswith("wan2.2") else ["WanUpBlock"]
         assert _patched(vae) == sorted(expect)
         got, got_cache = _chunked(vae, z)
         got_decode = vae.decode(z, return_dict=False)[0]
@@ -278,6 +278,7 @@ def test_table_names_only_known_ops() -> None:
     assert set(ops_used()) == set(P.OP_NAMES)
     assert {row.cls for row in P.PATCH_TABLE} == {
         "WanCausalConv3d", "WanDecoder3d", "WanResidualBlock", "WanResample", "WanUpBlock", "WanResidualUpBlock",
+        "WanEncoder3d", "WanResidualDownBlock",
     }  # fmt: skip
 
 

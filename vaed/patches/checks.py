@@ -78,6 +78,13 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
                 cases.append(((main, src, 2, 2, first), {}))
             bias = torch.randn(2, generator=g).to(device=device, dtype=dtype)  # an upsampler's deferred bias
             cases.append(((_t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, True), src, 2, 2, first), {"bias": bias}))
+    elif name == "avgdown_add":
+        # Wan2.2's shortcuts: time and space (a first chunk's one frame is padded), space only
+        for ft, frames in ((2, 1), (2, 4), (1, 2)):
+            for cl in (True, False):
+                src = _t((1, 4, frames, 4, 6), g, device, dtype, cl)
+                main = _t((1, 8, (frames + ft - 1) // ft, 2, 3), g, device, dtype, cl)
+                cases.append(((main, src, ft, 2, 8), {}))
     elif name == "conv3d":
         conv = nn.Conv3d(6, 4, 3).to(device=device, dtype=dtype)
         conv.weight.data = conv.weight.data.contiguous(memory_format=CL)

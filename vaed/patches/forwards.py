@@ -1,4 +1,4 @@
-"""The installed forwards: diffusers' Wan decoder forwards entering the one decoder tree.
+"""The installed forwards: diffusers' Wan decoder and encoder forwards entering the one tree.
 
 Each function replaces one private diffusers forward on a module instance
 (:mod:`vaed.patches.table` says which) and does two things only: decide
@@ -57,9 +57,16 @@ def decoder_forward(
     return tree.decoder(_walk(self, x, feat_cache, feat_idx, first_chunk), self, x)
 
 
+def encoder_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006
+    """WanEncoder3d.forward with a cache."""
+    if feat_cache is None or not op_path_ok(x):
+        return type(self).forward(self, x, feat_cache, feat_idx)
+    return tree.encoder(_walk(self, x, feat_cache, feat_idx), self, x)
+
+
 def resample_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006
-    """WanResample.forward for upsample2d/upsample3d."""
-    if self.mode not in ("upsample2d", "upsample3d") or not op_path_ok(x):
+    """WanResample.forward for upsample2d/upsample3d and downsample2d/downsample3d."""
+    if not tree.resample_ok(self) or not op_path_ok(x):
         return type(self).forward(self, x, feat_cache, feat_idx)
     w = Walk(ops_for(self), feat_cache, feat_idx, None, defer=False)
     return tree.resample(w, self, Act(x)).settled()
@@ -82,3 +89,10 @@ def res_up_block_forward(
     if not op_path_ok(x):
         return type(self).forward(self, x, feat_cache, feat_idx, first_chunk)
     return tree.residual_up_block(_walk(self, x, feat_cache, feat_idx, first_chunk), self, Act(x)).settled()
+
+
+def res_down_block_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006
+    """WanResidualDownBlock.forward (Wan2.2)."""
+    if not op_path_ok(x):
+        return type(self).forward(self, x, feat_cache, feat_idx)
+    return tree.residual_down_block(_walk(self, x, feat_cache, feat_idx), self, Act(x)).settled()

@@ -1,4 +1,4 @@
-"""prepare_decoder / remove_fast_paths: put the patch table on one decoder instance.
+"""prepare_decoder / remove_fast_paths: put the patch table on one VAE instance (decoder, and encoder when loaded).
 
 Order of decisions, each logged and kept in the :class:`FastPathReport`:
 
@@ -32,7 +32,7 @@ from vaed.choices import Kernels, Layout, Precision
 from vaed.kernels import _runtime as rt
 from vaed.patches.checks import check_op_set
 from vaed.patches.context import OPS_ATTR
-from vaed.patches.layout import convert_conv3d_weights, resolve_layout
+from vaed.patches.layout import convert_conv3d_weights, resolve_layout, vae_parts
 from vaed.patches.ops import OP_NAMES, OpSet
 from vaed.patches.table import row_for
 from vaed.patches.versions import diffusers_unverified_reason
@@ -197,11 +197,7 @@ def _finish(vae: nn.Module, report: FastPathReport) -> FastPathReport:
 
 def _install(vae: nn.Module, default: OpSet) -> dict[str, int]:
     counts: dict[str, int] = {}
-    roots: list[nn.Module] = [vae.decoder]
-    pqc = getattr(vae, "post_quant_conv", None)
-    if pqc is not None:
-        roots.append(pqc)
-    for root in roots:
+    for root in vae_parts(vae):
         for m in root.modules():
             row = row_for(m)
             if row is None:

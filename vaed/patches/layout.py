@@ -1,4 +1,4 @@
-"""Decoder weight and activation layout (channels_last_3d or contiguous).
+"""Decoder and encoder weight and activation layout (channels_last_3d or contiguous).
 
 channels_last_3d changes cuDNN's algorithm, so "lossless" means
 bit-identical to stock diffusers with the same weight layout; the layout is
@@ -38,13 +38,20 @@ def to_decoder_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.contiguous()
 
 
+def vae_parts(vae: nn.Module) -> list[nn.Module]:
+    """The parts of a VAE that take the layout and the patch table: the decoder and
+    post_quant_conv, and the encoder and quant_conv unless dropped (a decode-only load sets
+    them to None)."""
+    names = ("decoder", "post_quant_conv", "encoder", "quant_conv")
+    return [m for m in (getattr(vae, n, None) for n in names) if m is not None]
+
+
 def convert_conv3d_weights(vae: nn.Module, layout: str) -> int:
-    """Put the decoder's (and post_quant_conv's) Conv3d weights in ``layout``; returns how many."""
+    """Put the Conv3d weights of the decoder, post_quant_conv and (when loaded) the encoder and
+    quant_conv in ``layout``; returns how many."""
     fmt = torch.channels_last_3d if layout == Layout.CHANNELS_LAST else torch.contiguous_format
     n = 0
-    for root in (vae.decoder, getattr(vae, "post_quant_conv", None)):
-        if root is None:
-            continue
+    for root in vae_parts(vae):
         for m in root.modules():
             if isinstance(m, nn.Conv3d):
                 # in-place .data swap: same Parameter object, name and state_dict key

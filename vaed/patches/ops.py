@@ -1,6 +1,6 @@
-"""Op sets: the bundles of ops the patched decoder forwards call.
+"""Op sets: the bundles of ops the patched decoder and encoder forwards call.
 
-The decoder tree (:mod:`vaed.patches.tree`) never calls a kernel directly;
+The tree (:mod:`vaed.patches.tree`) never calls a kernel directly;
 it calls the fields of an :class:`OpSet`. An op set is data -- a frozen
 dataclass of callables with fixed, documented signatures -- so a second tier
 (the lossy ``FAST_OPS``), a per-op switch-off (:meth:`OpSet.without`) or a
@@ -26,6 +26,11 @@ Op signatures (every op set honours all of them):
 ``dupup_add(main, source, factor_t, factor_s, first_chunk, bias=None)``
     -> ``main + DupUp3D(source)`` (Wan2.2 residual up-block shortcut);
     ``(main + bias) + DupUp3D(source)`` with the upsampler conv's deferred bias.
+``avgdown_add(main, source, factor_t, factor_s, out_channels)``
+    -> ``main + AvgDown3D(source)`` (Wan2.2 residual down-block shortcut: the
+    source front-padded in time to a multiple of ``factor_t``, each
+    factor_t x factor_s x factor_s patch folded into channels, groups of
+    channels averaged down to ``out_channels``).
 ``conv3d(conv, x, *, bias=True)`` -> the module's convolution of an already
     padded input; ``bias=False`` leaves the module's bias out (the caller hands
     it to the op that reads the output: see ``defer_bias``).
@@ -118,6 +123,12 @@ class DupUpAddOp(Protocol):
     ) -> torch.Tensor: ...
 
 
+class AvgDownAddOp(Protocol):
+    def __call__(
+        self, main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, out_channels: int
+    ) -> torch.Tensor: ...
+
+
 class NormCausalConvOp(Protocol):
     def __call__(
         self,
@@ -189,6 +200,21 @@ def reference_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> t
 
 
 reference_dupup_add: DupUpAddOp = K.dupup_add_reference
+
+
+def reference_avgdown_add(
+    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, out_channels: int
+) -> torch.Tensor:
+    """``main + AvgDown3D(source)``: AvgDown3D.forward's chain, line for line."""
+    pad_t = (factor_t - source.shape[2] % factor_t) % factor_t
+    x = F.pad(source, (0, 0, 0, 0, pad_t, 0))
+    b, c, t, h, w = x.shape
+    x = x.view(b, c, t // factor_t, factor_t, h // factor_s, factor_s, w // factor_s, factor_s)
+    x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).contiguous()
+    factor = factor_t * factor_s * factor_s
+    x = x.view(b, c * factor, t // factor_t, h // factor_s, w // factor_s)
+    x = x.view(b, out_channels, c * factor // out_channels, t // factor_t, h // factor_s, w // factor_s)
+    return main + x.mean(dim=2)
 
 
 def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
@@ -294,6 +320,7 @@ class OpSet:
     upsample: UpsampleOp
     upsample_interleave: UpsampleOp
     dupup_add: DupUpAddOp
+    avgdown_add: AvgDownAddOp
     conv3d: Conv3dOp
     conv2d: Conv2dOp
     residual_add: ResidualAddOp
@@ -364,12 +391,14 @@ class OpSet:
 
 
 # every switchable op, in forward order; the first five and the last are the fused paths
+# (avgdown_add, the encoder's, runs its reference in every set so far: a slot for a kernel)
 OP_NAMES: tuple[str, ...] = (
     "causal_pad",
     "norm_causal_pad",
     "upsample",
     "upsample_interleave",
     "dupup_add",
+    "avgdown_add",
     "conv3d",
     "conv2d",
     "residual_add",
@@ -385,6 +414,7 @@ REFERENCE_OPS = OpSet(
     upsample=reference_upsample,
     upsample_interleave=reference_upsample_interleave,
     dupup_add=reference_dupup_add,
+    avgdown_add=reference_avgdown_add,
     conv3d=reference_conv3d,
     conv2d=reference_conv2d,
     residual_add=reference_residual_add,
@@ -400,6 +430,7 @@ LOSSLESS_OPS = OpSet(
     upsample=FusedOp("upsample", triton_upsample, reference_upsample),
     upsample_interleave=FusedOp("upsample_interleave", triton_upsample_interleave, reference_upsample_interleave),
     dupup_add=FusedOp("dupup_add", K.dupup_add, reference_dupup_add),
+    avgdown_add=reference_avgdown_add,
     conv3d=reference_conv3d,
     conv2d=reference_conv2d,
     residual_add=reference_residual_add,

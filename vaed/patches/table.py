@@ -1,6 +1,6 @@
 """The patch table: which diffusers module class gets which forward, and which ops it calls.
 
-Declared once, as data. The installer walks a decoder, matches each module
+Declared once, as data. The installer walks a decoder and an encoder, matches each module
 against these rows (class name + an optional predicate on the instance) and
 binds the row's forward on that instance; the report counts rows, and the
 start-up checks cover exactly the ops the table names. Adding a forward or an
@@ -37,6 +37,12 @@ PATCH_TABLE: tuple[PatchRow, ...] = (
         "decoder (conv_in, norm_out+SiLU -> conv_out)",
     ),
     PatchRow(
+        "WanEncoder3d",
+        fw.encoder_forward,
+        ("causal_pad", "norm_causal_pad", "conv3d", "norm_causal_conv"),
+        "encoder (conv_in, norm_out+SiLU -> conv_out)",
+    ),
+    PatchRow(
         "WanResidualBlock",
         fw.resblock_forward,
         ("norm_causal_pad", "conv3d", "residual_add", "norm_causal_conv"),
@@ -46,7 +52,7 @@ PATCH_TABLE: tuple[PatchRow, ...] = (
         "WanResample",
         fw.resample_forward,
         ("causal_pad", "conv3d", "upsample", "upsample_interleave", "conv2d"),
-        "upsample (time_conv 'Rep' aware, nearest 2x gather)",
+        "resample (upsample: time_conv 'Rep' aware, nearest 2x gather; downsample: stride-2 convs, time cache)",
         tree.resample_ok,
     ),
     PatchRow(
@@ -60,6 +66,12 @@ PATCH_TABLE: tuple[PatchRow, ...] = (
         fw.res_up_block_forward,
         ("dupup_add", "conv2d"),
         "residual up-block (DupUp3D shortcut add)",
+    ),
+    PatchRow(
+        "WanResidualDownBlock",
+        fw.res_down_block_forward,
+        ("avgdown_add",),
+        "residual down-block (AvgDown3D shortcut add)",
     ),
 )
 

@@ -1,4 +1,4 @@
-"""The Wan decoder's forwards, written once, over an op set.
+"""The Wan decoder's and encoder's forwards, written once, over an op set.
 
 Each body mirrors one diffusers forward (verified against the versions in
 :mod:`vaed.patches.versions`) line for line, except that the data movement
@@ -32,16 +32,20 @@ conv_in, conv_out and the time convs keep their biases (their readers are the
 decoder's output and the upsample gather, or, for conv_in, one small latent
 pass not worth a second rounding path).
 
-The encoder slots in without a second copy. ``WanEncoder3d`` is built from
-the same modules: its causal convs and residual blocks run these bodies as
-they are; ``WanResample`` in ``downsample2d`` / ``downsample3d`` mode is one
-more branch of :func:`resample` (ZeroPad2d + a stride-2 conv through
-``OpSet.conv2d``, the stride-2 time conv with the same ``feat_cache`` marker
-logic as the upsample's); Wan2.2's ``WanResidualDownBlock`` is
-:func:`residual_up_block`'s mirror with an ``avgdown_add`` op beside
-``dupup_add``; ``encode`` enters like :func:`decode` with the encoder's
-cache list. Each new body is one :data:`PORTS` row here and one patch-table
-row, and its diffusers forward one line in the version guard's list.
+The encoder runs the same bodies, not a second copy. ``WanEncoder3d`` is
+built from the same modules: its causal convs, residual blocks and mid block
+run the bodies above as they are; ``WanResample`` in ``downsample2d`` /
+``downsample3d`` mode is one more branch of :func:`resample`
+(:func:`downsample`: ZeroPad2d + the stride-2 image conv through
+``OpSet.conv2d``, then the stride-2 time conv over [the previous chunk's last
+frame | these frames], diffusers' cache rule: the first call caches its frames
+and skips the time conv); Wan2.2's ``WanResidualDownBlock`` is
+:func:`residual_up_block`'s mirror with the ``avgdown_add`` op beside
+``dupup_add``; :func:`encode` enters like :func:`decode` with the encoder's
+cache list (one call: frame 0, then four frames at a time, as
+``AutoencoderKLWan._encode`` calls it). The encoder keeps every conv bias
+where the decoder's bodies have no reader for it (its downsamplers settle
+their input and leave no bias pending).
 """
 
 from __future__ import annotations
@@ -234,9 +238,12 @@ def mid_block(w: Walk, mid: Any, x: Act) -> Act:
 
 def resample(w: Walk, rs: Any, x_in: Act) -> Act:
     """WanResample.forward for upsample2d/upsample3d: the time_conv with diffusers' "Rep" cache
-    marker (first call: no time upsampling), the frame interleave, nearest 2x, the image conv."""
+    marker (first call: no time upsampling), the frame interleave, nearest 2x, the image conv.
+    The downsample modes are :func:`downsample`."""
+    if rs.mode in DOWNSAMPLE_MODES:
+        return downsample(w, rs, x_in)
     x = x_in.settled()
-    b, c, t, h, wd = x.size()
+    b, t = x.size(0), x.size(2)
     interleave = False
     if rs.mode == "upsample3d" and w.cache is not None:
         idx = w.idx[0]
@@ -258,6 +265,33 @@ def resample(w: Walk, rs: Any, x_in: Act) -> Act:
     y = w.ops.conv2d(conv, images) if pending is None else w.ops.conv2d(conv, images, bias=False)
     t_out = t * 2 if interleave else t
     return Act(y.view(b, t_out, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4), pending)
+
+
+def downsample(w: Walk, rs: Any, x_in: Act) -> Act:
+    """WanResample.forward for downsample2d/downsample3d: per frame ZeroPad2d((0, 1, 0, 1)) and
+    the stride-2 image conv; in 3d mode with a cache, the stride-2 time_conv over [last frame
+    of the previous call | these frames]. diffusers' first call stores its frames and runs no
+    time conv (one frame in, one out); every later call halves its frames (Wan's two time
+    downsamples: 4 -> 2 -> 1), so each encoder call gives one latent frame."""
+    x = x_in.settled()
+    b, c, t, h, wd = x.size()
+    images = rs.resample[0](x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, wd))  # ZeroPad2d, as stock calls it
+    y = w.ops.conv2d(rs.resample[1], images)
+    x = y.view(b, t, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4)
+    if rs.mode == "downsample3d" and w.cache is not None:
+        idx = w.idx[0]
+        prev = w.cache[idx]
+        if prev is None:
+            w.cache[idx] = x.clone()
+        else:
+            nxt = x[:, :, -1:].clone()
+            # stock: time_conv(cat([prev[:, :, -1:], x])), whose own padding is zero; the
+            # causal pad op builds the same [cache | x] input (one pass where a kernel runs)
+            padded, _ = w.ops.causal_pad(x, prev[:, :, -1:], (0, 0, 0, 0, 1, 0), emit_cache=False)
+            x = w.ops.conv3d(rs.time_conv, padded)
+            w.cache[idx] = nxt
+        w.idx[0] += 1
+    return Act(x)
 
 
 def up_block(w: Walk, up: Any, x: Act) -> Act:
@@ -293,6 +327,29 @@ def residual_up_block(w: Walk, up: Any, x_in: Act) -> Act:
     return Act(w.ops.dupup_add(h.x, x_copy, sc.factor_t, sc.factor_s, first, bias=h.bias))
 
 
+def residual_down_block(w: Walk, down: Any, x_in: Act) -> Act:
+    """WanResidualDownBlock.forward (Wan2.2): resnets, downsampler, + AvgDown3D(x) shortcut."""
+    x = x_in.settled()
+    # as in residual_up_block: nothing below writes into x, so a dense x is its own copy
+    x_copy = x if is_dense(x) else x.clone()
+    h = Act(x)
+    for resnet in down.resnets:
+        h = w.visit(resnet, h)
+    if down.downsampler is not None:
+        h = w.visit(down.downsampler, h)
+    sc = down.avg_shortcut
+    return Act(w.ops.avgdown_add(h.settled(), x_copy, sc.factor_t, sc.factor_s, sc.out_channels))
+
+
+def encoder(w: Walk, enc: Any, x: torch.Tensor) -> torch.Tensor:
+    """WanEncoder3d.forward with a cache: conv_in, down blocks, mid block, norm_out+SiLU -> conv_out."""
+    h = w.conv(enc.conv_in, Act(x))
+    for layer in enc.down_blocks:
+        h = w.visit(layer, h)
+    h = w.visit(enc.mid_block, h)
+    return w.conv(enc.conv_out, h, (enc.norm_out, enc.nonlinearity)).x
+
+
 def decoder(w: Walk, dec: Any, x: torch.Tensor) -> torch.Tensor:
     """WanDecoder3d.forward with a cache: conv_in, mid block, up blocks, norm_out+SiLU -> conv_out."""
     h = w.conv(dec.conv_in, Act(x))
@@ -308,12 +365,27 @@ def decode(ops: OpSet, dec: nn.Module, x: torch.Tensor, cache: list, first_chunk
     return decoder(w, dec, x)
 
 
+def encode(ops: OpSet, enc: nn.Module, x: torch.Tensor, cache: list, *, strict: bool = False) -> torch.Tensor:
+    """One encoder call (frame 0, or the next four frames; patchified for Wan2.2), cache list in
+    diffusers' layout; returns one latent frame of the encoder's output (before quant_conv)."""
+    w = Walk(ops, cache, [0], None, defer=ops.defers_bias_for(x), strict=strict)
+    return encoder(w, enc, x)
+
+
 # --- which modules the tree ports --------------------------------------------------------
 
 
+UPSAMPLE_MODES = ("upsample2d", "upsample3d")
+DOWNSAMPLE_MODES = ("downsample2d", "downsample3d")
+
+
 def resample_ok(m: nn.Module) -> bool:
-    """WanResample upsampling whose WanUpsample is the nearest-exact 2x the ops reproduce."""
-    if getattr(m, "mode", None) not in ("upsample2d", "upsample3d"):
+    """WanResample upsampling whose WanUpsample is the nearest-exact 2x the ops reproduce, or
+    downsampling whose image conv is a Conv2d (its ZeroPad2d is called as stock calls it)."""
+    mode = getattr(m, "mode", None)
+    if mode in DOWNSAMPLE_MODES:
+        return isinstance(m.resample, nn.Sequential) and len(m.resample) == 2 and isinstance(m.resample[1], nn.Conv2d)
+    if mode not in UPSAMPLE_MODES:
         return False
     up = m.resample[0]  # type: ignore[index]
     sf = getattr(up, "scale_factor", None)
@@ -348,6 +420,7 @@ PORTS_BY_NAME: dict[str, Port] = {
     "WanResample": Port(resample, lambda m, w: resample_ok(m)),
     "WanUpBlock": Port(up_block),
     "WanResidualUpBlock": Port(residual_up_block),
+    "WanResidualDownBlock": Port(residual_down_block),
 }
 
 

@@ -8,11 +8,16 @@ stock decoder serves) and spatial sharding is refused
 (``vaed.parallel.forward.check_shardable``), each saying why.
 
 Range: 0.38.x - 0.42.x. Tested (CPU reference equality, H200 bit-exactness)
-on 0.42.1. Read against the diffusers history: the ported forwards
+on 0.42.1. Read against the diffusers history: the ported decoder forwards
 (WanCausalConv3d, WanRMS_norm, WanResample, WanResidualBlock, WanMidBlock,
 WanUpBlock, WanResidualUpBlock, DupUp3D, WanDecoder3d) have the same bodies
 from 0.38.0 through 0.42.1 (later changes are return annotations and
-docstrings only). WanMidBlock's body (resnet, then attention + resnet pairs)
+docstrings only). The encoder's (WanEncoder3d, WanResample's downsample2d /
+downsample3d branches, WanResidualDownBlock, AvgDown3D, and
+AutoencoderKLWan._encode's loop: frame 0, then four at a time) were ported
+from 0.42.1 and read against 0.38.0: the same bodies (AvgDown3D's __init__
+turned an assert into a ValueError, same arithmetic); the CPU tests compare
+them with the installed release's own encode. WanMidBlock's body (resnet, then attention + resnet pairs)
 was read in 0.38.0, 0.39.0, 0.40.0, 0.42.1 and a later snapshot of the main
 branch: the same lines in all.
 WanUpBlock's body (its resnets, then its upsampler) was read in 0.42.1 and in
