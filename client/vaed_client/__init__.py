@@ -26,6 +26,7 @@ from .errors import (
     VaedError,
 )
 from .outputs import OUTPUT_TYPES
+from .resume import CallReport, ResumePolicy
 from .video import DecodedChunk, assemble
 from .wire import MAX_MESSAGE_BYTES
 
@@ -60,6 +61,8 @@ __all__ = [
     "DecodeSession",
     "AsyncDecodeSession",
     "ModelInfo",
+    "CallReport",
+    "ResumePolicy",
     "DecodedChunk",
     "FrameChunk",
     "assemble",

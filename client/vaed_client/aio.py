@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 import grpc.aio
 
 from . import wire
-from .channel import Metadata, PemSpec, TlsSpec, create_aio_channel, prepare_channel, with_default_port
-from .client import closed_message
+from .channel import Metadata, PemSpec, TlsSpec, create_aio_channel, prepare_channel
+from .client import closed_message, target_list
 from .core import (
     END,
     Assembly,
@@ -43,18 +43,20 @@ from .core import (
     prepare_latents,
     stream_latents,
 )
-from .errors import CancelledError, ClientClosedError, from_rpc_error
+from .errors import CancelledError, ClientClosedError, VaedError, from_rpc_error
+from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
 
 
 class AsyncVaeClient:
-    """asyncio client; same options as `VaeClient`. `timeout` is the deadline of each call."""
+    """asyncio client; same options as `VaeClient` (a list of targets, `resume=`). `timeout` is
+    the deadline of each call, its resumes included."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float | None = None,
         tls: TlsSpec = None,
@@ -63,18 +65,22 @@ class AsyncVaeClient:
         options: list[tuple[str, Any]] | None = None,
         tls_client_cert: PemSpec = None,
         tls_client_key: PemSpec = None,
+        resume: ResumePolicy | bool = True,
     ) -> None:
-        self.target = with_default_port(target)
+        self.targets = target_list(target)
+        self.target = ",".join(self.targets)
         self.timeout = timeout
+        self.resume = policy_of(resume)
+        self._targets = Targets(self.targets)
         self._channel_args: dict[str, Any] = dict(
             tls=tls, token=token, options=options, tls_server_name=tls_server_name,
             tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
         )
         prepare_channel(**self._channel_args)  # bad TLS specs fail here, like VaeClient
-        self._channel: grpc.aio.Channel | None = None
+        self._channels: list[grpc.aio.Channel] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._metadata: Metadata = ()
-        self._stub_obj: Any = None
+        self._stub_objs: list[Any] = []
         self._closed_in: asyncio.AbstractEventLoop | None = None  # the loop whose close() ended the channel
         self._info: ModelInfo | None = None
 
@@ -85,16 +91,25 @@ class AsyncVaeClient:
         loop = asyncio.get_running_loop()
         if loop is self._closed_in:
             raise ClientClosedError(closed_message(type(self).__name__, self.target, "async with"))
-        if self._channel is None:
-            self._channel, self._metadata = create_aio_channel(self.target, **self._channel_args)
-            self._stub_obj = wire.pb_grpc.VaeDecoderStub(self._channel)
+        if not self._channels:
+            made = [create_aio_channel(name, **self._channel_args) for name in self.targets]
+            self._channels = [channel for channel, _ in made]
+            self._metadata = made[0][1]
+            self._stub_objs = [wire.pb_grpc.VaeDecoderStub(channel) for channel in self._channels]
             self._loop = loop
         elif loop is not self._loop:
             raise RuntimeError(
                 "this AsyncVaeClient is bound to the event loop of its first call (grpc.aio channels "
                 "belong to one loop); create one AsyncVaeClient per event loop"
             )
-        return self._stub_obj
+        return self._stub_objs[0]
+
+    def _stub_at(self, index: int) -> Any:
+        self._stub  # noqa: B018  (binds the loop; raises ClientClosedError once closed)
+        return self._stub_objs[index]
+
+    def _progress(self, report: CallReport | None, request_id: str, policy: ResumePolicy | None = None) -> Progress:
+        return Progress(policy or self.resume, self._targets, report, self.timeout, request_id)
 
     @property
     def closed(self) -> bool:
@@ -109,9 +124,9 @@ class AsyncVaeClient:
         (A client built once and entered with `async with` in each new loop, e.g. one
         `asyncio.run` per job, gets a fresh channel in each.)"""
         self._closed_in = asyncio.get_running_loop()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        channels, self._channels = self._channels, []
+        for channel in channels:
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncVaeClient":
         return self
@@ -120,11 +135,15 @@ class AsyncVaeClient:
         await self.close()
 
     async def model_info(self) -> ModelInfo:
-        stub = self._stub
-        try:
-            reply = await stub.GetModelInfo(wire.pb.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        progress = self._progress(None, "", ResumePolicy(max_resumes=len(self.targets) - 1))
+        while True:
+            stub = self._stub_at(progress.target)
+            try:
+                reply = await stub.GetModelInfo(
+                    wire.pb.ModelInfoRequest(), timeout=progress.remaining(), metadata=self._metadata)
+                break
+            except grpc.RpcError as e:
+                await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))
         self._info = ModelInfo.from_proto(reply)
         return self._info
 
@@ -141,6 +160,7 @@ class AsyncVaeClient:
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
+        report: CallReport | None = None,
     ) -> Any:
         """The whole video; see `VaeClient.decode`."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
@@ -148,16 +168,20 @@ class AsyncVaeClient:
         prepared = prepare_latents(latents)
         info = await self._cached_info()
         assembly = Assembly(spec, prepared.as_torch, info.output_frames(prepared.latent_frames))
-        call = self._stub.Decode(decode_request(spec, prepared), timeout=self.timeout, metadata=self._metadata)
-        try:
-            async for reply in call:
-                assembly.add(reply)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except BaseException:
-            call.cancel()
-            raise
-        return assembly.result()
+        progress = self._progress(report, spec.options.request_id)
+        while True:
+            request = decode_request(prepared, progress.options(spec.options))
+            call = self._stub_at(progress.target).Decode(request, timeout=progress.remaining(), metadata=self._metadata)
+            try:
+                async for reply in call:
+                    if (reply := progress.accept(reply, spec.wire_format)) is not None:
+                        assembly.add(reply)
+                return assembly.result()
+            except grpc.RpcError as e:
+                await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+            except BaseException:
+                call.cancel()
+                raise
 
     async def stream(
         self,
@@ -168,32 +192,46 @@ class AsyncVaeClient:
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
+        report: CallReport | None = None,
     ) -> AsyncIterator[DecodedChunk]:
         """Async-iterate DecodedChunks as they decode; leaving early cancels.
-        The latents go as in `VaeClient.stream`: two frames first, the rest after the first frame."""
+        The latents go as in `VaeClient.stream`: two frames first, the rest after the first frame
+        (a resumed attempt sends them all at once)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
         streamed = stream_latents(spec, latents)
-        first_reply = asyncio.Event()
+        progress = self._progress(report, spec.options.request_id)
+        while True:
+            first_reply = asyncio.Event()
+            attempt: dict[str, Any] = {}  # this attempt's call, for its own request stream
 
-        async def requests() -> AsyncIterator[Any]:
-            yield streamed.first
-            if streamed.rest is not None:
-                await first_reply.wait()  # the rest waits for the first frame (core.StreamedLatents)
-                if not call.done():  # written into an ended call, grpc.aio would report INTERNAL
-                    yield streamed.rest_message()
+            async def requests(first_reply: asyncio.Event = first_reply, attempt: dict[str, Any] = attempt,
+                               resumed: bool = progress.resumed) -> AsyncIterator[Any]:
+                if resumed:
+                    for message in streamed.all_messages(progress.options(spec.options)):
+                        yield message
+                    return
+                yield streamed.first
+                if streamed.rest is not None:
+                    await first_reply.wait()  # the rest waits for the first frame (core.StreamedLatents)
+                    if not attempt["call"].done():  # written into an ended call, grpc.aio would report INTERNAL
+                        yield streamed.rest_message()
 
-        call = self._stub.DecodeStream(requests(), timeout=self.timeout, metadata=self._metadata)
-        try:
-            async for reply in call:
+            call = attempt["call"] = self._stub_at(progress.target).DecodeStream(
+                requests(), timeout=progress.remaining(), metadata=self._metadata)
+            try:
+                async for reply in call:
+                    first_reply.set()
+                    reply = progress.accept(reply, spec.wire_format)
+                    if reply is not None and has_frames(reply):
+                        yield chunk_result(reply, spec, streamed.as_torch)
+                return
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+            finally:
                 first_reply.set()
-                if has_frames(reply):
-                    yield chunk_result(reply, spec, streamed.as_torch)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        finally:
-            first_reply.set()
-            call.cancel()  # no-op once the call ended
+                call.cancel()  # no-op once the call ended
+            await asyncio.sleep(progress.retry_delay(error))
 
     def session(
         self,
@@ -203,87 +241,147 @@ class AsyncVaeClient:
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
+        max_pending: int = 8,
+        report: CallReport | None = None,
     ) -> "AsyncDecodeSession":
+        """Open a DecodeStream session (see `VaeClient.session`); it starts on first use."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
-        return AsyncDecodeSession(self, spec)
+        return AsyncDecodeSession(self, spec, max_pending=max_pending, report=report)
 
 
 class AsyncDecodeSession(SessionView):
     """A DecodeStream call: `await push()` latent chunks, `async for` frames.
 
-    `push` waits on gRPC flow control (backpressure). Replies are read by a
-    background task into a local queue so pushing everything before
-    iterating cannot deadlock; the call starts on first use.
+    As `DecodeSession`: pushes go into a `ReplayLog` that the current
+    attempt's request stream reads (`push` waits while `max_pending` messages
+    wait to be sent), and a background task reads replies into a local queue
+    so pushing everything before iterating cannot deadlock; it also resumes
+    the session when its server fails. The call starts on first use.
     """
 
-    def __init__(self, client: AsyncVaeClient, spec: CallSpec) -> None:
+    def __init__(self, client: AsyncVaeClient, spec: CallSpec, *, max_pending: int = 8,
+                 report: CallReport | None = None) -> None:
         self._state = SessionState(spec)
         self._client = client
+        self._max_pending = max(1, max_pending)
+        self._log = ReplayLog(client.resume.max_replay_bytes)
+        self._progress = client._progress(report, spec.options.request_id)
+        self.report = self._progress.report
+        self._attempt = 0
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._replies: asyncio.Queue[Any] | None = None
+        self._changed: asyncio.Event | None = None  # set (and replaced) whenever the log or the attempt moves
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def _wait_change(self) -> None:
+        assert self._changed is not None
+        await self._changed.wait()
 
     def _start(self) -> Any:
         if self._call is None:
-            stub = self._client._stub  # binds the client to this loop
+            self._client._stub  # noqa: B018  (binds the client to this loop)
             self._replies = asyncio.Queue()
-            self._call = stub.DecodeStream(timeout=self._client.timeout, metadata=self._client._metadata)
+            self._changed = asyncio.Event()
+            self._open()
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         return self._call
 
+    def _open(self) -> None:
+        self._attempt += 1
+        self._log.restart()
+        options = self._progress.options(self._state.spec.options)
+        self._call = self._client._stub_at(self._progress.target).DecodeStream(
+            self._requests(self._attempt, options), timeout=self._progress.remaining(),
+            metadata=self._client._metadata)
+        self._notify()
+
+    async def _requests(self, attempt: int, options: Any) -> AsyncIterator[Any]:
+        index = 0
+        while True:
+            while True:
+                if attempt != self._attempt or self._call is None or self._call.done():
+                    return
+                if index < len(self._log):
+                    break
+                if self._log.closed:
+                    return
+                await self._wait_change()
+            message = self._log.message(index, options if index == 0 else None)
+            self._log.took(index)
+            self._notify()
+            yield message
+            index += 1
+
     async def _read_replies(self) -> None:
-        call, replies = self._call, self._replies
+        replies = self._replies
         assert replies is not None
         try:
             while True:
-                reply = await call.read()
-                if reply is grpc.aio.EOF:
+                call = self._call
+                try:
+                    async for reply in call:
+                        if (reply := self._progress.accept(reply, self._state.format)) is not None:
+                            replies.put_nowait(reply)
                     break
-                await replies.put(reply)
-            await replies.put(END)
-        except grpc.RpcError as e:
-            await replies.put(self._state.reader_failed(from_rpc_error(e)))
+                except grpc.RpcError as e:
+                    error = from_rpc_error(e)
+                await asyncio.sleep(self._progress.retry_delay(error, resumable=self._log.resumable))
+                if self._state.cancelled:
+                    raise error
+                self._open()
+            replies.put_nowait(END)
+        except VaedError as e:
+            replies.put_nowait(self._state.reader_failed(e))
         except asyncio.CancelledError:
-            # grpc.aio raises CancelledError from read() once the call is cancelled.
+            # grpc.aio raises CancelledError from reads once the call is cancelled.
             replies.put_nowait(self._state.reader_failed(CancelledError("session cancelled")))
             if not self._state.cancelled:
                 raise
+        except BaseException as e:  # keep the consumer from waiting forever
+            replies.put_nowait(self._state.reader_failed(VaedError(f"reading replies failed: {e!r}")))
+        finally:
+            self._notify()
 
     async def push(self, latents: Any) -> None:
         """Send one latent chunk `[B, z_dim, t, h, w]` (any t >= 1)."""
         self._state.check_push()
-        call = self._start()
-        chunk = self._state.chunk_message(latents)
-        try:
-            await call.write(chunk)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except asyncio.InvalidStateError:  # the call already ended
+        self._start()
+        message = self._state.replay_message(latents)
+        while True:
             if self._state.failure is not None:
-                raise self._state.failure from None
-            raise RuntimeError("session already ended") from None
+                raise self._state.failure
+            if len(self._log) - self._log.sent < self._max_pending:
+                self._log.append(message)
+                self._notify()
+                return
+            if self._reader is not None and self._reader.done():
+                raise RuntimeError("session already ended")
+            await self._wait_change()
 
     async def close(self) -> None:
         """Half-close: no more latents; frames still arrive until the end."""
         if self._state.closed:
             return
         self._state.closed = True
-        call = self._start()
-        try:
-            await call.done_writing()
-        except grpc.RpcError as e:
-            if self._state.failure is None:
-                self._state.reader_failed(from_rpc_error(e))
-        except asyncio.InvalidStateError:
-            pass  # already finished; the reader reports how
+        self._start()
+        self._log.closed = True
+        self._notify()
 
     def cancel(self) -> None:
         """Abort the session; the server frees it between chunks."""
         self._state.cancelled = True
         self._state.closed = True
+        self._progress.cancelled = True
+        self._log.closed = True
         if self._call is not None:
             self._call.cancel()
+            self._notify()
 
     async def _next_reply(self) -> Any:
         if self._state.error is not None:

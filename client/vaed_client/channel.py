@@ -7,7 +7,8 @@
   resolves to (one per replica behind a headless Service), and retries on
   UNAVAILABLE (server warming up or draining) with exponential backoff.
   A streaming call is only retried before its first response arrives, so a
-  retry never duplicates frames.
+  retry never duplicates frames; past that point `vaed_client.resume`
+  resumes it with `skip_frames` (each client target gets its own channel).
 - Keepalive: the channel pings every 60 s (20 s to answer) and only while a
   call is open (`keepalive_permit_without_calls=0`), with no cap on pings
   between data frames (`http2.max_pings_without_data=0`, so a long decode

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Iterator, Sequence
 
 import grpc
 
@@ -41,11 +42,20 @@ from .core import (
     stream_latents,
 )
 from .errors import ClientClosedError, VaedError, from_rpc_error
+from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VaeClient", "DecodeSession", "ModelInfo", "format_name"]
+__all__ = ["VaeClient", "DecodeSession", "ModelInfo", "format_name", "CallReport", "ResumePolicy"]
+
+
+def target_list(target: str | Sequence[str]) -> list[str]:
+    """One target or several (replicas to fail over between), each with vaed's default port."""
+    names = [target] if isinstance(target, str) else list(target)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"target must be a non-empty string or a list of them, not {target!r}")
+    return [with_default_port(name) for name in names]
 
 
 def closed_message(kind: str, target: str, block: str = "with") -> str:
@@ -54,19 +64,23 @@ def closed_message(kind: str, target: str, block: str = "with") -> str:
 
 
 class VaeClient:
-    """Client for a vaed server (or a `dns:///` name of several replicas).
+    """Client for a vaed server, a `dns:///` name of several replicas, or a list of targets.
 
     `timeout` (seconds) is the deadline of each call: one decode, one stream or
-    one whole session. `tls`, `tls_server_name`, `tls_client_cert`/`tls_client_key`
-    (mutual TLS) and `token` are described in
+    one whole session, all its resumes included. `tls`, `tls_server_name`,
+    `tls_client_cert`/`tls_client_key` (mutual TLS) and `token` are described in
     `vaed_client.channel`; `options` are extra gRPC channel arguments. A
     target without a port gets vaed's 50051. Calls after `close()` (or after
     the `with` block) raise `ClientClosedError`.
+
+    `resume` (a `ResumePolicy`, True by default, False for never): a call whose
+    server fails mid-call is opened again on another target (or the same name)
+    and continues where it stopped, every frame exactly once (`vaed_client.resume`).
     """
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float | None = None,
         tls: TlsSpec = None,
@@ -75,14 +89,20 @@ class VaeClient:
         options: list[tuple[str, Any]] | None = None,
         tls_client_cert: PemSpec = None,
         tls_client_key: PemSpec = None,
+        resume: ResumePolicy | bool = True,
     ) -> None:
-        self.target = with_default_port(target)
+        self.targets = target_list(target)
+        self.target = ",".join(self.targets)
         self.timeout = timeout
-        self._channel, self._metadata = create_channel(
-            self.target, tls=tls, token=token, options=options, tls_server_name=tls_server_name,
-            tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
-        )
-        self._stub_obj = wire.pb_grpc.VaeDecoderStub(self._channel)
+        self.resume = policy_of(resume)
+        self._targets = Targets(self.targets)
+        made = [create_channel(name, tls=tls, token=token, options=options, tls_server_name=tls_server_name,
+                               tls_client_cert=tls_client_cert, tls_client_key=tls_client_key)
+                for name in self.targets]
+        self._channels = [channel for channel, _ in made]
+        self._channel, self._metadata = made[0]
+        self._stub_objs = [wire.pb_grpc.VaeDecoderStub(channel) for channel in self._channels]
+        self._stub_obj = self._stub_objs[0]
         self._closed = False
         self._info: ModelInfo | None = None
         self._info_lock = threading.Lock()
@@ -95,13 +115,21 @@ class VaeClient:
             raise ClientClosedError(closed_message(type(self).__name__, self.target))
         return self._stub_obj
 
+    def _stub_at(self, index: int) -> Any:
+        self._stub  # noqa: B018  (raises ClientClosedError once closed)
+        return self._stub_objs[index]
+
+    def _progress(self, report: CallReport | None, request_id: str, policy: ResumePolicy | None = None) -> Progress:
+        return Progress(policy or self.resume, self._targets, report, self.timeout, request_id)
+
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
         self._closed = True
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> "VaeClient":
         return self
@@ -111,10 +139,15 @@ class VaeClient:
 
     # -- calls -------------------------------------------------------------
     def model_info(self) -> ModelInfo:
-        try:
-            reply = self._stub.GetModelInfo(wire.pb.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        # Each other target is tried once (the channel retries each one itself).
+        progress = self._progress(None, "", ResumePolicy(max_resumes=len(self.targets) - 1))
+        while True:
+            try:
+                reply = self._stub_at(progress.target).GetModelInfo(
+                    wire.pb.ModelInfoRequest(), timeout=progress.remaining(), metadata=self._metadata)
+                break
+            except grpc.RpcError as e:
+                time.sleep(progress.retry_delay(from_rpc_error(e)))
         self._info = ModelInfo.from_proto(reply)
         return self._info
 
@@ -136,6 +169,7 @@ class VaeClient:
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
+        report: CallReport | None = None,
     ) -> Any:
         """Decode latents `[B, z_dim, T, h, w]` (or `[z_dim, T, h, w]`) to the whole video.
 
@@ -143,21 +177,26 @@ class VaeClient:
         `[B, 3, T_out, H, W]` in the server's compute dtype or `raw_dtype`
         (numpy gets bf16 as float32); "np" / "pt" / "pil": diffusers' outputs
         (`vaed_client.outputs`). `format="rgb8"|"raw"` is the wire format.
+        `report`: a `CallReport` filled with the call's resumes and why.
         """
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
         prepared = prepare_latents(latents)
         assembly = Assembly(spec, prepared.as_torch, self._cached_info().output_frames(prepared.latent_frames))
-        call = self._stub.Decode(decode_request(spec, prepared), timeout=self.timeout, metadata=self._metadata)
-        try:
-            for reply in call:
-                assembly.add(reply)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except BaseException:
-            call.cancel()
-            raise
-        return assembly.result()
+        progress = self._progress(report, spec.options.request_id)
+        while True:
+            request = decode_request(prepared, progress.options(spec.options))
+            call = self._stub_at(progress.target).Decode(request, timeout=progress.remaining(), metadata=self._metadata)
+            try:
+                for reply in call:
+                    if (reply := progress.accept(reply, spec.wire_format)) is not None:
+                        assembly.add(reply)
+                return assembly.result()
+            except grpc.RpcError as e:
+                time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+            except BaseException:
+                call.cancel()
+                raise
 
     def stream(
         self,
@@ -168,18 +207,35 @@ class VaeClient:
         raw_latents: bool = False,
         raw_dtype: Any = None,
         request_id: str | None = None,
+        report: CallReport | None = None,
     ) -> Iterator[DecodedChunk]:
         """Yield DecodedChunks (frames in `output_type`) as the server decodes
         them. Stopping the iteration early (break, close()) cancels the decode
         on the server. Sent as a DecodeStream: the first two latent frames,
         then the rest once the first frame is back, so the first frame waits
-        for neither the whole upload nor its traffic (`core.StreamedLatents`)."""
+        for neither the whole upload nor its traffic (`core.StreamedLatents`).
+        A resumed attempt sends everything at once (its first frames are skipped)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
         streamed = stream_latents(spec, latents)
+        progress = self._progress(report, spec.options.request_id)
         gate = _RestGate()
-        gate.call = self._stub.DecodeStream(gate.requests(streamed), timeout=self.timeout, metadata=self._metadata)
-        return _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened)
+        gate.call = self._stub_at(progress.target).DecodeStream(
+            gate.requests(streamed), timeout=progress.remaining(), metadata=self._metadata)
+        return self._resumed_chunks(gate, spec, streamed, progress)
+
+    def _resumed_chunks(self, gate: "_RestGate", spec: CallSpec, streamed: StreamedLatents,
+                        progress: Progress) -> Iterator[DecodedChunk]:
+        while True:
+            try:
+                yield from _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened, progress)
+                return
+            except grpc.RpcError as e:
+                time.sleep(progress.retry_delay(from_rpc_error(e)))
+            gate = _RestGate()
+            gate.call = self._stub_at(progress.target).DecodeStream(
+                iter(streamed.all_messages(progress.options(spec.options))),
+                timeout=progress.remaining(), metadata=self._metadata)
 
     def session(
         self,
@@ -190,11 +246,13 @@ class VaeClient:
         raw_dtype: Any = None,
         request_id: str | None = None,
         max_pending: int = 8,
+        report: CallReport | None = None,
     ) -> "DecodeSession":
-        """Open a DecodeStream session: push latent chunks, iterate frames."""
+        """Open a DecodeStream session: push latent chunks, iterate frames. The session keeps
+        its pushed latents to replay them if its server fails (`ResumePolicy.max_replay_bytes`)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
-        return DecodeSession(self, spec, max_pending=max_pending)
+        return DecodeSession(self, spec, max_pending=max_pending, report=report)
 
 
 class _RestGate:
@@ -216,109 +274,153 @@ class _RestGate:
             yield streamed.rest_message()
 
 
-def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool, first_reply: threading.Event) -> Iterator[DecodedChunk]:
+def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool, first_reply: threading.Event,
+                    progress: Progress | None = None) -> Iterator[DecodedChunk]:
+    """The chunks of one attempt; its RpcError propagates (the caller decides on a resume)."""
     try:
         for reply in call:
-            chunk = chunk_result(reply, spec, as_torch) if has_frames(reply) else None
+            if progress is not None:
+                reply = progress.accept(reply, spec.wire_format)
+            chunk = chunk_result(reply, spec, as_torch) if reply is not None and has_frames(reply) else None
             # Opened only now: the rest's upload is serialized on gRPC's request thread
             # (4.2 MB at 480x832x81, holding the GIL), and would hold up this conversion.
             first_reply.set()
             if chunk is not None:
                 yield chunk
-    except grpc.RpcError as e:
-        raise from_rpc_error(e) from None
     finally:
+        first_reply.set()
         call.cancel()  # no-op when the call already ended
 
 
 class DecodeSession(SessionView):
     """A DecodeStream call: `push()` latent chunks, iterate DecodedChunks.
 
-    Pushes go through a bounded queue (`max_pending` messages) that gRPC
-    drains into the request stream, so a producer that outruns the server
-    blocks instead of buffering without limit. Replies are read by a
-    background thread into an unbounded local queue, so pushing everything
-    before iterating cannot deadlock on flow control (the replies land in
-    this process's memory — the whole video, as collect() needs anyway).
+    Pushed messages go into the session's `ReplayLog`, which the current
+    attempt's request stream reads from; `push` blocks while `max_pending`
+    messages wait to be sent, so a producer that outruns the server blocks
+    instead of buffering without limit. Replies are read by a background
+    thread into an unbounded local queue, so pushing everything before
+    iterating cannot deadlock on flow control (the replies land in this
+    process's memory — the whole video, as collect() needs anyway). That
+    thread also resumes the session when its server fails: it opens the call
+    again and the new request stream replays the log from its first message.
+    `report` (a `CallReport`) says how often it resumed and why.
     """
 
-    def __init__(self, client: VaeClient, spec: CallSpec, *, max_pending: int = 8) -> None:
+    def __init__(self, client: VaeClient, spec: CallSpec, *, max_pending: int = 8,
+                 report: CallReport | None = None) -> None:
         self._state = SessionState(spec)
         self._client = client
-        self._requests: queue.Queue[Any] = queue.Queue(maxsize=max_pending)
+        self._max_pending = max(1, max_pending)
+        self._log = ReplayLog(client.resume.max_replay_bytes)
+        self._cond = threading.Condition()
         self._replies: queue.Queue[Any] = queue.Queue()
-        self._call = client._stub.DecodeStream(
-            self._request_iterator(), timeout=client.timeout, metadata=client._metadata
-        )
+        self._progress = client._progress(report, spec.options.request_id)
+        self.report = self._progress.report
+        self._attempt = 0
+        self._call: Any = None
+        self._open()
         self._reader = threading.Thread(target=self._read_replies, name="vaed-session-reader", daemon=True)
         self._reader.start()
 
+    def _open(self) -> None:
+        """Start an attempt: a new call whose request stream reads the log from message 0."""
+        with self._cond:
+            self._attempt += 1
+            self._log.restart()
+            attempt = self._attempt
+        options = self._progress.options(self._state.spec.options)
+        call = self._client._stub_at(self._progress.target).DecodeStream(
+            self._request_iterator(attempt, options), timeout=self._progress.remaining(),
+            metadata=self._client._metadata)
+        with self._cond:
+            self._call = call
+            self._cond.notify_all()
+
     # -- request side ------------------------------------------------------
-    def _request_iterator(self) -> Iterator[Any]:
-        # Runs on a gRPC thread; the timeout lets it finish when the call
-        # ends without a close() (abandoned session, deadline, server error).
+    def _request_iterator(self, attempt: int, options: Any) -> Iterator[Any]:
+        # Runs on a gRPC thread; the timed wait lets it finish when its call ends without a
+        # close() (abandoned session, deadline, server error) or a newer attempt took over.
+        index = 0
         while True:
-            try:
-                item = self._requests.get(timeout=0.5)
-            except queue.Empty:
-                call = getattr(self, "_call", None)  # not yet set on the first pull
-                if call is not None and call.done():
-                    return
-                continue
-            if item is END:
-                return
-            yield item
+            with self._cond:
+                while True:
+                    if attempt != self._attempt:
+                        return
+                    if index < len(self._log):
+                        break
+                    if self._log.closed:
+                        return
+                    if self._call is not None and self._call.done():
+                        return
+                    self._cond.wait(0.5)
+                message = self._log.message(index, options if index == 0 else None)
+                self._log.took(index)
+                self._cond.notify_all()
+            yield message
+            index += 1
 
     def push(self, latents: Any) -> None:
         """Send one latent chunk `[B, z_dim, t, h, w]` (any t >= 1)."""
         self._state.check_push()
-        chunk = self._state.chunk_message(latents)
-        # Block while the queue is full, but wake up if the call dies meanwhile
+        message = self._state.replay_message(latents)
+        # Block while max_pending messages wait, but wake up if the session dies meanwhile
         # (otherwise a failed call would leave the producer stuck forever).
-        while True:
-            if self._state.failure is not None:
-                raise self._state.failure
-            if self._call.done() and not self._reader.is_alive():
-                raise RuntimeError("session already ended")
-            try:
-                self._requests.put(chunk, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        with self._cond:
+            while True:
+                if self._state.failure is not None:
+                    raise self._state.failure
+                if len(self._log) - self._log.sent < self._max_pending:
+                    self._log.append(message)
+                    self._cond.notify_all()
+                    return
+                if not self._reader.is_alive():
+                    raise RuntimeError("session already ended")
+                self._cond.wait(0.1)
 
     def close(self) -> None:
         """Half-close: no more latents; frames still arrive until the end."""
-        if not self._state.closed:
-            self._state.closed = True
-            self._put_end()
-
-    def _put_end(self) -> None:
-        while True:
-            try:
-                self._requests.put(END, timeout=0.1)
-                return
-            except queue.Full:
-                if self._call.done():
-                    return
+        self._state.closed = True
+        with self._cond:
+            self._log.closed = True
+            self._cond.notify_all()
 
     def cancel(self) -> None:
         """Abort the session; the server frees it between chunks."""
         self._state.cancelled = True
-        self._call.cancel()
-        if not self._state.closed:
-            self._state.closed = True
-            self._put_end()
+        self._progress.cancelled = True
+        self.close()
+        with self._cond:
+            call = self._call
+        if call is not None:
+            call.cancel()
 
     # -- reply side --------------------------------------------------------
     def _read_replies(self) -> None:
         try:
-            for reply in self._call:
-                self._replies.put(reply)
+            while True:
+                with self._cond:
+                    call = self._call
+                try:
+                    for reply in call:
+                        if (reply := self._progress.accept(reply, self._state.format)) is not None:
+                            self._replies.put(reply)
+                    break
+                except grpc.RpcError as e:
+                    error = from_rpc_error(e)
+                delay = self._progress.retry_delay(error, resumable=self._log.resumable)
+                time.sleep(delay)
+                if self._state.cancelled:
+                    raise error
+                self._open()
             self._replies.put(END)
-        except grpc.RpcError as e:
-            self._replies.put(self._state.reader_failed(from_rpc_error(e)))
+        except VaedError as e:
+            self._replies.put(self._state.reader_failed(e))
         except BaseException as e:  # keep the consumer from waiting forever
             self._replies.put(self._state.reader_failed(VaedError(f"reading replies failed: {e!r}")))
+        finally:
+            with self._cond:
+                self._cond.notify_all()
 
     def _next_reply(self) -> Any:
         """Next reply message, None at the end; raises the call's error."""

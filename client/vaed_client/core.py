@@ -202,8 +202,9 @@ def prepare_latents(latents: Any) -> Latents:
     return Latents(message, is_torch(latents), int(latents.shape[0]), int(latents.shape[2]))
 
 
-def decode_request(spec: CallSpec, latents: Latents) -> Any:
-    return pb.DecodeRequest(latents=latents.message, options=spec.options)
+def decode_request(latents: Latents, options: Any) -> Any:
+    """One attempt's DecodeRequest: its options are the call's, with that attempt's skip_frames."""
+    return pb.DecodeRequest(latents=latents.message, options=options)
 
 
 # Latent frames in a stream's first message: frame 0 (the first frame) and frame 1, so the
@@ -236,6 +237,14 @@ class StreamedLatents:
 
     def rest_message(self) -> Any:
         return pb.LatentChunk(latents=wire.to_message(self.rest))
+
+    def all_messages(self, options: Any) -> list[Any]:
+        """A resumed attempt's messages, sent at once with `options` (the frames it skips
+        come from latents it must step through before any reply, so no gate)."""
+        first = pb.LatentChunk()
+        first.CopyFrom(self.first)
+        first.options.CopyFrom(options)
+        return [first] + ([self.rest_message()] if self.rest is not None else [])
 
 
 def stream_latents(spec: CallSpec, latents: Any) -> StreamedLatents:
@@ -308,14 +317,14 @@ class SessionView:
 
 
 class SessionState:
-    """A DecodeStream session's bookkeeping, shared by both front-ends:
-    options on the first message only, the result container, latent frames
-    sent, request id, and what a reply-queue item means for the consumer."""
+    """A DecodeStream session's bookkeeping, shared by both front-ends: the
+    pushed messages (each attempt adds its options to its first one, see
+    `resume.ReplayLog`), the result container, latent frames sent, request id,
+    and what a reply-queue item means for the consumer."""
 
     def __init__(self, spec: CallSpec) -> None:
         self.spec = spec
         self.request_id = spec.options.request_id
-        self._options: Any = spec.options
         self.as_torch: bool | None = None
         self.latent_frames = 0
         self.closed = False
@@ -332,17 +341,14 @@ class SessionState:
         if self.closed:
             raise RuntimeError("push() after close() or cancel()")
 
-    def chunk_message(self, latents: Any) -> Any:
-        """Latents -> LatentChunk (options ride on the first one only)."""
+    def replay_message(self, latents: Any) -> Any:
+        """Latents -> LatentChunk without options, for a session's replay log (each attempt
+        puts its own options, with its skip_frames, on its first message)."""
         prepared = prepare_latents(latents)
         if self.as_torch is None:
             self.as_torch = prepared.as_torch
-        message = pb.LatentChunk(latents=prepared.message)
-        if self._options is not None:
-            message.options.CopyFrom(self._options)
-            self._options = None
         self.latent_frames += prepared.latent_frames
-        return message
+        return pb.LatentChunk(latents=prepared.message)
 
     def reader_failed(self, error: VaedError) -> VaedError:
         self.failure = error

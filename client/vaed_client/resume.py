@@ -1,0 +1,330 @@
+"""Resumable calls, the part of the shared core that decides (both front-ends only wait).
+
+A vaed decode is deterministic: the same latents give the same frames on any
+replica of the same model and GPU type (lossless frames are stock diffusers'
+bits). So a call whose server dies mid-video is resumed, not failed: the
+client opens the call again (on another target of its list, or on the same
+`dns:///` name, whose round_robin channel drops the dead replica), replays
+the latents it holds, and sets `DecodeOptions.skip_frames` to the frames it
+already delivered. The server decodes every latent frame again (the causal
+cache needs them) and sends only the rest, so the application sees every
+frame exactly once and the result equals an undisturbed call bit for bit.
+
+* Retried: UNAVAILABLE (connection reset, GOAWAY, kill -9, a keepalive
+  timeout, a server warming up or draining, a device failure on the server),
+  RESOURCE_EXHAUSTED (sessions full or out of memory: another replica may
+  have room; so only with several targets or a `dns:` name, never on the
+  one server that said it), and CANCELLED that this client did not ask for (a server
+  stopping past its drain grace). Never: INVALID_ARGUMENT, UNAUTHENTICATED,
+  DEADLINE_EXCEEDED (the call's own timeout covers all its attempts),
+  INTERNAL and the rest: retrying a request the server refused gives the
+  same answer.
+* Bounded: `ResumePolicy.max_resumes` attempts after the first, with
+  exponential backoff (none when the next target has not failed in this call).
+* Exactly once: `Progress.accept` passes on only frames past those delivered
+  (a server without skip_frames resends from frame 0; its extra frames are
+  dropped here) and refuses a gap.
+* Sessions keep every pushed latent message for replay until the session
+  ends, up to `max_replay_bytes` (256 MiB by default: 81 frames of 480x832
+  latents are 4.2 MB in bf16, 8.5 MB in fp32). Past it the held latents are
+  dropped and the session is no longer resumable: a later failure raises as
+  it would without resume (logged once when it happens).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from . import wire
+from .errors import DeadlineExceededError, InternalError, VaedError
+from .tensors import TensorFormatError, storage_view
+from .video import TIME_AXIS
+
+log = logging.getLogger("vaed_client.resume")
+pb = wire.pb
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
+# A target that failed is avoided for this long when another one is left (seconds).
+FAILED_TARGET_COOLDOWN = 5.0
+
+
+# What gRPC says when an open connection or stream went away (kill -9, a cut, GOAWAY, a
+# keepalive timeout): the call had reached a server, possibly past the point where the
+# channel's own retries stop (its first reply's headers), so it is resumed even with no frame yet.
+_LOST_MARKERS = ("socket closed", "connection reset", "broken pipe", "goaway", "keepalive",
+                 "stream removed", "end of file", "rst_stream")
+
+
+def connection_lost(error: VaedError) -> bool:
+    return error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and any(
+        marker in error.details.lower() for marker in _LOST_MARKERS)
+
+
+@dataclass(frozen=True)
+class ResumePolicy:
+    """How a call survives its server: attempts, backoff, and a session's replay bound."""
+
+    max_resumes: int = 5
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    multiplier: float = 2.0
+    max_replay_bytes: int = 256 * 1024 * 1024
+
+    def backoff(self, repeats: int) -> float:
+        """Seconds before an attempt on a target that already failed `repeats` >= 1 times in this call."""
+        base = min(self.max_backoff, self.initial_backoff * self.multiplier ** (repeats - 1))
+        return base * random.uniform(0.8, 1.2)  # jitter: many clients of one dead replica do not come back at once
+
+
+NO_RESUME = ResumePolicy(max_resumes=0, max_replay_bytes=0)
+
+
+def policy_of(resume: ResumePolicy | bool | None) -> ResumePolicy:
+    """`resume=` of the clients: a policy, True/None (the default policy) or False (never resume)."""
+    if resume is False:
+        return NO_RESUME
+    if resume is None or resume is True:
+        return ResumePolicy()
+    if isinstance(resume, ResumePolicy):
+        return resume
+    raise TypeError(f"resume must be a ResumePolicy or a bool, not {type(resume).__name__}")
+
+
+@dataclass
+class CallReport:
+    """What happened to one call: pass one as `report=` (or read `session.report`).
+
+    `resumes`: times the call was opened again; `reasons`: why (status and
+    message of each failure); `recovery_seconds`: from each failure to the
+    first frame after it (or the call's end when nothing was left to send);
+    `targets`: the target of each attempt."""
+
+    resumes: int = 0
+    reasons: list[str] = field(default_factory=list)
+    recovery_seconds: list[float] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+
+
+class Targets:
+    """The client's targets: calls start round-robin over the list, and a failed target is avoided
+    for FAILED_TARGET_COOLDOWN s while another is left. One `dns:///` name is one target (its
+    channel balances over the replicas itself)."""
+
+    def __init__(self, targets: Sequence[str]) -> None:
+        if not targets:
+            raise ValueError("at least one target is needed")
+        self.names = list(targets)
+        self._next = 0
+        self._failed_at = [float("-inf")] * len(self.names)
+
+    @property
+    def elsewhere(self) -> bool:
+        """Whether a retry can reach another replica: several targets, or a `dns:` name (its
+        round_robin channel sends the next call to the next address)."""
+        return len(self.names) > 1 or self.names[0].startswith("dns:")
+
+    def first(self) -> int:
+        """The target of a new call: the next in turn that has not failed recently."""
+        start = self._next
+        self._next = (self._next + 1) % len(self.names)
+        return self._healthiest(start, exclude=None)
+
+    def after_failure(self, index: int) -> int:
+        """Mark `index` failed; the target to resume on (another one when there is one)."""
+        self._failed_at[index] = time.monotonic()
+        return self._healthiest(index + 1, exclude=index)
+
+    def _healthiest(self, start: int, exclude: int | None) -> int:
+        n = len(self.names)
+        order = [(start + k) % n for k in range(n)]
+        candidates = [i for i in order if i != exclude] or order
+        now = time.monotonic()
+        fresh = [i for i in candidates if now - self._failed_at[i] >= FAILED_TARGET_COOLDOWN]
+        if fresh:
+            return fresh[0]
+        return min(candidates, key=lambda i: self._failed_at[i])  # the one that failed longest ago
+
+
+class Progress:
+    """One logical call across its attempts: the frames delivered (always a prefix of the video:
+    one call's frames arrive in order), the attempts, and what to do after a failure."""
+
+    def __init__(self, policy: ResumePolicy, targets: Targets, report: CallReport | None,
+                 timeout: float | None, request_id: str) -> None:
+        self.policy = policy
+        self.targets = targets
+        self.report = report if report is not None else CallReport()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.request_id = request_id
+        self.delivered = 0        # frames handed to the application
+        self.target = targets.first()
+        self.report.targets.append(targets.names[self.target])
+        self._repeats: dict[int, int] = {}  # failures per target in this call
+        self._failed_at: float | None = None
+        self.cancelled = False    # set by the front-end when the application cancels
+
+    # -- per attempt --------------------------------------------------------------
+    @property
+    def resumed(self) -> bool:
+        return self.report.resumes > 0
+
+    def options(self, base: Any) -> Any:
+        """The call's DecodeOptions for this attempt: skip what was delivered."""
+        if not self.delivered:
+            return base
+        options = pb.DecodeOptions()
+        options.CopyFrom(base)
+        options.skip_frames = self.delivered
+        return options
+
+    def remaining(self) -> float | None:
+        """The attempt's timeout: what is left of the call's."""
+        if self.deadline is None:
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError("the call's timeout ran out while resuming it")
+        return left
+
+    def accept(self, reply: Any, wire_format: str) -> Any | None:
+        """A reply -> the part of it the application has not seen (None: nothing new), counted as
+        delivered. Replies without frames (the final marker) pass as they are."""
+        if self._failed_at is not None and (reply.final or reply.HasField("frames")):
+            self._recovered()
+        if not reply.HasField("frames") or not len(reply.frames.shape):
+            return reply
+        axis = TIME_AXIS[wire_format]
+        count = int(reply.frames.shape[axis])
+        first = int(reply.first_frame)
+        if first > self.delivered:
+            raise InternalError(f"server skipped frames {self.delivered}..{first - 1} (request {self.request_id})")
+        if first + count <= self.delivered:
+            return None  # all seen before the resume (a server that ignored skip_frames)
+        if first < self.delivered:
+            reply = _tail(reply, self.delivered - first, axis)
+            count = first + count - self.delivered
+        self.delivered += count
+        return reply
+
+    def _recovered(self) -> None:
+        assert self._failed_at is not None
+        self.report.recovery_seconds.append(time.monotonic() - self._failed_at)
+        self._failed_at = None
+
+    # -- after a failure --------------------------------------------------------------
+    def retry_delay(self, error: VaedError, *, resumable: bool = True) -> float:
+        """Seconds to wait before the next attempt, or raise `error` when the call ends here: not a
+        retryable status, cancelled by the application, out of attempts or time, or not resumable
+        (a session whose held latents passed the bound)."""
+        error.__suppress_context__ = True  # raised from the caller's `except grpc.RpcError`: no grpc chain
+        code = error.code
+        if (self.cancelled or code not in RETRYABLE or not resumable
+                or self.report.resumes >= self.policy.max_resumes):
+            raise error
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.targets.elsewhere:
+            # Sessions full or out of memory: the same server would answer the same.
+            raise error
+        if not self.delivered and len(self.targets.names) == 1 and not connection_lost(error):
+            # Nothing to keep and nowhere else to go: the channel's own retries (5 attempts on
+            # UNAVAILABLE before the first reply, see vaed_client.channel) already ran, and a
+            # server's own answer (warming up, sessions full) would only come again.
+            raise error
+        failed = self.target
+        self._repeats[failed] = self._repeats.get(failed, 0) + 1
+        self.target = self.targets.after_failure(failed)
+        repeats = self._repeats.get(self.target, 0)
+        delay = self.policy.backoff(repeats) if repeats else 0.0
+        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+            raise error
+        self.report.resumes += 1
+        reason = f"{code.name}: {error.details}"
+        self.report.reasons.append(reason)
+        self.report.targets.append(self.targets.names[self.target])
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        log.warning("request %s: %s failed after %d frames (%s); resuming on %s in %.2f s (resume %d of %d)",
+                    self.request_id or "-", self.targets.names[failed], self.delivered, reason,
+                    self.targets.names[self.target], delay, self.report.resumes, self.policy.max_resumes)
+        return delay
+
+
+def _tail(reply: Any, cut: int, axis: int) -> Any:
+    """A copy of a FrameChunk without its first `cut` frames."""
+    try:
+        view = storage_view(reply.frames)
+    except TensorFormatError as e:
+        raise InternalError(f"malformed frames from server: {e}") from None
+    index: list[Any] = [slice(None)] * view.ndim
+    index[axis] = slice(cut, None)
+    rest = np.ascontiguousarray(view[tuple(index)])
+    frames = pb.Tensor(dtype=reply.frames.dtype, shape=list(rest.shape), data=rest.tobytes())
+    return pb.FrameChunk(request_id=reply.request_id, chunk_index=reply.chunk_index,
+                         first_frame=reply.first_frame + cut, frames=frames, final=reply.final)
+
+
+class ReplayLog:
+    """A session's latent messages in push order, held for a replay until the session ends.
+
+    Each attempt reads it from the start with its own cursor (`message(i)`); `sent` is how far
+    the current attempt's request stream got, which bounds the pushes in flight. No waiting
+    here: each front-end waits on its own primitive (a threading.Condition, an asyncio.Event)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._messages: list[Any] = []
+        self._dropped = 0          # messages before this index were let go (past the bound)
+        self.bytes = 0
+        self.closed = False        # the application half-closed: the stream ends after the last one
+        self.sent = 0              # messages the current attempt's request stream took
+        # False once the held latents passed max_bytes (from the start when resume is off:
+        # then nothing is held past its send)
+        self.resumable = max_bytes > 0
+
+    def __len__(self) -> int:
+        return self._dropped + len(self._messages)
+
+    def append(self, message: Any) -> None:
+        self._messages.append(message)
+        self.bytes += len(message.latents.data)
+        if self.resumable and self.bytes > self.max_bytes:
+            log.warning("session holds %d bytes of latents, over its replay bound of %d: it is no longer "
+                        "resumable (a failure from now on ends it)", self.bytes, self.max_bytes)
+            self.resumable = False
+            self._let_go()
+
+    def took(self, index: int) -> None:
+        """The current attempt's stream took message `index`."""
+        self.sent = index + 1
+        if not self.resumable:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        # Unresumable: keep only what the current attempt has not sent yet.
+        keep_from = max(self.sent, self._dropped)
+        del self._messages[: keep_from - self._dropped]
+        self._dropped = keep_from
+
+    def message(self, index: int, options: Any | None) -> Any:
+        """Message `index` for an attempt; the first carries the attempt's options."""
+        message = self._messages[index - self._dropped]
+        if options is None:
+            return message
+        first = pb.LatentChunk()
+        first.CopyFrom(message)
+        first.options.CopyFrom(options)
+        return first
+
+    def restart(self) -> None:
+        """A new attempt: its stream starts again at message 0."""
+        self.sent = 0
+
+
+__all__ = ["ResumePolicy", "NO_RESUME", "policy_of", "CallReport", "Targets", "Progress", "ReplayLog", "RETRYABLE"]

@@ -1,0 +1,143 @@
+"""The resume decisions of the client's shared core (`vaed_client.resume`), without a server:
+which statuses are retried, exactly-once delivery across attempts, the replay bound."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from vaed_client import wire
+from vaed_client.errors import (
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    VaedError,
+)
+from vaed_client.resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
+
+LOST = "Stream removed (Socket closed)"  # what gRPC says when a server is killed mid-call
+
+
+def _progress(*targets: str, policy: ResumePolicy | None = None, timeout: float | None = None) -> Progress:
+    return Progress(policy or ResumePolicy(), Targets(list(targets)), CallReport(), timeout, "rid")
+
+
+def _reply(first: int, count: int, final: bool = False) -> wire.pb.FrameChunk:
+    """RGB8 frames [1, count, 2, 2, 3] whose every byte is its frame number."""
+    video = np.repeat(np.arange(first, first + count, dtype=np.uint8), 12).reshape(1, count, 2, 2, 3)
+    return wire.pb.FrameChunk(first_frame=first, frames=wire.to_message(video), final=final)
+
+
+def _frame_numbers(reply: wire.pb.FrameChunk) -> list[int]:
+    return [int(frame[0, 0, 0]) for frame in wire.to_numpy(reply.frames)[0]]
+
+
+@pytest.mark.parametrize("error", [
+    InvalidArgumentError("bad latents"),
+    UnauthenticatedError("no token"),
+    InternalError("bug"),
+    VaedError("deadline", grpc.StatusCode.DEADLINE_EXCEEDED),
+])
+def test_errors_of_the_request_are_never_retried(error):
+    progress = _progress("a:1", "b:1")
+    progress.delivered = 5
+    with pytest.raises(type(error)):
+        progress.retry_delay(error)
+    assert progress.report.resumes == 0 and progress.report.targets == ["a:1"]
+
+
+def test_a_lost_connection_resumes_on_the_other_target_at_once_and_is_logged(caplog):
+    progress = _progress("a:1", "b:1")
+    progress.delivered = 5
+    with caplog.at_level("WARNING", logger="vaed_client.resume"):
+        assert progress.retry_delay(UnavailableError(LOST)) == 0.0  # b has not failed: no backoff
+    assert progress.report.resumes == 1 and progress.report.targets == ["a:1", "b:1"]
+    assert progress.report.reasons == [f"UNAVAILABLE: {LOST}"]
+    assert progress.options(wire.pb.DecodeOptions(request_id="rid")).skip_frames == 5
+    assert "a:1 failed after 5 frames (UNAVAILABLE: Stream removed (Socket closed)); resuming on b:1" in caplog.text
+
+
+def test_resource_exhausted_moves_to_another_replica_but_not_back_to_the_same_one():
+    progress = _progress("a:1", "b:1")
+    assert progress.retry_delay(ResourceExhaustedError("sessions full")) == 0.0
+    assert progress.target == 1
+    alone = _progress("a:1")
+    alone.delivered = 3
+    with pytest.raises(ResourceExhaustedError):  # the one server that said it would say it again
+        alone.retry_delay(ResourceExhaustedError("out of memory"))
+    dns = _progress("dns:///vaed-headless:50051")  # its round_robin channel picks the next replica
+    dns.delivered = 3
+    assert dns.retry_delay(ResourceExhaustedError("sessions full")) > 0  # backoff: the same name again
+
+
+def test_attempts_are_bounded_and_back_off_on_a_target_that_failed():
+    policy = ResumePolicy(max_resumes=3, initial_backoff=0.1, max_backoff=0.3)
+    progress = _progress("a:1", policy=policy)
+    progress.delivered = 1
+    delays = [progress.retry_delay(UnavailableError(LOST)) for _ in range(3)]
+    assert [round(d / b, 1) for d, b in zip(delays, (0.1, 0.2, 0.3))] == [pytest.approx(r, abs=0.21) for r in (1, 1, 1)]
+    with pytest.raises(UnavailableError):
+        progress.retry_delay(UnavailableError(LOST))
+    assert progress.report.resumes == 3
+
+
+def test_resume_false_never_resumes():
+    progress = _progress("a:1", "b:1", policy=policy_of(False))
+    progress.delivered = 2
+    with pytest.raises(UnavailableError):
+        progress.retry_delay(UnavailableError(LOST))
+
+
+def test_frames_are_delivered_exactly_once_across_attempts():
+    progress = _progress("a:1", "b:1")
+    assert _frame_numbers(progress.accept(_reply(0, 1), "rgb8")) == [0]
+    assert _frame_numbers(progress.accept(_reply(1, 4), "rgb8")) == [1, 2, 3, 4]
+    progress.retry_delay(UnavailableError(LOST))
+    # a server that ignored skip_frames sends from frame 0 again: seen frames are dropped,
+    # a group across the boundary is cut
+    assert progress.accept(_reply(0, 1), "rgb8") is None
+    assert progress.accept(_reply(1, 4), "rgb8") is None
+    tail = progress.accept(_reply(3, 4), "rgb8")
+    assert tail.first_frame == 5 and _frame_numbers(tail) == [5, 6]
+    assert progress.delivered == 7 and len(progress.report.recovery_seconds) == 1
+    with pytest.raises(InternalError, match="skipped frames 7..8"):
+        progress.accept(_reply(9, 4), "rgb8")
+    final = wire.pb.FrameChunk(first_frame=9, final=True)
+    assert progress.accept(final, "rgb8") is final
+
+
+def test_a_session_past_its_replay_bound_is_no_longer_resumable(caplog):
+    message = wire.pb.LatentChunk(latents=wire.pb.Tensor(data=b"x" * 100))
+    log = ReplayLog(max_bytes=250)
+    log.append(message)
+    log.append(message)
+    assert log.resumable and len(log) == 2
+    with caplog.at_level("WARNING", logger="vaed_client.resume"):
+        log.append(message)
+    assert not log.resumable and "no longer resumable" in caplog.text
+    log.took(0)
+    assert len(log) == 3  # indices keep counting; what was sent is let go
+    progress = _progress("a:1", "b:1")
+    progress.delivered = 1
+    with pytest.raises(UnavailableError):
+        progress.retry_delay(UnavailableError(LOST), resumable=log.resumable)
+
+
+def test_each_attempt_puts_its_own_options_on_its_first_message():
+    log = ReplayLog(max_bytes=1 << 20)
+    log.append(wire.pb.LatentChunk(latents=wire.pb.Tensor(data=b"a")))
+    log.append(wire.pb.LatentChunk(latents=wire.pb.Tensor(data=b"b")))
+    first = log.message(0, wire.pb.DecodeOptions(skip_frames=5))
+    assert first.options.skip_frames == 5 and first.latents.data == b"a"
+    assert not log.message(0, None).HasField("options")  # the held message is not changed
+    assert not log.message(1, None).HasField("options")
+
+
+def test_targets_rotate_and_avoid_one_that_just_failed():
+    targets = Targets(["a", "b", "c"])
+    assert [targets.first() for _ in range(4)] == [0, 1, 2, 0]
+    assert targets.after_failure(1) == 2
+    assert targets.first() == 2  # b (next in turn) failed just now: skipped while others are fresh
