@@ -158,7 +158,7 @@ def all_gather_along(
     mine = _padded_to(x, dim, big)
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    full = torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+    full = torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)], dim=dim)
     return full.contiguous(memory_format=memory_format_of(x))
 
 
@@ -174,4 +174,4 @@ def gather_along(
     dist.gather(mine, parts, dst=_global(group, 0), group=group)
     if parts is None:
         return None
-    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
+    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes, strict=True)], dim=dim)

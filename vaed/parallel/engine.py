@@ -221,7 +221,7 @@ class ShardedEngine(Engine):
         return self.base.info
 
     @property
-    def graphs(self) -> Any:  # type: ignore[override]
+    def graphs(self) -> Any:
         """Rank 0's captured calls: sessions too small to shard decode with them (warm-up captures them)."""
         return self.base.graphs
 
@@ -462,7 +462,9 @@ class Follower:
                 state = ShardedState(sid=sid, plan=plan, cache=[None] * self.base.num_convs, shape=(b, h, w))
                 self.states[sid] = state
             if state.next_latent_frame != index:
-                raise ShardGroupError(f"session {sid}: rank 0 sent frame {index}, this rank is at {state.next_latent_frame}")
+                raise ShardGroupError(
+                    f"session {sid}: rank 0 sent frame {index}, this rank is at {state.next_latent_frame}"
+                )
             x = torch.empty((b, header.z, 1, h, w), dtype=self.base.dtype, device=self._comm_device)
             dist.broadcast(x, src=_global0(self.runner.group), group=self.runner.group)
             self.runner.step(state, x.to(self.base.device), header.output())

@@ -50,6 +50,7 @@ from vaed.patches import tree
 from vaed.patches.ops import CausalPadOp, OpSet, PadTuple, unfused_norm_causal_conv
 from vaed.patches.versions import diffusers_unverified_reason
 
+from ..choices import SpatialAxis
 from .comm import (
     all_gather_along,
     exchange_edges,
@@ -57,7 +58,6 @@ from .comm import (
     fill_halo,
     memory_format_of,
 )
-from ..choices import SpatialAxis
 from .plan import ShardPlan
 
 
@@ -103,7 +103,8 @@ def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor, *, bias: bool = 
     haloed image instead (a `cat` per conv) took 26 % of a sharded 720x1280x81
     decode on two H200s: these images are the decoder's largest tensors.
     """
-    ph, pw = conv.padding  # type: ignore[misc]
+    assert not isinstance(conv.padding, str)  # check_shardable admits numeric 'same' paddings only
+    ph, pw = conv.padding
     dim = ctx.dim
     halo, strip_padding = (ph, (0, pw)) if ctx.plan.axis == SpatialAxis.HEIGHT else (pw, (ph, 0))
     n = x.shape[dim]
@@ -120,7 +121,8 @@ def conv2d(ctx: ShardContext, conv: nn.Conv2d, x: torch.Tensor, *, bias: bool = 
     if lo is not None:  # output rows [0, halo) read rows [-halo, 2 * halo)
         y.narrow(dim, 0, halo).copy_(run(torch.cat([lo, x.narrow(dim, 0, 2 * halo)], dim), strip_padding))
     if hi is not None:  # output rows [n - halo, n) read rows [n - 2 * halo, n + halo)
-        y.narrow(dim, n - halo, halo).copy_(run(torch.cat([x.narrow(dim, n - 2 * halo, 2 * halo), hi], dim), strip_padding))
+        strip = torch.cat([x.narrow(dim, n - 2 * halo, 2 * halo), hi], dim)
+        y.narrow(dim, n - halo, halo).copy_(run(strip, strip_padding))
     return y
 
 
@@ -141,12 +143,14 @@ def attention(ctx: ShardContext, attn: nn.Module, x: torch.Tensor) -> torch.Tens
 def _halo_filled(ctx: ShardContext, build: CausalPadOp) -> CausalPadOp:
     """A conv-input builder whose zero rows at interior edges then carry the neighbours' rows."""
 
-    def op(x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, **kw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def op(
+        x: torch.Tensor, cache: torch.Tensor | None, pad: PadTuple, **kw: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         padded, nxt = build(x, cache, pad, **kw)
         fill_halo(padded, ctx.dim, ctx.group, _split_halo(ctx, pad))  # no-op for convs without a spatial pad
         return padded, nxt
 
-    return op  # type: ignore[return-value]
+    return op
 
 
 def shard_ops(ctx: ShardContext) -> OpSet:
@@ -194,15 +198,18 @@ def check_shardable(decoder: nn.Module) -> None:
             pw0, pw1, ph0, ph1, _, _ = m._padding
             _, kh, kw = m.kernel_size
             if (pw0, pw1) != ((kw - 1) // 2,) * 2 or (ph0, ph1) != ((kh - 1) // 2,) * 2 or m.stride[1:] != (1, 1):
-                raise ValueError(f"{name}: causal conv {m.kernel_size} with padding {m._padding} is not 'same' spatially")
+                raise ValueError(
+                    f"{name}: causal conv {m.kernel_size} with padding {m._padding} is not 'same' spatially"
+                )
         elif isinstance(m, W.WanResample):
             if m.mode not in ("upsample2d", "upsample3d"):
                 raise ValueError(f"{name}: resample mode {m.mode!r} is not supported on shards")
-            c2 = m.resample[1]
+            resample: Any = m.resample  # (Upsample, Conv2d); diffusers' modules carry no type hints
+            c2 = resample[1]
             k = c2.kernel_size
             if c2.stride != (1, 1) or c2.padding != ((k[0] - 1) // 2, (k[1] - 1) // 2) or c2.padding_mode != "zeros":
                 raise ValueError(f"{name}: image conv {k} stride {c2.stride} padding {c2.padding} is not 'same'")
-            up = m.resample[0]
+            up = resample[0]
             if getattr(up, "mode", None) != "nearest-exact" or tuple(up.scale_factor) != (2.0, 2.0):
                 raise ValueError(f"{name}: only the nearest-exact 2x upsample is supported")
             if not tree.resample_ok(m):

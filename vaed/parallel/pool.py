@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable
+from collections.abc import Callable
 
+from ..engine_protocol import Engine
 from ..errors import CapacityExhausted, NotReady
 from ..metrics import DeviceLoad
 from ..session import Session
@@ -31,7 +32,7 @@ from ..worker import DeviceWorker
 class SessionSlot:
     """A taken admission slot on one worker (`index` in the pool); `release` is idempotent."""
 
-    def __init__(self, index: int, release: Callable[["SessionSlot"], None]) -> None:
+    def __init__(self, index: int, release: Callable[[SessionSlot], None]) -> None:
         self.index = index
         self._release = release
         self._released = False
@@ -151,14 +152,14 @@ class WorkerPool:
         loads = [w.load() for w in self.workers]
         with self._lock:
             slots = list(self._slots)
-        return [dataclasses.replace(load, active_sessions=n) for load, n in zip(loads, slots)]
+        return [dataclasses.replace(load, active_sessions=n) for load, n in zip(loads, slots, strict=True)]
 
     @property
     def active_sessions(self) -> int:
         return sum(load.active_sessions for load in self.device_loads())
 
     @property
-    def engine(self):  # type: ignore[no-untyped-def]
+    def engine(self) -> Engine | None:
         """An engine of a healthy worker (model facts are the same on every device)."""
         for worker in self.workers:
             if worker.healthy and worker.engine is not None:
