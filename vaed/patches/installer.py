@@ -38,7 +38,8 @@ from vaed.patches.table import row_for
 from vaed.patches.versions import diffusers_unverified_reason
 
 if TYPE_CHECKING:  # pragma: no cover
-    from diffusers import AutoencoderKLWan
+    # the defining module: for type checkers diffusers' top-level name is its torch-less dummy
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
 
 log = logging.getLogger(__name__)
 
