@@ -21,6 +21,7 @@ from vaed_client import wire
 from vaed_client.channel import read_token
 
 from .auth import BearerTokenInterceptor, server_credentials
+from .calls import CallCore, Lifecycle
 from .choices import Parallel
 from .config import ServerConfig
 from .engine import DecodeEngine
@@ -33,7 +34,7 @@ from .http import HttpServer
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
-from .service import Lifecycle, VaeDecoderService
+from .service import VaeDecoderService
 from .worker import DeviceWorker
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,8 @@ class VaedServer:
         self.metrics = ServerMetrics(load=self.pool) if config.metrics_port is not None else None
         if self.metrics is not None and (log_handler := installed_log_handler()) is not None:
             self.metrics.registry.register(DroppedLogCollector(log_handler))
+        # every call's logic, below the fronts (the gRPC servicer translates for it)
+        self.core = CallCore(config, self.pool, self.lifecycle, self.metrics)
         self.metrics_port: int | None = None
         # The one HTTP stack; /metrics is its first route.
         self.http: HttpServer | None = None
@@ -208,7 +211,7 @@ class VaedServer:
             interceptors.append(BearerTokenInterceptor(token, on_refused=self._refused, refusals=refusals))
         interceptors.append(RpcLimitInterceptor(cfg.rpc_limit, on_refused=self._refused, refusals=refusals))
         server = grpc.aio.server(interceptors=interceptors, options=grpc_options(cfg))
-        service = VaeDecoderService(cfg, self.pool, self.lifecycle, self.metrics)
+        service = VaeDecoderService(self.core)
         server.add_generic_rpc_handlers((service.rpc_handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

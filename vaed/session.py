@@ -67,7 +67,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 
@@ -247,19 +247,24 @@ class CallRecord:
 _ids = itertools.count()
 
 
-async def _read(requests: AsyncIterator[bytes]) -> bytes | None:
-    return await anext(requests, None)
+# What a front supplies to read a call's input: the next raw message, None once the client
+# half-closed. The session only bounds the wait; the front's message type is opaque here.
+Receive = Callable[[], Awaitable[Any]]
+
+
+async def _read(receive: Receive) -> Any:
+    return await receive()
 
 
 async def _receive(
-    requests: AsyncIterator[bytes],
+    receive: Receive,
     timeout: float,
     late: Callable[[], ClientIdle],
     clock_starts: asyncio.Event | None = None,
-) -> bytes | None:
+) -> Any:
     """The next message (None when the client half-closed), or raise `late()` once `timeout`
     seconds (0 = no limit) passed without one, counted from when `clock_starts` is set."""
-    read = asyncio.ensure_future(_read(requests))
+    read = asyncio.ensure_future(_read(receive))
     try:
         if clock_starts is not None and not clock_starts.is_set():
             started = asyncio.ensure_future(clock_starts.wait())
@@ -276,9 +281,9 @@ async def _receive(
         read.cancel()  # no-op once it is done; the call ends after a timeout, nothing reads again
 
 
-async def first_message(requests: AsyncIterator[bytes], method: str, timeout: float) -> bytes | None:
+async def first_message(receive: Receive, method: str, timeout: float) -> Any:
     """A call's first message (None if the client half-closed first), within `timeout` s of now."""
-    return await _receive(requests, timeout, lambda: ClientIdle(
+    return await _receive(receive, timeout, lambda: ClientIdle(
         f"no {method} message arrived within {timeout:g} s of the call's start "
         "(the server's --session-first-message-timeout); open the call when its first message is ready"
     ))
@@ -387,13 +392,13 @@ class Session:
         await self._room.wait()
 
     async def next_message(
-        self, requests: AsyncIterator[bytes], timeout: float, late: Callable[[], ClientIdle] | None = None,
-    ) -> bytes | None:
+        self, receive: Receive, timeout: float, late: Callable[[], ClientIdle] | None = None,
+    ) -> Any:
         """The client's next message (None when it half-closed). `late()` (by default a
         DecodeStream's ClientIdle) once it sent nothing for `timeout` s (0 = no limit) after
         every frame of what it sent so far went out: until then the client may be waiting for
         those frames, so the wait is the server's, not its."""
-        return await _receive(requests, timeout, late or (lambda: ClientIdle(
+        return await _receive(receive, timeout, late or (lambda: ClientIdle(
             f"no DecodeStream message arrived for {timeout:g} s after the last frames were sent "
             f"({self._frames_in} latent frames received; the server's --session-idle-timeout); "
             "send chunks more often, or half-close the stream when the input ends"

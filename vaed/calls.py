@@ -1,0 +1,551 @@
+"""The call core: one call from admission to its log line, written once below the fronts.
+
+A front (the gRPC servicer, `vaed.service`; an HTTP front next) only translates.
+It hands the core a `CallInput` -- how to receive the call's next raw message
+and how to parse one into an `InputMessage` -- a `deadline_passed()` callable,
+and a `to_message` converter; it iterates the `Call` the core returns and sends
+what comes out, and turns a `CallFailed`'s `Status` into its own status code.
+Everything else is here, once:
+
+    serving? -> admitted (a session slot) -> first message (within
+    --session-first-message-timeout) -> parsed by the front -> request id ->
+    session opened (output spec, limits) -> input fed -> output streamed ->
+    finished: logged and counted once, however it ends
+
+Why the input is read lazily, through the front's `receive`: nothing of a call
+is received, parsed or copied before it is authorised (the interceptors run
+first) and admitted, and every wait for a client message is bounded by the
+session timeouts (`vaed.session`). The front's parse is called only when the
+core needs a message's content, and its `InputMessage` hands over the latents
+as a header (checked against the limits, no copy) and a copy on demand: a
+second Decode message is refused without being parsed, and a refused chunk is
+never copied.
+
+Why the output is pulled: the core yields `FramesOut` pieces (a frame group
+split at --frame-message-bytes, on frame boundaries) and one `CallEnd`,
+already converted by the front's `to_message`; a group's output credit goes
+back when the front asks for the item after its last piece, i.e. once the
+front has sent it, so a slow reader stalls only its own session.
+
+Why the front passes `deadline_passed`: a call the front cancels ends
+DEADLINE_EXCEEDED when its deadline ran out and CANCELLED otherwise; only the
+front knows its deadline.
+
+Operations: `decode` (one message) and `decode_stream` (a stream of chunks)
+share admission, the first-message read, options, the session, the output and
+the finish; an Encode operation adds its own `open` (its session and spec)
+and reuses the rest. `model_info` is a call without a session.
+
+The log line (logger `vaed.service`, one per call, OK at INFO, others at
+WARNING) keeps the name the service had when it wrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from vaed_client.wire import MAX_REQUEST_ID_CHARS, frame_slices
+
+from .choices import Parallel, Precision
+from .config import ServerConfig
+from .engine import OutputSpec
+from .errors import ClientIdle, InvalidInput, NotReady, Status, status_for
+from .parallel.pool import SessionSlot, WorkerPool
+from .session import CallRecord, HostGroup, Limits, Receive, Session, first_message
+
+log = logging.getLogger("vaed.service")
+
+T = TypeVar("T")
+
+
+class Lifecycle:
+    """What the calls need to know about the server's state."""
+
+    def __init__(self) -> None:
+        self.draining = False
+
+
+# -- what a front hands the core -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    """A call's output options as the front read them (the defaults: nothing asked)."""
+
+    rgb8: bool = True                      # False: RAW
+    raw_dtype: torch.dtype | None = None   # RAW frames' dtype; None = the compute dtype
+    precision: Precision | None = None     # None = the server's default
+    raw_latents: bool = False
+    allow_non_finite: bool = False
+    skip_frames: int = 0                   # a resumed call: frames the client has (decoded, not sent)
+
+
+class LatentsIn(Protocol):
+    """A message's latents, still in the front's form."""
+
+    def header(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype, checked against the payload's size, without copying (InvalidInput)."""
+
+    def to_tensor(self) -> torch.Tensor:
+        """The copy, on the CPU, [B, z, T, h, w]."""
+
+
+@dataclass(frozen=True)
+class InputMessage:
+    """One parsed client message. `options` is read only when the core needs it (its checks
+    come after the request id's); None when the message carried no options."""
+
+    request_id: str
+    latents: LatentsIn
+    options: Callable[[], RequestedOutput] | None = None
+
+
+@dataclass(frozen=True)
+class CallInput(Generic[T]):
+    """How the core reads one call's input from its front."""
+
+    receive: Receive                     # the next raw message; None once the client half-closed
+    parse: Callable[[T], InputMessage]   # raw -> InputMessage; InvalidInput when malformed
+
+
+# -- what the core hands the front -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FramesOut:
+    """Frames for one message: part or all of one group (`chunk_index` = its latent frame)."""
+
+    request_id: str
+    chunk_index: int
+    first_frame: int     # index in the whole video of `frames`' first frame
+    frames: torch.Tensor  # CPU, wire layout
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """The call's last item: how many groups and frames it sent."""
+
+    request_id: str
+    groups: int
+    frames: int
+
+
+Out = FramesOut | CallEnd
+
+
+class CallFailed(Exception):
+    """A call ended with a failure: its status and the message safe to show the caller. It is
+    logged and counted already; the front only sends it."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What GetModelInfo reports, in the core's types."""
+
+    model: str
+    z_dim: int
+    scale_factor_temporal: int
+    scale_factor_spatial: int
+    latents_mean: list[float]
+    latents_std: list[float]
+    compute_dtype: torch.dtype
+    device: str
+    random_weights: bool
+    max_message_bytes: int
+    max_latent_frames: int
+    max_pixels: int
+    kernels: str
+    layout: str
+    fast_paths_note: str
+    precisions: tuple[Precision, ...]   # the default first
+    devices: list[str]
+    parallel: str
+
+
+def checked_request_id(request_id: str) -> str:
+    """The caller's id if it is at most MAX_REQUEST_ID_CHARS printable ASCII characters; a new one if empty."""
+    if not request_id:
+        return uuid.uuid4().hex[:16]
+    limit = MAX_REQUEST_ID_CHARS
+    if len(request_id) > limit or not all(" " <= c <= "~" for c in request_id):
+        raise InvalidInput(
+            f"request_id must be at most {limit} printable ASCII characters; got {len(request_id)} "
+            f"characters starting {request_id[:16]!r}"
+        )
+    return request_id
+
+
+def frame_pieces(group: HostGroup, request_id: str, time_dim: int, cap_bytes: int) -> Iterator[FramesOut]:
+    """One group -> pieces of at most cap_bytes payload, split on frame boundaries."""
+    frames = group.frames
+    count = frames.shape[time_dim]
+    frame_bytes = frames.numel() * frames.element_size() // max(count, 1)
+    for start, length in frame_slices(count, frame_bytes, cap_bytes):
+        yield FramesOut(request_id, group.chunk_index, group.first_frame + start,
+                        frames.narrow(time_dim, start, length))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def log_line(record: CallRecord, status: Status) -> str:
+    total_ms = (time.perf_counter() - record.started) * 1e3
+    first = record.first_frame_at - record.started if record.first_frame_at else None
+    return (
+        f"{record.method} id={record.request_id} status={status.name} shape={record.shape} "
+        f"chunks_in={record.chunks_in} groups={record.groups_out} frames={record.frames_out} "
+        f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={_ms(first)} "
+        f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} first_gpu_ms={_ms(record.first_gpu_s)} "
+        f"first_launch_ms={_ms(record.first_launch_s)} total_ms={total_ms:.1f}"
+        # a resumed call: frames decoded for the causal cache but not sent (the client had them)
+        + (f" skipped_frames={record.skipped_frames}" if record.skipped_frames else "")
+    )
+
+
+class Call(Generic[T]):
+    """One call: iterate it for the front's messages; it is logged and counted once however it
+    ends (done, failed, cancelled, deadline), and its session closed. A failure comes out as
+    CallFailed, after `linger` seconds with the input closed (see `CallCore.decode_stream`)."""
+
+    def __init__(
+        self,
+        core: CallCore,
+        method: str,
+        body: Callable[[CallRecord], AsyncIterator[Any]],
+        to_message: Callable[[Any], T],
+        deadline_passed: Callable[[], bool],
+        linger: float = 0.0,
+    ) -> None:
+        self.record = CallRecord(method, "-")
+        self._core = core
+        self._body = body(self.record)
+        self._to_message = to_message
+        self._deadline_passed = deadline_passed
+        self._linger = linger
+        self._messages = self._run()
+
+    def __aiter__(self) -> AsyncIterator[T]:
+        return self._messages
+
+    async def aclose(self) -> None:
+        """End the call now (a front that stops reading it): its cleanup runs at once, not at
+        garbage collection; a call not over yet is logged as cancelled."""
+        await self._messages.aclose()
+
+    async def _run(self) -> AsyncIterator[T]:
+        try:
+            async for item in self._body:
+                yield self._to_message(item)
+        except (asyncio.CancelledError, GeneratorExit):
+            self._core.finish(self.record, Status.DEADLINE_EXCEEDED if self._deadline_passed() else Status.CANCELLED)
+            raise
+        except Exception as exc:
+            await self._body.aclose()  # frees the session and stops its reader before the status
+            if self._linger > 0:
+                await asyncio.sleep(self._linger)
+            raise self._core.failed(self.record, exc) from None
+        else:
+            self._core.finish(self.record, Status.OK)
+        finally:
+            await self._body.aclose()
+
+
+class CallCore:
+    """Model info, Decode and DecodeStream over a WorkerPool, for any front."""
+
+    def __init__(self, config: ServerConfig, pool: WorkerPool, lifecycle: Lifecycle, metrics: Any = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    # -- operations: each returns a Call for the front to iterate -------------------------
+
+    def model_info(
+        self, input: CallInput[T], to_message: Callable[[ModelFacts], Any], deadline_passed: Callable[[], bool],
+    ) -> Call[Any]:
+        """One request message, one reply: the served model's facts."""
+        async def body(record: CallRecord) -> AsyncIterator[ModelFacts]:
+            input.parse(await input.receive())
+            self.check_serving()
+            yield self.model_facts()
+
+        return Call(self, "GetModelInfo", body, to_message, deadline_passed)
+
+    def decode(self, input: CallInput[T], to_message: Callable[[Out], Any], deadline_passed: Callable[[], bool]) -> Call[Any]:
+        """Decode: one message of latents, then the frames."""
+        return Call(self, "Decode", lambda record: self._decode(record, input), to_message, deadline_passed)
+
+    def decode_stream(
+        self, input: CallInput[T], to_message: Callable[[Out], Any], deadline_passed: Callable[[], bool],
+        linger: float = 0.0,
+    ) -> Call[Any]:
+        """DecodeStream: latent chunks in, frames out as they decode. `linger`: how long a failed
+        call waits, reading nothing, before its status (a front whose clients still writing
+        would otherwise miss it; see vaed.interceptors)."""
+        return Call(self, "DecodeStream", lambda record: self._decode_stream(record, input), to_message,
+                    deadline_passed, linger)
+
+    # -- finishing: the one log line and the metrics ----------------------------------------
+
+    def finish(self, record: CallRecord, status: Status) -> None:
+        (log.info if status is Status.OK else log.warning)(log_line(record, status))
+        if self.metrics is not None:
+            self.metrics.request_finished(record.method, status.name, time.perf_counter() - record.started)
+            if status is Status.OK and record.first_frame_at is not None:
+                self.metrics.observe_first_frame(record.method, record.first_frame_at - record.started)
+
+    def failed(self, record: CallRecord, exc: BaseException) -> CallFailed:
+        """Log and count a failed call; what its front sends (an internal error's details stay in the log)."""
+        status = status_for(exc)
+        if status is Status.INTERNAL:
+            log.error("internal error in %s id=%s", record.method, record.request_id, exc_info=exc)
+            message = f"internal error (request id {record.request_id}); see the server log"
+        else:
+            message = str(exc)
+        self.finish(record, status)
+        return CallFailed(status, message)
+
+    # -- the server's state and the model ----------------------------------------------------
+
+    def check_serving(self) -> None:
+        if self.lifecycle.draining:
+            raise NotReady("the server is draining for shutdown; retry on another replica")
+        if not self.pool.ready:
+            if self.pool.started:
+                raise NotReady("the model failed to load; see the server log")
+            raise NotReady("the server is warming up (loading the model); retry shortly")
+
+    @property
+    def offered(self) -> tuple[Precision, ...]:
+        """The precisions this server decodes in, its default first."""
+        engine = self.pool.engine
+        offered = engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
+        default = self.config.precision
+        return (default,) + tuple(p for p in Precision if p in offered and p != default)
+
+    def model_facts(self) -> ModelFacts:
+        engine = self.pool.engine
+        if engine is None:
+            raise NotReady("no device is serving; see the server log")
+        info = engine.info
+        cfg = self.config
+        return ModelFacts(
+            model=cfg.model,
+            z_dim=engine.z_dim,
+            scale_factor_temporal=engine.scale_temporal,
+            scale_factor_spatial=engine.scale_spatial,
+            latents_mean=engine.latents_mean,
+            latents_std=engine.latents_std,
+            compute_dtype=info.dtype,
+            device=info.device,
+            random_weights=info.random_weights,
+            max_message_bytes=cfg.max_message_bytes,
+            max_latent_frames=cfg.max_latent_frames,
+            max_pixels=cfg.max_pixels,
+            kernels=info.kernels,
+            layout=info.layout,
+            fast_paths_note=info.fast_paths_note,
+            precisions=self.offered,
+            # a spatial group is one worker whose engine spans every configured device
+            devices=list(cfg.devices) if engine.describe() != Parallel.OFF else [w.device for w in self.pool.healthy_workers],
+            parallel=engine.describe(),
+        )
+
+    def _limits(self) -> Limits:
+        engine = self.pool.engine
+        if engine is None:
+            raise NotReady("no device is serving; see the server log")
+        cfg = self.config
+        return Limits(
+            z_dim=engine.z_dim, scale_spatial=engine.scale_spatial, max_batch=cfg.max_batch,
+            max_latent_frames=cfg.max_latent_frames, max_pixels=cfg.max_pixels,
+        )
+
+    def output_spec(self, requested: RequestedOutput) -> OutputSpec:
+        precision = requested.precision or self.config.precision
+        if precision not in self.offered:
+            raise InvalidInput(f"precision {precision} is not offered by this server; it offers {', '.join(self.offered)}")
+        return OutputSpec(
+            rgb8=requested.rgb8, raw_dtype=requested.raw_dtype, raw_latents=requested.raw_latents,
+            precision=precision, allow_non_finite=requested.allow_non_finite,
+        )
+
+    # -- the stages a call goes through ------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[SessionSlot]:
+        self.check_serving()
+        slot = self.pool.admit()
+        try:
+            yield slot
+        finally:
+            slot.release()
+
+    def _open(self, record: CallRecord, message: InputMessage) -> tuple[Session, RequestedOutput]:
+        """The session of a call's first message (request id, output spec, limits) and its options."""
+        record.request_id = checked_request_id(message.request_id)
+        requested = message.options() if message.options is not None else RequestedOutput()
+        session = Session(
+            record, self.output_spec(requested), self._limits(), loop=asyncio.get_running_loop(),
+            credits=self.config.queue_chunks, max_backlog_frames=self.config.max_backlog_frames,
+        )
+        return session, requested
+
+    @staticmethod
+    def _accept(session: Session, latents: LatentsIn) -> None:
+        """Validate the latents' header against the session, then copy and queue them."""
+        shape, dtype = latents.header()
+        session.validate(shape, dtype)
+        session.accept(latents.to_tensor())
+
+    async def _output(self, session: Session, skip_frames: int = 0) -> AsyncIterator[Out]:
+        """The session's frame pieces, then the CallEnd; raises the session's failure. Frames
+        before `skip_frames` (a resumed call's, already delivered elsewhere) are decoded but not
+        sent: their latent frames still build the causal cache the later frames need."""
+        record = session.record
+        cap = self.config.frame_message_bytes
+        time_dim = session.output.time_dim
+        groups = frames_total = 0  # of the whole video, skipped ones included (the CallEnd's counts)
+        while (decoded := await session.next_group()) is not None:
+            groups += 1
+            frames_total += decoded.frames.shape[time_dim]
+            group = self._unsent_part(decoded, record, time_dim, skip_frames)
+            if group is None:
+                session.group_sent()
+                continue
+            if record.first_step_s is None:
+                record.first_wait_s = group.step_started - record.started
+                record.first_step_s = group.device_seconds
+                record.first_gpu_s = group.gpu_seconds
+                record.first_launch_s = group.launch_seconds
+            for piece in frame_pieces(group, record.request_id, time_dim, cap):
+                yield piece
+                if record.first_frame_at is None:
+                    record.first_frame_at = time.perf_counter()
+            session.group_sent()  # the front asked for the next item: the group went out
+            frames = group.frames.shape[time_dim]
+            record.groups_out += 1
+            record.frames_out += frames
+            record.device_seconds += group.device_seconds
+            if self.metrics is not None:
+                self.metrics.frames_decoded(frames, 1)
+        yield CallEnd(record.request_id, groups, frames_total)
+
+    def _unsent_part(self, group: HostGroup, record: CallRecord, time_dim: int, skip_frames: int) -> HostGroup | None:
+        """What of `group` a call that skips its first `skip_frames` frames sends: all of it, its
+        tail (a group across the boundary) or nothing (None). Skipped frames are counted in the
+        record, the log line and vaed_skipped_frames_total."""
+        if group.first_frame >= skip_frames:
+            return group
+        frames = group.frames.shape[time_dim]
+        cut = min(frames, skip_frames - group.first_frame)
+        record.skipped_frames += cut
+        if self.metrics is not None:
+            self.metrics.frames_skipped(cut, latent_frames=1 if cut == frames else 0)
+        if cut == frames:
+            record.device_seconds += group.device_seconds
+            return None
+        return dataclasses.replace(
+            group, first_frame=skip_frames, frames=group.frames.narrow(time_dim, cut, frames - cut))
+
+    async def _decode(self, record: CallRecord, input: CallInput[Any]) -> AsyncIterator[Out]:
+        timeout = self.config.session_first_message_timeout
+        async with self._admitted() as slot:
+            raw = await first_message(input.receive, "Decode", timeout)
+            if raw is None:
+                raise InvalidInput("Decode needs one DecodeRequest message")
+            message = input.parse(raw)
+            session, requested = self._open(record, message)
+            self._accept(session, message.latents)
+            del message, raw  # the session holds the only copy of the latents
+            session.finish_input()
+            worker = self.pool.attach(session, slot)
+            more = asyncio.create_task(self._refuse_a_second_message(input.receive, session, timeout))
+            try:
+                async for item in self._output(session, requested.skip_frames):
+                    if isinstance(item, CallEnd):
+                        await more  # the call succeeds only once its one message was all it sent
+                    yield item
+            finally:
+                more.cancel()
+                with contextlib.suppress(asyncio.CancelledError, InvalidInput):
+                    await more
+                worker.detach(session)
+
+    async def _decode_stream(self, record: CallRecord, input: CallInput[Any]) -> AsyncIterator[Out]:
+        async with self._admitted() as slot:
+            raw = await first_message(input.receive, "DecodeStream", self.config.session_first_message_timeout)
+            if raw is None:
+                # Opened and half-closed with no chunk: an empty, successful session.
+                record.request_id = checked_request_id("")
+                yield CallEnd(record.request_id, 0, 0)
+                return
+            first = input.parse(raw)
+            session, requested = self._open(record, first)
+            self._accept(session, first.latents)
+            del first, raw
+            worker = self.pool.attach(session, slot)
+            reader = asyncio.create_task(self._read_rest(input, session))
+            try:
+                async for item in self._output(session, requested.skip_frames):
+                    yield item
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                worker.detach(session)
+
+    @staticmethod
+    async def _refuse_a_second_message(receive: Receive, session: Session, timeout: float) -> None:
+        """Decode is unary: read on to the client's half-close, and fail the call if a second
+        message comes first (gRPC's unary handlers would otherwise just ignore it). A client
+        that never half-closes gets `timeout` s after its frames went out, then DEADLINE_EXCEEDED."""
+        def late() -> ClientIdle:
+            return ClientIdle(
+                f"the Decode call was not half-closed within {timeout:g} s after its frames were sent "
+                "(the server's --session-first-message-timeout); a unary call sends one message and its end")
+
+        if await session.next_message(receive, timeout, late) is not None:
+            exc = InvalidInput("Decode takes exactly one DecodeRequest and a second message arrived; "
+                               "send latents in several messages with DecodeStream")
+            session.fail(exc)
+            raise exc
+
+    async def _read_rest(self, input: CallInput[Any], session: Session) -> None:
+        """Feed the session's later chunks, reading the next one only while its backlog has
+        room (the front's flow control then holds the client); a bad chunk fails the session."""
+        try:
+            while True:
+                await session.wait_for_room()  # a full backlog is the server's wait: not idle
+                raw = await session.next_message(input.receive, self.config.session_idle_timeout)
+                if raw is None:
+                    break
+                chunk = input.parse(raw)
+                if chunk.options is not None:
+                    raise InvalidInput(
+                        "options are only accepted on the first message of a DecodeStream; "
+                        f"chunk {session.record.chunks_in} carried options"
+                    )
+                self._accept(session, chunk.latents)
+            session.finish_input()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            session.fail(exc)
