@@ -297,7 +297,7 @@ class CallCore:
         linger: float = 0.0,
     ) -> Call[Any]:
         """DecodeStream: latent chunks in, frames out as they decode. `linger`: how long a failed
-        call waits, reading nothing, before its status (a front whose clients still writing
+        call waits, reading nothing, before its status (a front whose clients are still writing
         would otherwise miss it; see vaed.interceptors)."""
         return Call(self, "DecodeStream", lambda record: self._decode_stream(record, input), to_message,
                     deadline_passed, linger)
