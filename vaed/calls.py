@@ -48,7 +48,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -211,7 +211,8 @@ def log_line(record: CallRecord, status: Status) -> str:
         f"{record.method} id={record.request_id} status={status.name} shape={record.shape} "
         f"chunks_in={record.chunks_in} groups={record.groups_out} frames={record.frames_out} "
         f"device_ms={record.device_seconds * 1e3:.1f} first_frame_ms={_ms(first)} "
-        f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} first_gpu_ms={_ms(record.first_gpu_s)} "
+        f"first_wait_ms={_ms(record.first_wait_s)} first_step_ms={_ms(record.first_step_s)} "
+        f"first_gpu_ms={_ms(record.first_gpu_s)} "
         f"first_launch_ms={_ms(record.first_launch_s)} total_ms={total_ms:.1f}"
         # a resumed call: frames decoded for the causal cache but not sent (the client had them)
         + (f" skipped_frames={record.skipped_frames}" if record.skipped_frames else "")
@@ -227,7 +228,7 @@ class Call(Generic[T]):
         self,
         core: CallCore,
         method: str,
-        body: Callable[[CallRecord], AsyncIterator[Any]],
+        body: Callable[[CallRecord], AsyncGenerator[Any, None]],
         to_message: Callable[[Any], T],
         deadline_passed: Callable[[], bool],
         linger: float = 0.0,
@@ -248,7 +249,7 @@ class Call(Generic[T]):
         garbage collection; a call not over yet is logged as cancelled."""
         await self._messages.aclose()
 
-    async def _run(self) -> AsyncIterator[T]:
+    async def _run(self) -> AsyncGenerator[T, None]:
         try:
             async for item in self._body:
                 yield self._to_message(item)
@@ -281,14 +282,16 @@ class CallCore:
         self, input: CallInput[T], to_message: Callable[[ModelFacts], Any], deadline_passed: Callable[[], bool],
     ) -> Call[Any]:
         """One request message, one reply: the served model's facts."""
-        async def body(record: CallRecord) -> AsyncIterator[ModelFacts]:
+        async def body(record: CallRecord) -> AsyncGenerator[ModelFacts, None]:
             input.parse(await input.receive())
             self.check_serving()
             yield self.model_facts()
 
         return Call(self, "GetModelInfo", body, to_message, deadline_passed)
 
-    def decode(self, input: CallInput[T], to_message: Callable[[Out], Any], deadline_passed: Callable[[], bool]) -> Call[Any]:
+    def decode(
+        self, input: CallInput[T], to_message: Callable[[Out], Any], deadline_passed: Callable[[], bool],
+    ) -> Call[Any]:
         """Decode: one message of latents, then the frames."""
         return Call(self, "Decode", lambda record: self._decode(record, input), to_message, deadline_passed)
 
@@ -364,7 +367,8 @@ class CallCore:
             fast_paths_note=info.fast_paths_note,
             precisions=self.offered,
             # a spatial group is one worker whose engine spans every configured device
-            devices=list(cfg.devices) if engine.describe() != Parallel.OFF else [w.device for w in self.pool.healthy_workers],
+            devices=(list(cfg.devices) if engine.describe() != Parallel.OFF
+                     else [w.device for w in self.pool.healthy_workers]),
             parallel=engine.describe(),
         )
 
@@ -381,7 +385,8 @@ class CallCore:
     def output_spec(self, requested: RequestedOutput) -> OutputSpec:
         precision = requested.precision or self.config.precision
         if precision not in self.offered:
-            raise InvalidInput(f"precision {precision} is not offered by this server; it offers {', '.join(self.offered)}")
+            raise InvalidInput(
+                f"precision {precision} is not offered by this server; it offers {', '.join(self.offered)}")
         return OutputSpec(
             rgb8=requested.rgb8, raw_dtype=requested.raw_dtype, raw_latents=requested.raw_latents,
             precision=precision, allow_non_finite=requested.allow_non_finite,
@@ -415,7 +420,7 @@ class CallCore:
         session.validate(shape, dtype)
         session.accept(latents.to_tensor())
 
-    async def _output(self, session: Session, skip_frames: int = 0) -> AsyncIterator[Out]:
+    async def _output(self, session: Session, skip_frames: int = 0) -> AsyncGenerator[Out, None]:
         """The session's frame pieces, then the CallEnd; raises the session's failure. Frames
         before `skip_frames` (a resumed call's, already delivered elsewhere) are decoded but not
         sent: their latent frames still build the causal cache the later frames need."""
@@ -465,7 +470,7 @@ class CallCore:
         return dataclasses.replace(
             group, first_frame=skip_frames, frames=group.frames.narrow(time_dim, cut, frames - cut))
 
-    async def _decode(self, record: CallRecord, input: CallInput[Any]) -> AsyncIterator[Out]:
+    async def _decode(self, record: CallRecord, input: CallInput[Any]) -> AsyncGenerator[Out, None]:
         timeout = self.config.session_first_message_timeout
         async with self._admitted() as slot:
             raw = await first_message(input.receive, "Decode", timeout)
@@ -489,7 +494,7 @@ class CallCore:
                     await more
                 worker.detach(session)
 
-    async def _decode_stream(self, record: CallRecord, input: CallInput[Any]) -> AsyncIterator[Out]:
+    async def _decode_stream(self, record: CallRecord, input: CallInput[Any]) -> AsyncGenerator[Out, None]:
         async with self._admitted() as slot:
             raw = await first_message(input.receive, "DecodeStream", self.config.session_first_message_timeout)
             if raw is None:

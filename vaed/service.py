@@ -214,15 +214,14 @@ class VaeDecoderService:
     async def GetModelInfo(self, request: bytes, context: grpc.aio.ServicerContext) -> Any:
         call = self.core.model_info(
             _unary_input(request, lambda raw: parse(pb.ModelInfoRequest, raw)), model_info, _deadline_passed(context))
-        reply = None
+        replies = []
         try:
-            async for reply in call:  # one reply
-                pass
+            replies = [reply async for reply in call]  # one reply
         except CallFailed as failed:
             await _abort(context, failed)
         finally:
             await call.aclose()
-        return reply
+        return replies[0]
 
     def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         call = self.core.decode(_stream_input(requests, decode_request), frame_chunk, _deadline_passed(context))
