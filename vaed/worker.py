@@ -28,11 +28,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, DecodeEngine, warm_up
+from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, warm_up
 from .engine_protocol import Engine, EngineFactory
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
@@ -208,7 +209,7 @@ class DeviceWorker:
         if self.on_fault is not None:
             self.on_fault()
 
-    def _warm_shapes(self, engine: DecodeEngine) -> list[tuple[int, int]]:
+    def _warm_shapes(self, engine: Engine) -> list[tuple[int, int]]:
         """Latent (h, w) sizes to warm: the configured pixel sizes, or one small CPU decode."""
         if self._warmup_shapes is not None:
             s = engine.scale_spatial
@@ -220,7 +221,7 @@ class DeviceWorker:
         s = engine.scale_spatial
         return [(h // s, w // s) for h, w in DEFAULT_WARMUP_SHAPES.get(engine.z_dim, ((480, 832),))]
 
-    def _warm_up(self, engine: DecodeEngine) -> None:
+    def _warm_up(self, engine: Engine) -> None:
         """Decode every warm-up shape up to its steady chunk in every offered tier, so the first
         real request at that shape does not pay cuDNN plan selection, Triton compiles (the fast
         tier's kernels specialise per shape too) or allocator growth."""
@@ -331,8 +332,9 @@ class DeviceWorker:
                 host.copy_(frames, non_blocking=True)
                 frames.record_stream(self._copy_stream)  # keep the block alive until the copy ran
                 # timed only where the step's start was (frame 0); otherwise it only signals the copy
-                done: torch.cuda.Event | None = torch.cuda.Event(enable_timing=started_event is not None)
-                done.record()
+                copied = torch.cuda.Event(enable_timing=started_event is not None)
+                copied.record()
+            done: torch.cuda.Event | None = copied
         else:
             host, done = frames, None
         launched = time.perf_counter() - started
