@@ -165,6 +165,10 @@ class ServerConfig:
         "more get RESOURCE_EXHAUSTED", parse=positive_int, metavar="N")
     metrics_port: int | None = option(None, "serve Prometheus metrics at /metrics on this port", parse=int)
     metrics_host: str | None = option(None, "address the metrics endpoint binds", no_default="--host")
+    http_port: int | None = option(
+        None, "serve Hugging Face's remote-VAE protocol (diffusers' remote_decode) and /health over HTTP "
+        "on this port; the same port as --metrics-port shares its listener", parse=int)
+    http_host: str | None = option(None, "address the HTTP front binds", no_default="--host")
     tls_cert: str | None = option(None, "PEM certificate chain; with --tls-key serves TLS")
     tls_key: str | None = option(None, "PEM private key for --tls-cert")
     tls_client_ca: str | None = option(

@@ -31,10 +31,12 @@ from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
 from .logs import installed as installed_log_handler
 from .http import HttpServer
+from .http.front import HfFront
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
 from .service import VaeDecoderService
+from .video import PackagingPool
 from .worker import DeviceWorker
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,25 @@ def auth_summary(config: ServerConfig, has_token: bool) -> str:
     return f"bearer token required on every RPC but health (from {source})"
 
 
+def http_host(config: ServerConfig) -> str:
+    return config.http_host or config.host
+
+
+def http_front_shares_metrics(config: ServerConfig) -> bool:
+    """The front's routes go on the metrics listener when both name the same address: one
+    socket, one connection cap. Given different ports they get a listener each, so decode
+    clients (up to 64 connections, each holding a body) cannot crowd scrapes out, and a network
+    policy can open the front to pipeline pods and metrics to Prometheus alone."""
+    return (config.metrics_port is not None and config.http_port == config.metrics_port
+            and http_host(config) == (config.metrics_host or config.host))
+
+
+def encode_threads() -> int:
+    """Threads of the HTTP front's MP4 packaging pool: half the cores, 1 to 8 (PyAV's libx264
+    releases the GIL; the other half is left to the event loop and the device threads)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 class VaedServer:
     def __init__(self, config: ServerConfig, build_engine: EngineFactory | None = None):
         self.config = config
@@ -189,6 +210,22 @@ class VaedServer:
         if self.metrics is not None:
             self.http = HttpServer(name="metrics")
             add_metrics_route(self.http.app, self.metrics)
+        # The HTTP front (--http-port): routes on the metrics stack when it is the same address,
+        # else a listener of its own (see `http_front_shares_metrics`).
+        self.front: HfFront | None = None
+        self.front_http: HttpServer | None = None
+        self.http_port: int | None = None
+        self.packaging: PackagingPool | None = None
+        if config.http_port is not None:
+            self.packaging = PackagingPool(encode_threads())
+            self.front = HfFront(self.core, self.packaging,
+                                 token=read_token(config.auth_token_file, wire.AUTH_TOKEN_ENV),
+                                 on_refused=self._refused)
+            if self.http is not None and http_front_shares_metrics(config):
+                self.front_http = self.http
+            else:
+                self.front_http = HttpServer(name="HTTP front")
+            self.front.add_routes(self.front_http.app)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
@@ -244,6 +281,14 @@ class VaedServer:
             self.metrics_port = await self.http.start(cfg.metrics_host or cfg.host, cfg.metrics_port or 0)
             shown = (cfg.metrics_host or cfg.host).strip("[]")
             log.info("metrics on http://%s:%d%s", f"[{shown}]" if ":" in shown else shown, self.metrics_port, METRICS_PATH)
+        if self.front_http is not None and self.front_http is not self.http:
+            self.http_port = await self.front_http.start(http_host(cfg), cfg.http_port or 0)
+        elif self.front_http is not None:
+            self.http_port = self.metrics_port
+        if self.front_http is not None:
+            shown = http_host(cfg).strip("[]")
+            log.info("HTTP front (Hugging Face remote-VAE protocol) on http://%s:%d/",
+                     f"[{shown}]" if ":" in shown else shown, self.http_port)
         loop = asyncio.get_running_loop()
         self.pool.on_change = lambda: loop.call_soon_threadsafe(self._on_pool_change)
         self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
@@ -313,8 +358,12 @@ class VaedServer:
             await self._server.stop(max(0.0, deadline - loop.time()))
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.pool.stop)
+        if self.front_http is not None and self.front_http is not self.http:
+            await self.front_http.stop()
         if self.http is not None:
             await self.http.stop()
+        if self.packaging is not None:
+            self.packaging.shutdown()
         self._stopped.set()
         unfreeze_heap()  # this process may go on (tests, an embedding app): its garbage is collectable again
         log.info("stopped")

@@ -1,0 +1,272 @@
+"""The HTTP front: Hugging Face's remote-VAE protocol (`vaed.http.hf_protocol`) and GET /health,
+as routes of the server's aiohttp app, translated onto the call core (`vaed.calls`).
+
+The front is a translator, as the gRPC servicer is: the core admits the call, opens its session,
+feeds the input, streams the output and logs and counts it once; the front only turns a request
+into the core's input (`CallInput`: a `receive` that reads the body, a `parse` into
+`InputMessage`), the core's output into an HTTP answer, and the core's statuses into HTTP codes.
+
+Order of work for a POST, and what each refusal costs (nothing of the body is read before the
+call is authorised and admitted, so a refused request spends no memory on its body):
+
+    bearer token (when the server has one)          -> 401, body unread
+    Content-Length present, <= --max-message-bytes   -> 411 / 413, body unread
+    query parsed; Content-Length = prod(shape) * dtype size -> 400, body unread
+    the core: serving? -> 503; a session slot? -> 429   (body unread)
+            -> the body read (within --session-first-message-timeout, else 408)
+            -> latents checked against the limits (400) -> decoded
+    the answer: sent once the whole call is done (a late failure still gets its status), or,
+    with stream=true, fMP4 bytes sent with chunked transfer as the frames are encoded
+
+Why `receive` reads the body: the core calls it only after admission, so the order above is the
+core's own, not a second copy of it. The body is read into one buffer of exactly Content-Length
+bytes, which the latents tensor then views (no copy); aiohttp's reader holds at most its 64 KiB
+high-water mark of unread body meanwhile (it pauses the socket past that).
+
+Authentication: the same token as the gRPC port (`--auth-token-file` / $VAED_AUTH_TOKEN), sent as
+`Authorization: Bearer <token>`. diffusers' `remote_decode` sends no token: against a server with
+one it gets 401. Serve it tokenless only where the network is the boundary (bind the HTTP port to
+loopback, or admit only the pipeline's pods with a NetworkPolicy); docs/deployment.md says how.
+GET /health needs no token, as gRPC health does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from aiohttp import hdrs, web
+
+from ..calls import CallCore, CallEnd, CallFailed, CallInput, FramesOut, InputMessage, RequestedOutput
+from ..errors import InvalidInput, NotReady, Status
+from ..video import DEFAULT_FPS, PackagingPool
+from .hf_protocol import (
+    Answer, DecodeQuery, RawLatents, check_size, error_body, image_bytes, parse_query, tensor_bytes,
+    tensor_headers, unit_video,
+)
+
+log = logging.getLogger(__name__)
+
+DECODE_PATHS = ("/", "/decode")
+HEALTH_PATH = "/health"
+REQUEST_ID_HEADER = "X-Request-Id"
+# The method the core logs and counts HTTP decodes under (vaed_requests_total{method="Decode"}).
+METHOD = "Decode"
+
+# On 429 / 503 (a Status's value is its HTTP code): a session slot or a replica is usually free
+# within a decode.
+RETRY_AFTER_SECONDS = "1"
+
+_HOW_TO_AUTH = "send 'Authorization: Bearer <token>' (the server's --auth-token-file / $VAED_AUTH_TOKEN)"
+
+
+def _json_error(status: int, message: str, **headers: str) -> web.Response:
+    return web.Response(status=status, body=error_body(message), content_type="application/json", headers=headers)
+
+
+def _status_answer(status: Status, message: str) -> web.Response:
+    code = int(status)
+    extra = {hdrs.RETRY_AFTER: RETRY_AFTER_SECONDS} if code in (429, 503) else {}
+    return _json_error(code, message, **extra)
+
+
+def default_fps(patch_size: int | None) -> int:
+    """Wan2.2's VAE patchifies its output (patch_size 2) and generates 24 fps; Wan2.1's does
+    neither and generates 16 fps."""
+    return DEFAULT_FPS["wan2.2" if patch_size else "wan2.1"]
+
+
+class HfFront:
+    """The HTTP front's routes over one CallCore (see the module docstring)."""
+
+    def __init__(
+        self, core: CallCore, packaging: PackagingPool, token: bytes | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.packaging = packaging
+        self._token = token
+        self._on_refused = on_refused or (lambda method, code: None)
+        self.bodies_read = 0  # request bodies the front started reading (tests: refusals read none)
+
+    def add_routes(self, app: web.Application) -> None:
+        for path in DECODE_PATHS:
+            app.router.add_post(path, self.decode)
+        app.router.add_get(HEALTH_PATH, self.health, allow_head=False)
+
+    # -- GET /health -----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 only while the server is SERVING (what a load balancer or probe needs)."""
+        try:
+            self.core.check_serving()
+        except NotReady as exc:
+            return web.json_response({"status": "NOT_SERVING", "error": str(exc)}, status=503)
+        return web.json_response({"status": "SERVING"})
+
+    # -- POST / and /decode ------------------------------------------------------------------
+
+    def _refuse(self, code: str, status: int, message: str, **headers: str) -> web.Response:
+        """A request refused before the core saw it, counted as a refused call (`code`: a gRPC
+        status name, as the metrics take it)."""
+        self._on_refused(METHOD, code)
+        return _json_error(status, message, **headers)
+
+    def _unauthorised(self, request: web.Request) -> str | None:
+        """None when the request may go on, else why not."""
+        if self._token is None:
+            return None
+        values = request.headers.getall(hdrs.AUTHORIZATION, [])
+        if not values:
+            return f"missing credentials: this server requires a bearer token; {_HOW_TO_AUTH}"
+        scheme, _, token = values[0].strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return f"malformed Authorization header: expected 'Bearer <token>'; {_HOW_TO_AUTH}"
+        # compare_digest on bytes: constant time in the token's content, any input accepted
+        if not hmac.compare_digest(token.strip().encode("utf-8", "replace"), self._token):
+            return "invalid bearer token"
+        return None
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        if (problem := self._unauthorised(request)) is not None:
+            return self._refuse("UNAUTHENTICATED", 401, problem, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+        length = request.content_length
+        if length is None:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 411,
+                                "Content-Length is required: send the latents' bytes as one body of known size")
+        limit = self.core.config.max_message_bytes
+        if length > limit:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 413,
+                                f"the body is {length} bytes and this server takes at most {limit} "
+                                "(--max-message-bytes); decode a long video in parts")
+        try:
+            query = parse_query(request.query, request.query.getall("shape", []),
+                                request.headers.get(hdrs.ACCEPT, ""), self._default_fps())
+        except InvalidInput as exc:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
+        if length != query.body_bytes:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 400,
+                                f"the body is {length} bytes, and latents of shape {list(query.shape)} in "
+                                f"{str(query.dtype).removeprefix('torch.')} are {query.body_bytes}")
+        call = self.core.decode(self._input(request, query, length), self._to_message(query), lambda: False)
+        try:
+            return await self._answer(request, query, call)
+        except CallFailed as exc:
+            return _status_answer(exc.status, exc.message)
+        finally:
+            await call.aclose()
+
+    def _default_fps(self) -> int:
+        engine = self.core.pool.engine
+        return default_fps(engine.patch_size if engine is not None else None)
+
+    def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[bytearray]:
+        """The core's view of the request: one message (the body), then the end."""
+        read = False
+
+        async def receive() -> bytearray | None:
+            nonlocal read
+            if read:
+                return None
+            read = True
+            return await self._read_body(request, length)
+
+        def parse(body: bytearray) -> InputMessage:
+            engine = self.core.pool.engine
+            if engine is not None:
+                check_size(query, engine.scale_spatial)
+            requested = RequestedOutput(rgb8=query.rgb8, raw_latents=query.raw_latents, precision=query.precision)
+            return InputMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""),
+                                latents=RawLatents(body, query.shape, query.dtype), options=lambda: requested)
+
+        return CallInput(receive=receive, parse=parse)
+
+    async def _read_body(self, request: web.Request, length: int) -> bytearray:
+        """Exactly `length` bytes into one buffer, as they arrive."""
+        self.bodies_read += 1
+        body = bytearray(length)
+        view = memoryview(body)
+        got = 0
+        try:
+            while got < length:
+                chunk = await request.content.readany()
+                if not chunk:
+                    break
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+            raise InvalidInput(f"the body ended after {got} of {length} bytes ({exc})") from None
+        if got != length:
+            raise InvalidInput(f"the body ended after {got} of {length} bytes")
+        return body
+
+    @staticmethod
+    def _to_message(query: DecodeQuery) -> Callable[[FramesOut | CallEnd], Any]:
+        # A group's frames may live in a buffer the device worker reuses once the front asks for
+        # the next item, so a front that keeps them (every answer but mp4, which encodes each
+        # piece before asking for the next) keeps a copy.
+        if query.answer is Answer.MP4:
+            return lambda item: item
+        return lambda item: item if isinstance(item, CallEnd) else FramesOut(
+            item.request_id, item.chunk_index, item.first_frame, item.frames.clone())
+
+    async def _answer(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
+        if query.answer is Answer.MP4:
+            return await self._mp4(request, query, call)
+        pieces: list[torch.Tensor] = []
+        request_id = ""
+        async for item in call:
+            if isinstance(item, FramesOut):
+                pieces.append(item.frames)
+            else:
+                request_id = item.request_id
+        time_dim = 1 if query.rgb8 else 2
+        video = torch.cat(pieces, dim=time_dim)
+        headers = {REQUEST_ID_HEADER: request_id}
+        if query.answer is Answer.IMAGE:
+            content_type = "image/png" if query.image_format == "PNG" else "image/jpeg"
+            return web.Response(body=image_bytes(video[0], query.image_format), content_type=content_type,
+                                headers=headers)
+        tensor = {Answer.RAW: lambda: video, Answer.FRAMES: lambda: video[0],
+                  Answer.UNIT: lambda: unit_video(video)}[query.answer]()
+        return web.Response(body=tensor_bytes(tensor), headers={**headers, **tensor_headers(tensor)})
+
+    async def _mp4(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
+        """The video's MP4 bytes: each group is encoded as it arrives (on the packaging pool,
+        beside the decode); with stream=true each encoded part goes out at once (chunked)."""
+        assert query.video is not None
+        packager = self.packaging.packager(query.video)
+        parts: list[bytes] = []
+        response: web.StreamResponse | None = None
+        try:
+            async for item in call:
+                if isinstance(item, FramesOut):
+                    data = await packager.add(item.frames[0].numpy())
+                else:
+                    data = await packager.close()
+                    request_id = item.request_id
+                if not query.stream:
+                    parts.append(data)
+                elif data:
+                    if response is None:
+                        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "video/mp4"})
+                        response.enable_chunked_encoding()
+                        await response.prepare(request)
+                    await response.write(data)
+        except CallFailed as exc:
+            if response is None:
+                raise
+            # The status line went out with the first bytes: cut the chunked body short, which
+            # every HTTP client reports as an incomplete answer.
+            log.warning("HTTP stream cut after its status was sent: %s", exc.message)
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        if response is not None:
+            await response.write_eof()
+            return response
+        return web.Response(body=b"".join(parts), content_type="video/mp4", headers={REQUEST_ID_HEADER: request_id})

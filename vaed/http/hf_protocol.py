@@ -1,0 +1,289 @@
+"""Hugging Face's remote-VAE protocol, as diffusers' `remote_decode` speaks it: the request's
+query, its raw tensor body, and the answers (pure functions; `vaed.http.front` serves them).
+
+What diffusers' client sends (`diffusers.utils.remote_utils.prepare_decode`): a POST whose body is
+the tensor's bytes in C order, with query parameters `shape` (one per dimension), `dtype`,
+`output_type` (pt | pil | mp4), `partial_postprocess`, `image_format`, and `do_scaling` or
+`scaling_factor` / `shift_factor`; Python booleans arrive as "True" / "False". What it reads back
+(`postprocess_decode`): for `pt`, and for `pil` with a processor, raw bytes with a `shape` (JSON)
+and a `dtype` header; for `mp4` the file's bytes; on an error it raises
+`RuntimeError(response.json())`, so errors are JSON objects `{"error": ...}`.
+
+The answers, per request (batch B, T output frames of H x W):
+
+=====================================  ===============================================
+`pt`                                   the decoder's output `[B, 3, T, H, W]` in the
+                                       compute dtype, clamped to [-1, 1] (what
+                                       `vae.decode(...).sample` is, and what diffusers'
+                                       `VideoProcessor.postprocess_video` takes)
+`pt` + `partial_postprocess=True`      uint8 frames `[T, H, W, 3]` (B = 1): the client
+                                       turns each of dim 0 into a PIL image
+`pil` + a processor (Accept            `VideoProcessor.postprocess_video(video, "pt")[0]`:
+tensor/binary)                         `[T, 3, H, W]` in [0, 1], in the compute dtype; the
+                                       client scales by 255 and rounds, as the local
+                                       pipeline does, so its PIL frames are the pipeline's
+`pil` without a processor (Accept      one frame (a one-latent-frame video) as a JPEG or
+image/jpeg or image/png)               PNG image; a longer video is refused
+`mp4`                                  an H.264 MP4 file (`vaed.video`), fps 16 for Wan2.1
+                                       and 24 for Wan2.2 unless `fps` is given
+=====================================  ===============================================
+
+Scaling, for Wan (`do_scaling`, `scaling_factor`, `shift_factor`): Wan's latents are normalised
+per channel (`latents_mean`, `latents_std` in the VAE's config), not by one scalar. WanPipeline's
+decode step computes `latents / (1 / latents_std) + latents_mean` and hands that to `vae.decode`.
+So:
+
+* `do_scaling=True` (what `remote_decode` sends by default) means "the server applies the model's
+  scaling": the server runs that decode step, so the tensor is the pipeline's
+  `output_type="latent"` output (vaed's gRPC default, `raw_latents=False`);
+* no `do_scaling` (`remote_decode(..., do_scaling=False)` sends none) means the tensor is already
+  what `vae.decode` receives (gRPC's `raw_latents=True`);
+* `scaling_factor` and `shift_factor` are refused (400): one number cannot express a per-channel
+  normalisation, and silently ignoring them would decode wrong colours.
+
+`height` / `width` are for packed (Flux) latents; Wan's are 5-D, so they are accepted only when they
+equal the decoded size.
+
+vaed's own extensions (ignored by diffusers, which never sends them): `fps`, `crf`, `lossless` for
+mp4 (`vaed.video.VideoOptions`), `stream=true` (mp4 only: the fMP4 bytes are sent with chunked
+transfer as the frames decode), `precision` (lossless | fast), and an `X-Request-Id` header.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..choices import Precision
+from ..errors import InvalidInput
+from ..video import DEFAULT_CRF, VideoError, VideoOptions
+
+# The dtype names diffusers' client uses (`str(tensor.dtype).split(".")[-1]`, its DTYPE_MAP).
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "uint8": torch.uint8,
+}
+LATENT_DTYPE_NAMES = ("float16", "bfloat16", "float32")
+_NAME_OF = {dtype: name for name, dtype in DTYPE_NAMES.items()}
+
+LATENT_DIMS = 5  # [B, z, T, h, w]
+
+
+class OutputType(enum.StrEnum):
+    PT = "pt"
+    PIL = "pil"
+    MP4 = "mp4"
+
+
+class Answer(enum.Enum):
+    """What a request's answer holds (see the module docstring's table)."""
+
+    RAW = "raw"            # pt: the decoder's output
+    FRAMES = "frames"      # pt + partial_postprocess: uint8 [T, H, W, 3]
+    UNIT = "unit"          # pil + a processor: [T, 3, H, W] in [0, 1]
+    IMAGE = "image"        # pil without a processor: one JPEG / PNG frame
+    MP4 = "mp4"
+
+
+_IMAGE_FORMATS = {"jpg": ("JPEG", "image/jpeg"), "jpeg": ("JPEG", "image/jpeg"), "png": ("PNG", "image/png")}
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+@dataclass(frozen=True)
+class DecodeQuery:
+    """One request's parameters, checked; nothing of the body is read to make it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    answer: Answer
+    raw_latents: bool                  # True: the tensor is vae.decode's input (no do_scaling)
+    image_format: str = "JPEG"         # Answer.IMAGE: PIL's format name
+    video: VideoOptions | None = None  # Answer.MP4
+    stream: bool = False               # Answer.MP4: fMP4 sent as it is encoded
+    precision: Precision | None = None  # None: the server's default
+    height: int | None = None
+    width: int | None = None
+
+    @property
+    def body_bytes(self) -> int:
+        """The byte count the body must have."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def rgb8(self) -> bool:
+        """Whether the answer is made from the server's RGB8 frames (else from the RAW output)."""
+        return self.answer in (Answer.FRAMES, Answer.IMAGE, Answer.MP4)
+
+
+def _flag(query: Mapping[str, str], name: str, default: bool) -> bool:
+    value = query.get(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise InvalidInput(f"{name} must be true or false, got {value!r}")
+
+
+def _int(query: Mapping[str, str], name: str) -> int | None:
+    value = query.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInput(f"{name} must be an integer, got {value!r}") from None
+
+
+def parse_shape(values: Sequence[str]) -> tuple[int, ...]:
+    if not values:
+        raise InvalidInput("shape is required: one shape= parameter per dimension of [B, z, T, h, w]")
+    try:
+        shape = tuple(int(v) for v in values)
+    except ValueError:
+        raise InvalidInput(f"shape must be integers, got {list(values)}") from None
+    if len(shape) != LATENT_DIMS or any(d < 1 for d in shape):
+        raise InvalidInput(f"shape must be 5 positive sizes [B, z, T, h, w] (Wan latents), got {list(shape)}")
+    return shape
+
+
+def parse_query(query: Mapping[str, str], shape_values: Sequence[str], accept: str, default_fps: int) -> DecodeQuery:
+    """The request's parameters (`query`: the last value of each; `shape_values`: every `shape`),
+    checked; InvalidInput says what is wrong."""
+    shape = parse_shape(shape_values)
+    dtype_name = query.get("dtype")
+    if dtype_name is None:
+        raise InvalidInput(f"dtype is required: one of {', '.join(LATENT_DTYPE_NAMES)}")
+    if dtype_name not in LATENT_DTYPE_NAMES:
+        raise InvalidInput(f"dtype {dtype_name!r} is not a latent dtype; use one of {', '.join(LATENT_DTYPE_NAMES)}")
+    try:
+        output_type = OutputType(query.get("output_type", "pt"))
+    except ValueError:
+        raise InvalidInput(
+            f"output_type {query.get('output_type')!r} is not served; use one of "
+            f"{', '.join(t.value for t in OutputType)}") from None
+    for name in ("scaling_factor", "shift_factor"):
+        if name in query:
+            raise InvalidInput(
+                f"{name} is not used by Wan: its latents are normalised per channel (latents_mean / latents_std). "
+                "Send do_scaling=True (remote_decode's default) for the server to apply WanPipeline's decode step, "
+                "or do_scaling=False with latents already as vae.decode takes them")
+    raw_latents = not _flag(query, "do_scaling", False)
+    partial = _flag(query, "partial_postprocess", False)
+    stream = _flag(query, "stream", False)
+    image_format = query.get("image_format", "jpg").lower()
+    if image_format not in _IMAGE_FORMATS:
+        raise InvalidInput(f"image_format {image_format!r} is not served; use jpg or png")
+    if output_type is OutputType.PT:
+        answer = Answer.FRAMES if partial else Answer.RAW
+    elif output_type is OutputType.PIL:
+        answer = Answer.IMAGE if accept.startswith("image/") else Answer.UNIT
+    else:
+        answer = Answer.MP4
+    if shape[0] != 1 and answer is not Answer.RAW:
+        raise InvalidInput(
+            f"output_type {output_type.value}{' with partial_postprocess' if partial else ''} answers one video: "
+            f"send batch 1 (shape[0]), got {shape[0]}; output_type pt without partial_postprocess takes a batch")
+    if answer is Answer.IMAGE and shape[2] != 1:
+        raise InvalidInput(
+            f"output_type pil without a processor answers one image, and {shape[2]} latent frames decode to a "
+            "video; pass processor=VideoProcessor(), or use output_type mp4 or pt")
+    if stream and answer is not Answer.MP4:
+        raise InvalidInput("stream=true is served for output_type mp4 only")
+    video = None
+    if answer is Answer.MP4:
+        try:
+            video = VideoOptions(
+                fps=_int(query, "fps") or default_fps,
+                crf=DEFAULT_CRF if (crf := _int(query, "crf")) is None else crf,
+                lossless=_flag(query, "lossless", False),
+            )
+        except VideoError as exc:
+            raise InvalidInput(str(exc)) from None
+    elif any(name in query for name in ("fps", "crf", "lossless")):
+        raise InvalidInput("fps, crf and lossless are options of output_type mp4")
+    try:
+        precision = Precision.parse(query["precision"], "precision") if "precision" in query else None
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    height, width = _int(query, "height"), _int(query, "width")
+    if (height is None) != (width is None):
+        raise InvalidInput("height and width go together")
+    return DecodeQuery(
+        shape=shape, dtype=DTYPE_NAMES[dtype_name], answer=answer, raw_latents=raw_latents,
+        image_format=_IMAGE_FORMATS[image_format][0], video=video, stream=stream, precision=precision,
+        height=height, width=width,
+    )
+
+
+def check_size(query: DecodeQuery, scale_spatial: int) -> None:
+    """height / width, when given, must be the decoded size (they exist for packed latents)."""
+    if query.height is None:
+        return
+    h, w = query.shape[3] * scale_spatial, query.shape[4] * scale_spatial
+    if (query.height, query.width) != (h, w):
+        raise InvalidInput(
+            f"height x width {query.height}x{query.width} is not the decoded size {h}x{w} of latents "
+            f"{list(query.shape)}; Wan latents are not packed: leave height and width out")
+
+
+class RawLatents:
+    """A request body as the call core's latents (its `LatentsIn`): shape and dtype from the query,
+    the byte count checked before the body was read; the tensor is a view of the body (no copy)."""
+
+    def __init__(self, body: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._body = body
+        self._shape = shape
+        self._dtype = dtype
+
+    def header(self) -> tuple[tuple[int, ...], torch.dtype]:
+        expected = math.prod(self._shape) * torch.empty((), dtype=self._dtype).element_size()
+        if len(self._body) != expected:  # the front reads exactly Content-Length; this is the last guard
+            raise InvalidInput(f"latents: {len(self._body)} bytes for shape {list(self._shape)} need {expected}")
+        return self._shape, self._dtype
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.frombuffer(self._body, dtype=self._dtype).reshape(self._shape)
+
+
+# -- answers -------------------------------------------------------------------------------
+
+
+def tensor_headers(tensor: torch.Tensor) -> dict[str, str]:
+    """The headers diffusers' client reads a tensor answer with."""
+    return {"shape": json.dumps(list(tensor.shape)), "dtype": _NAME_OF[tensor.dtype],
+            "Content-Type": "tensor/binary"}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """C-order bytes of a CPU tensor, as `torch.frombuffer(...).reshape(shape)` reads them back."""
+    # through uint8: numpy has no bfloat16
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def unit_video(raw: torch.Tensor) -> torch.Tensor:
+    """The decoder's output [1, 3, T, H, W] -> [T, 3, H, W] in [0, 1], by diffusers' own
+    VideoProcessor (so the client's rounding gives the local pipeline's PIL frames)."""
+    from diffusers.video_processor import VideoProcessor
+
+    return VideoProcessor().postprocess_video(raw, output_type="pt")[0]
+
+
+def image_bytes(frames: torch.Tensor, image_format: str) -> bytes:
+    """uint8 frames [1, H, W, 3] -> one encoded image."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(frames[0].numpy()).save(buffer, format=image_format)
+    return buffer.getvalue()
+
+
+def error_body(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
