@@ -84,12 +84,12 @@ class HfFront:
     """The HTTP front's routes over one CallCore (see the module docstring)."""
 
     def __init__(
-        self, core: CallCore, packaging: PackagingPool, token: bytes | None = None,
+        self, core: CallCore, packaging: PackagingPool, token: str | None = None,
         on_refused: Callable[[str, str], None] | None = None,
     ) -> None:
         self.core = core
         self.packaging = packaging
-        self._token = token
+        self._token = token.encode("utf-8") if token is not None else None
         self._on_refused = on_refused or (lambda method, code: None)
         self.bodies_read = 0  # request bodies the front started reading (tests: refusals read none)
 
@@ -132,6 +132,14 @@ class HfFront:
         return None
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._decode(request)
+        except Exception:
+            # the core reports its own failures as CallFailed; this is the front's own bug
+            log.exception("HTTP front: internal error on %s %s", request.method, request.path)
+            return _json_error(500, "internal error in the HTTP front; see the server log")
+
+    async def _decode(self, request: web.Request) -> web.StreamResponse:
         if (problem := self._unauthorised(request)) is not None:
             return self._refuse("UNAUTHENTICATED", 401, problem, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
         length = request.content_length

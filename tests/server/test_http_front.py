@@ -1,0 +1,346 @@
+"""The HTTP front through diffusers' own client: `remote_decode` (pt, pt + partial_postprocess,
+pil with a VideoProcessor, mp4) against in-process servers of the tiny Wan2.1 and Wan2.2 models,
+compared with the gRPC path (`VaeClient`) and diffusers' local decode; the bad-input, auth and
+admission matrices; fMP4 bytes that reach the client while the call still decodes."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+import requests
+import torch
+from diffusers.utils.remote_utils import prepare_decode, remote_decode
+from diffusers.video_processor import VideoProcessor
+from PIL import Image
+
+from harness import RunningServer, diffusers_decode, make_config, serve_in_thread
+from vaed.server import engine_factory
+from vaed.video import Fmp4Packager, VideoOptions
+from vaed_client import VaeClient
+
+TOKEN = "s3cret-token"
+Z = {"random:wan2.1-tiny": 4, "random:wan2.2-tiny": 6}
+
+
+def url(running: RunningServer, path: str = "/") -> str:
+    return f"http://127.0.0.1:{running.server.http_port}{path}"
+
+
+def latents(model: str, t: int = 3, h: int = 4, w: int = 6, seed: int = 0, b: int = 1) -> torch.Tensor:
+    return torch.randn(b, Z[model], t, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=["random:wan2.1-tiny", "random:wan2.2-tiny"])
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    with serve_in_thread(make_config(request.param, http_port=0)) as running:
+        yield running
+
+
+def grpc_decode(running: RunningServer, x: torch.Tensor, **kwargs: Any) -> Any:
+    with VaeClient(running.target, timeout=120) as client:
+        return client.decode(x, **kwargs)
+
+
+def frames_of_mp4(data: bytes) -> tuple[np.ndarray, Any]:
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
+        return frames, stream.average_rate
+
+
+def package(frames: np.ndarray, options: VideoOptions) -> bytes:
+    packager = Fmp4Packager(options)
+    return packager.add(frames) + packager.close()
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+# -- diffusers' remote_decode against the server ------------------------------------------------
+
+
+@pytest.mark.parametrize("do_scaling", [True, False])
+def test_pt_is_bit_identical_to_the_grpc_raw_path(server: RunningServer, do_scaling: bool) -> None:
+    """do_scaling=True (remote_decode's default): the server applies WanPipeline's decode step,
+    as gRPC's default does; do_scaling=False: the tensor is vae.decode's input (raw_latents)."""
+    x = latents(server.config.model, seed=1)
+    remote = remote_decode(endpoint=url(server), tensor=x, output_type="pt", return_type="pt", do_scaling=do_scaling)
+    local = grpc_decode(server, x, output_type="raw", raw_latents=not do_scaling)
+    assert remote.dtype == torch.float32 and remote.shape == local.shape
+    assert torch.equal(remote, torch.as_tensor(local))
+    # and what diffusers' own decode gives (the pipeline's decode step when do_scaling)
+    assert torch.equal(remote, diffusers_decode(server.reference_vae(), x, raw_latents=not do_scaling))
+
+
+def test_pt_takes_a_batch(server: RunningServer) -> None:
+    x = latents(server.config.model, t=2, b=2, seed=2)
+    remote = remote_decode(endpoint=url(server), tensor=x, output_type="pt", return_type="pt")
+    assert torch.equal(remote, torch.as_tensor(grpc_decode(server, x, output_type="raw")))
+
+
+def test_partial_postprocess_answers_the_rgb8_frames_as_pil_images(server: RunningServer) -> None:
+    x = latents(server.config.model, seed=3)
+    frames = remote_decode(endpoint=url(server), tensor=x, output_type="pt", partial_postprocess=True, return_type="pt")
+    rgb8 = torch.as_tensor(grpc_decode(server, x))  # [1, T, H, W, 3] uint8
+    assert frames.dtype == torch.uint8 and torch.equal(frames, rgb8[0])
+    images = remote_decode(endpoint=url(server), tensor=x, output_type="pt", partial_postprocess=True)
+    assert len(images) == rgb8.shape[1]
+    assert all(np.array_equal(np.asarray(image), rgb8[0, i].numpy()) for i, image in enumerate(images))
+
+
+def test_pil_with_a_video_processor_gives_the_local_pipelines_frames(server: RunningServer) -> None:
+    """output_type pil with a processor, and pt with a processor (the client post-processes the
+    raw output): both equal what WanPipeline's output_type="pil" gives for the same latents."""
+    x = latents(server.config.model, seed=4)
+    processor = VideoProcessor()
+    local = processor.postprocess_video(diffusers_decode(server.reference_vae(), x, raw_latents=False), output_type="pil")[0]
+    for output_type in ("pil", "pt"):
+        remote = remote_decode(endpoint=url(server), tensor=x, output_type=output_type, processor=processor)
+        assert len(remote) == len(local)
+        for got, want in zip(remote, local, strict=True):
+            assert got.size == want.size and np.array_equal(np.asarray(got), np.asarray(want)), output_type
+
+
+def test_pil_without_a_processor_answers_one_frame_as_an_image(server: RunningServer) -> None:
+    x = latents(server.config.model, t=1, seed=5)
+    rgb8 = torch.as_tensor(grpc_decode(server, x))[0, 0].numpy()
+    png = remote_decode(endpoint=url(server), tensor=x, output_type="pil", image_format="png")
+    assert png.format == "png" and np.array_equal(np.asarray(png), rgb8)
+    jpg = remote_decode(endpoint=url(server), tensor=x, output_type="pil")
+    assert jpg.format == "jpeg" and jpg.size == png.size
+    with pytest.raises(RuntimeError, match="pass processor=VideoProcessor"):
+        remote_decode(endpoint=url(server), tensor=latents(server.config.model, t=2), output_type="pil")
+
+
+def test_mp4_decodes_back_to_the_frames(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """H.264 at the default CRF within the codec's loss; the lossless choice exactly; the frame
+    rate is the model's (16 Wan2.1, 24 Wan2.2)."""
+    x = latents(server.config.model, t=5, h=8, w=8, seed=6)
+    rgb8 = torch.as_tensor(grpc_decode(server, x))[0].numpy()
+    mp4 = remote_decode(endpoint=url(server), tensor=x, output_type="mp4", return_type="mp4")
+    frames, rate = frames_of_mp4(mp4)
+    assert frames.shape == rgb8.shape
+    assert rate == (24 if "2.2" in server.config.model else 16)
+    quality = psnr(frames, rgb8)
+    with capsys.disabled():
+        print(f"\n{server.config.model} {list(x.shape)}: mp4 {len(mp4)} bytes vs RGB8 {rgb8.nbytes}, PSNR {quality:.2f} dB")
+    # Random weights decode to noise, the hardest content for H.264 (and 4:2:0 halves its colour
+    # detail), so the loss is large; the frames must be what vaed.video makes of the same frames.
+    assert quality > 12
+    assert np.array_equal(frames, frames_of_mp4(package(rgb8, VideoOptions(fps=int(rate))))[0])
+    sent = prepare_decode(x, output_type="mp4")
+    lossless = requests.post(url(server), data=sent["data"], headers=sent["headers"],
+                             params={**sent["params"], "lossless": "true", "fps": "8"}, timeout=120)
+    assert lossless.status_code == 200 and lossless.headers["Content-Type"] == "video/mp4"
+    exact, rate = frames_of_mp4(lossless.content)
+    assert rate == 8 and np.array_equal(exact, rgb8)
+
+
+# -- bad input: 4xx with a JSON error, and the server goes on serving ----------------------------
+
+
+def _post(running: RunningServer, params: dict[str, Any], data: Any, **headers: str) -> requests.Response:
+    return requests.post(url(running, "/decode"), params=params, data=data, headers=headers, timeout=60)
+
+
+def raw_request(port: int, head: str, body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Send a request head (and `body`), read the answer to the server's close: (status, JSON body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"null")
+
+
+def _assert_json_error(response: requests.Response, status: int, pattern: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and re.search(pattern, body["error"]), body
+    assert "Traceback" not in response.text
+
+
+@pytest.fixture(scope="module")
+def tiny_http() -> Iterator[RunningServer]:
+    with serve_in_thread(make_config("random:wan2.1-tiny", http_port=0, max_message_bytes=1 << 20)) as running:
+        yield running
+
+
+def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
+    good = latents("random:wan2.1-tiny")
+    sent = prepare_decode(good, output_type="pt")
+    params, body = sent["params"], sent["data"]
+    nan = good.clone()
+    nan[0, 1, 2, 0, 0] = float("nan")
+    cases: list[tuple[dict[str, Any], Any, int, str]] = [
+        (params, body[:-4], 400, r"the body is \d+ bytes, and latents of shape \[1, 4, 3, 4, 6\] in float32 are 1152"),
+        (params, body + b"1234", 400, "are 1152"),
+        ({**params, "dtype": "float64"}, body, 400, "dtype 'float64' is not a latent dtype"),
+        ({**params, "dtype": "uint8"}, body, 400, "dtype 'uint8' is not a latent dtype"),
+        ({k: v for k, v in params.items() if k != "dtype"}, body, 400, "dtype is required"),
+        ({**params, "shape": [4, 3, 4, 6]}, body, 400, "shape must be 5 positive sizes"),
+        ({**params, "shape": [1, 4, 3, 4, "x"]}, body, 400, "shape must be integers"),
+        ({k: v for k, v in params.items() if k != "shape"}, body, 400, "shape is required"),
+        ({**params, "output_type": "gif"}, body, 400, "output_type 'gif' is not served"),
+        ({**params, "partial_postprocess": "maybe"}, body, 400, "partial_postprocess must be true or false"),
+        ({**params, "scaling_factor": 0.3611}, body, 400, "scaling_factor is not used by Wan"),
+        ({**params, "shift_factor": 0.1159}, body, 400, "shift_factor is not used by Wan"),
+        ({**params, "height": 33, "width": 48}, body, 400, "not the decoded size 32x48"),
+        ({**params, "output_type": "mp4", "crf": 99}, body, 400, "crf must be in 0..51"),
+        ({**params, "stream": "true"}, body, 400, "stream=true is served for output_type mp4 only"),
+        ({**params, "shape": [1, 5, 3, 4, 6], "dtype": "float16"}, body[:720], 400, "z_dim|channels|5"),
+        (params, prepare_decode(nan, output_type="pt")["data"], 400, "NaN or Inf"),
+        ({**params, "precision": "fast"}, body, 400, "precision fast is not offered"),
+    ]
+    for case_params, data, status, pattern in cases:
+        _assert_json_error(_post(tiny_http, case_params, data), status, pattern)
+    # oversized: refused from the head, before a byte of the body is read
+    before = tiny_http.server.front.bodies_read
+    status, error = raw_request(tiny_http.server.http_port,
+                                f"POST /decode?shape=1&dtype=float32 HTTP/1.1\r\nHost: x\r\nContent-Length: {2 << 20}\r\n")
+    assert status == 413 and "at most 1048576 (--max-message-bytes)" in error["error"]
+    # no Content-Length: a chunked body
+    _assert_json_error(_post(tiny_http, params, iter([body])), 411, "Content-Length is required")
+    assert tiny_http.server.front.bodies_read == before
+    # still serving, and a good call is answered
+    good_answer = remote_decode(endpoint=url(tiny_http), tensor=good, output_type="pt", return_type="pt")
+    assert good_answer.shape == (1, 3, 9, 32, 48)
+    assert requests.get(url(tiny_http, "/health"), timeout=10).status_code == 200
+
+
+# -- auth and admission: refused before the body is read ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN + "\n")
+    config = make_config("random:wan2.1-tiny", http_port=0, auth_token_file=str(token_file), max_sessions=1,
+                         session_first_message_timeout=30.0)
+    with serve_in_thread(config) as running:
+        yield running
+
+
+def _head(shape: tuple[int, ...], length: int, *headers: str) -> str:
+    query = "&".join(f"shape={d}" for d in shape)
+    return "".join(f"{line}\r\n" for line in (
+        f"POST /?{query}&dtype=float32&output_type=pt HTTP/1.1", "Host: x", f"Content-Length: {length}", *headers))
+
+
+def test_no_or_a_wrong_token_is_401_before_the_body_is_read(guarded: RunningServer) -> None:
+    x = latents("random:wan2.1-tiny")
+    front = guarded.server.front
+    before = front.bodies_read
+    port = guarded.server.http_port
+    for headers, pattern in [((), "missing credentials"), (("Authorization: Bearer wrong",), "invalid bearer token"),
+                             (("Authorization: Basic " + TOKEN,), "malformed Authorization header")]:
+        # headers only: the body never comes, and the answer does not wait for it
+        status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, *headers))
+        assert status == 401 and re.search(pattern, error["error"]), error
+    assert front.bodies_read == before
+    with pytest.raises(RuntimeError, match="missing credentials"):
+        remote_decode(endpoint=url(guarded), tensor=x, output_type="pt", return_type="pt")  # diffusers sends no token
+    assert front.bodies_read == before
+    sent = prepare_decode(x, output_type="pt")
+    ok = requests.post(url(guarded), data=sent["data"], params=sent["params"],
+                       headers={**sent["headers"], "Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert ok.status_code == 200 and json.loads(ok.headers["shape"]) == [1, 3, 9, 32, 48]
+    assert front.bodies_read == before + 1
+    assert requests.get(url(guarded, "/health"), timeout=10).status_code == 200  # health needs no token
+
+
+def test_a_full_server_answers_429_and_a_draining_one_503_before_the_body_is_read(guarded: RunningServer) -> None:
+    """max_sessions=1: a request whose body has not come yet holds the one slot; the next is
+    refused from its head; draining refuses too, and /health says so."""
+    x = latents("random:wan2.1-tiny")
+    front = guarded.server.front
+    port = guarded.server.http_port
+    auth = f"Authorization: Bearer {TOKEN}"
+    holder = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        before = front.bodies_read
+        holder.sendall((_head(tuple(x.shape), x.numel() * 4, auth) + "\r\n").encode())
+        # admitted, and waiting for its body
+        _wait(lambda: guarded.server.pool.admitted == 1 and front.bodies_read == before + 1)
+        status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, auth))
+        assert status == 429 and "sessions are in use" in error["error"], error
+        assert front.bodies_read == before + 1  # the refused request's body was never read
+        holder.sendall(prepare_decode(x, output_type="pt")["data"])
+        answer = b""
+        while chunk := holder.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200")
+    finally:
+        holder.close()
+    guarded.server.lifecycle.draining = True
+    try:
+        status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, auth))
+        assert status == 503 and "draining" in error["error"]
+        health = requests.get(url(guarded, "/health"), timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "NOT_SERVING"
+    finally:
+        guarded.server.lifecycle.draining = False
+    assert requests.get(url(guarded, "/health"), timeout=10).status_code == 200
+
+
+def _wait(condition: Any, timeout: float = 30.0) -> None:
+    done = threading.Event()
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        done.wait(0.02)
+    raise AssertionError("condition not met")
+
+
+# -- streaming: fMP4 bytes reach the client while the call still decodes ---------------------------
+
+
+def test_stream_sends_fragments_before_the_call_ends() -> None:
+    """The server's decode of latent frame 2 is held until the client has read the init
+    segment and frame 0's fragment: those bytes can only have come before the call ended.
+    The concatenated stream is one valid MP4 with every frame."""
+    config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
+    release = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 2:
+                assert release.wait(60), "the client never read the first fragments"
+            return group
+
+        engine.decode_frame = held_at_frame_2
+        return engine
+
+    x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=7)
+    sent = prepare_decode(x, output_type="mp4")
+    with serve_in_thread(config, build_engine=build) as running:
+        with requests.post(url(running), data=sent["data"], headers=sent["headers"],
+                           params={**sent["params"], "stream": "true"}, stream=True, timeout=60) as response:
+            assert response.status_code == 200 and response.headers["Transfer-Encoding"] == "chunked"
+            early = b""
+            chunks = response.iter_content(chunk_size=None)
+            while b"moof" not in early or b"mdat" not in early:
+                early += next(chunks)
+            assert not release.is_set()  # latent frame 2 cannot have finished: the call is not over
+            release.set()
+            data = early + b"".join(chunks)
+        frames, _ = frames_of_mp4(data)
+        rgb8 = torch.as_tensor(grpc_decode(running, x))[0].numpy()
+    assert data.startswith(early) and len(early) < len(data)
+    assert np.array_equal(frames, frames_of_mp4(package(rgb8, VideoOptions(fps=16)))[0])
