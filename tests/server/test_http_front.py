@@ -22,7 +22,7 @@ from diffusers.utils.remote_utils import prepare_decode, remote_decode
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from harness import RunningServer, diffusers_decode, make_config, serve_in_thread
+from harness import RunningServer, diffusers_decode, make_config, serve_in_thread, start_cli_server
 from vaed.server import engine_factory
 from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import VaeClient
@@ -344,3 +344,45 @@ def test_stream_sends_fragments_before_the_call_ends() -> None:
         rgb8 = torch.as_tensor(grpc_decode(running, x))[0].numpy()
     assert data.startswith(early) and len(early) < len(data)
     assert np.array_equal(frames, frames_of_mp4(package(rgb8, VideoOptions(fps=16)))[0])
+
+
+# -- where the front listens ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_same_port_as_metrics_shares_its_listener() -> None:
+    """--http-port = --metrics-port: one listener answers /metrics, /health and the protocol;
+    HTTP decodes are counted as Decode calls."""
+    port = _free_port()
+    with serve_in_thread(make_config("random:wan2.1-tiny", http_port=port, metrics_port=port)) as running:
+        assert running.server.front_http is running.server.http and running.server.http_port == port
+        x = latents("random:wan2.1-tiny")
+        remote_decode(endpoint=url(running), tensor=x, output_type="pt", return_type="pt")
+        requests.post(url(running), params={"dtype": "float32"}, data=b"", timeout=10)  # 400: no shape
+        scrape = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'vaed_requests_total{code="OK",method="Decode"} 1.0' in scrape
+        assert 'vaed_requests_total{code="INVALID_ARGUMENT",method="Decode"} 1.0' in scrape
+        assert requests.get(url(running, "/health"), timeout=10).status_code == 200
+
+
+def test_vaed_serve_http_port_serves_remote_decode_mp4() -> None:
+    """The flag end to end: a `vaed serve` subprocess with --http-port (its own listener beside
+    --metrics-port) answers remote_decode's mp4 and /health."""
+    http_port, metrics_port = _free_port(), _free_port()
+    proc, _ = start_cli_server("--http-port", str(http_port), "--metrics-port", str(metrics_port))
+    try:
+        endpoint = f"http://127.0.0.1:{http_port}/"
+        assert requests.get(endpoint + "health", timeout=10).json() == {"status": "SERVING"}
+        mp4 = remote_decode(endpoint=endpoint, tensor=latents("random:wan2.1-tiny", t=2), output_type="mp4",
+                            return_type="mp4")
+        frames, rate = frames_of_mp4(mp4)
+        assert frames.shape == (5, 32, 48, 3) and rate == 16
+        assert requests.get(f"http://127.0.0.1:{metrics_port}/health", timeout=10).status_code == 404
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -265,6 +265,9 @@ class HfFront:
                         response.enable_chunked_encoding()
                         await response.prepare(request)
                     await response.write(data)
+        except ConnectionError:
+            # the client went away mid-stream; closing the call (the caller's finally) logs it CANCELLED
+            return response if response is not None else web.Response(status=499)
         except CallFailed as exc:
             if response is None:
                 raise
