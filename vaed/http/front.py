@@ -261,7 +261,8 @@ class HfFront:
                     parts.append(data)
                 elif data:
                     if response is None:
-                        response = web.StreamResponse(headers={hdrs.CONTENT_TYPE: "video/mp4"})
+                        response = web.StreamResponse(
+                            headers={hdrs.CONTENT_TYPE: "video/mp4", REQUEST_ID_HEADER: item.request_id})
                         response.enable_chunked_encoding()
                         await response.prepare(request)
                     await response.write(data)
