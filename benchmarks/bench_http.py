@@ -1,0 +1,124 @@
+"""The HTTP front end to end: diffusers' `remote_decode` (mp4, pt + partial_postprocess) and the
+streamed fMP4 route against the gRPC RGB8 decode of the same latents, through a real `vaed serve`.
+
+    python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
+    python benchmarks/bench_http.py --device cpu --model random:wan2.1-tiny --shape 1,4,21,60,104
+
+Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
+wire, and for mp4 the PSNR of its frames against the RGB8 frames; for the stream, seconds until
+the first fMP4 fragment (`moof`) is at the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import requests
+import torch
+
+from vaed_process import start_vaed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def timed(reps: int, call: Callable[[], Any]) -> tuple[float, Any]:
+    times, result = [], None
+    for _ in range(reps):
+        started = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), result
+
+
+def mp4_frames(data: bytes) -> np.ndarray:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def first_fragment_s(endpoint: str, sent: dict[str, Any]) -> tuple[float, float, int]:
+    """(seconds to the first `moof` at the client, seconds to the end, bytes) of one streamed call."""
+    started = time.perf_counter()
+    first, data = None, b""
+    with requests.post(endpoint, data=sent["data"], headers=sent["headers"],
+                       params={**sent["params"], "stream": "true"}, stream=True, timeout=600) as response:
+        response.raise_for_status()
+        for chunk in response.iter_content(chunk_size=None):
+            data += chunk
+            if first is None and b"moof" in data:
+                first = time.perf_counter() - started
+    return first or float("nan"), time.perf_counter() - started, len(data)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:wan2.1")
+    parser.add_argument("--shape", default="1,16,21,60,104", help="latent shape B,z,T,h,w")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--gpu", default="0")
+    parser.add_argument("--device", choices=["cpu"], help="serve on the CPU instead of --gpu")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    from diffusers.utils.remote_utils import prepare_decode, remote_decode
+
+    from vaed_client import VaeClient
+
+    shape = [int(s) for s in args.shape.split(",")]
+    latents = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    http_port = free_port()
+    extra = ["--http-port", str(http_port)] + (["--device", "cpu"] if args.device else [])
+    proc, target, _ = start_vaed(args.model, None if args.device else args.gpu, extra)
+    endpoint = f"http://127.0.0.1:{http_port}/"
+    try:
+        with VaeClient(target) as client:
+            client.decode(latents[:, :, :2])  # connection and first-use warm-up
+            grpc_s, rgb8 = timed(args.reps, lambda: client.decode(latents))
+        rgb8 = np.asarray(rgb8)[0]
+        remote_decode(endpoint=endpoint, tensor=latents[:, :, :2], output_type="mp4", return_type="mp4")
+        mp4_s, mp4 = timed(args.reps, lambda: remote_decode(
+            endpoint=endpoint, tensor=latents, output_type="mp4", return_type="mp4"))
+        frames_s, frames = timed(args.reps, lambda: remote_decode(
+            endpoint=endpoint, tensor=latents, output_type="pt", partial_postprocess=True, return_type="pt"))
+        assert np.array_equal(frames.numpy(), rgb8), "pt + partial_postprocess differs from gRPC RGB8"
+        streams = [first_fragment_s(endpoint, prepare_decode(latents, output_type="mp4")) for _ in range(args.reps)]
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    result = {
+        "model": args.model, "shape": shape, "frames": int(rgb8.shape[0]),
+        "body_bytes": latents.numel() * 4,
+        "grpc_rgb8_s": grpc_s, "rgb8_bytes": int(rgb8.nbytes),
+        "http_pt_partial_s": frames_s,
+        "http_mp4_s": mp4_s, "mp4_bytes": len(mp4), "mp4_over_rgb8": len(mp4) / rgb8.nbytes,
+        "mp4_psnr_db": psnr(mp4_frames(mp4), rgb8), "http_mp4_over_grpc_rgb8": mp4_s / grpc_s,
+        "stream_first_fragment_ms": statistics.median(s[0] for s in streams) * 1e3,
+        "stream_total_s": statistics.median(s[1] for s in streams),
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
