@@ -27,11 +27,11 @@ from .config import ServerConfig
 from .engine import DecodeEngine
 from .engine_protocol import Engine, EngineFactory
 from .heap import freeze_startup_heap, unfreeze_heap
+from .http import HttpServer
+from .http.front import HfFront
 from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
 from .logs import installed as installed_log_handler
-from .http import HttpServer
-from .http.front import HfFront
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool

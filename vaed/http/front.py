@@ -45,8 +45,16 @@ from ..calls import CallCore, CallEnd, CallFailed, CallInput, FramesOut, InputMe
 from ..errors import InvalidInput, NotReady, Status
 from ..video import DEFAULT_FPS, PackagingPool
 from .hf_protocol import (
-    Answer, DecodeQuery, RawLatents, check_size, error_body, image_bytes, parse_query, tensor_bytes,
-    tensor_headers, unit_video,
+    Answer,
+    DecodeQuery,
+    RawLatents,
+    check_size,
+    error_body,
+    image_bytes,
+    parse_query,
+    tensor_bytes,
+    tensor_headers,
+    unit_video,
 )
 
 log = logging.getLogger(__name__)
