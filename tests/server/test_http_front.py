@@ -386,3 +386,43 @@ def test_vaed_serve_http_port_serves_remote_decode_mp4() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_client_that_leaves_frees_its_session_before_the_decode_would_end() -> None:
+    """The server's decode is held at latent frame 1; the client sends its whole body and closes
+    the connection; the call is cancelled and its slot freed while the decode is still held."""
+    config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
+    release = threading.Event()
+    reached = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_at_frame_1(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 1:
+                reached.set()
+                release.wait(60)
+            return group
+
+        engine.decode_frame = held_at_frame_1
+        return engine
+
+    x = latents("random:wan2.1-tiny", t=3, seed=8)
+    with serve_in_thread(config, build_engine=build) as running:
+        port = running.server.http_port
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        try:
+            client.sendall((_head(tuple(x.shape), x.numel() * 4) + "\r\n").encode()
+                           + prepare_decode(x, output_type="pt")["data"])
+            assert reached.wait(60)
+            assert running.server.pool.admitted == 1
+        finally:
+            client.close()
+        try:
+            _wait(lambda: running.server.pool.admitted == 0)
+            assert not release.is_set()  # freed while latent frame 1 was still held
+        finally:
+            release.set()
+        assert requests.get(url(running, "/health"), timeout=10).status_code == 200

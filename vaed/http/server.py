@@ -133,7 +133,10 @@ class HttpServer:
         if not address:
             # asyncio would bind every interface, each on its own ephemeral port.
             raise ValueError(f"{self.name} host must be an address such as 0.0.0.0, :: or 127.0.0.1")
-        runner = web.AppRunner(self.app, handle_signals=False, access_log=None)
+        # handler_cancellation: a handler whose client disconnected is cancelled (aiohttp's default
+        # since 3.7 lets it run on), so a decode over HTTP whose client left frees its session
+        # slot at once instead of decoding for nobody.
+        runner = web.AppRunner(self.app, handle_signals=False, access_log=None, handler_cancellation=True)
         await runner.setup()
         try:
             # aiohttp's Server is a protocol factory for create_server (its documented
