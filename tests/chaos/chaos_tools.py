@@ -94,6 +94,14 @@ class Replica:
     def log(self) -> str:
         return "\n".join(self.lines[-40:])
 
+    def resumed_calls(self, request_id: str, timeout: float = 30.0) -> list[dict[str, str]]:
+        """The key=value fields of this replica's log lines for call `request_id` that skipped
+        frames (resumed calls), once at least one is logged (a call is logged after its last
+        message, so the client can finish first)."""
+        self.wait_for_line(f"id={request_id} ", timeout)
+        lines = [line for line in self.lines if f" id={request_id} " in line and "skipped_frames=" in line]
+        return [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines]
+
 
 def start_replicas(*extras: tuple[str, ...]) -> list[Replica]:
     """Several replicas started together (their start-ups overlap), once all are SERVING."""
@@ -214,5 +222,10 @@ def random_faults(seed: int, kinds: list[str], max_bytes: int, delay: float) -> 
     return [Fault(kind, rng.randrange(FIRST_CALL_BYTES, max_bytes), delay) for kind in kinds]
 
 
-def elapsed(since: float) -> float:
-    return time.monotonic() - since
+def recovery_split(recovery_s: float, call: dict[str, str]) -> str:
+    """A recovery time in two parts: the server's own time to the resumed call's first frame
+    (replay arrival, re-decode of the skipped frames, queueing behind other sessions) and the
+    rest (failure detected, backoff, new connection, upload)."""
+    server_ms = float(call["first_frame_ms"]) if call["first_frame_ms"] != "-" else float("nan")
+    return (f"{recovery_s * 1e3:.0f} ms = ~{recovery_s * 1e3 - server_ms:.0f} ms reconnect + {server_ms:.0f} ms on the "
+            f"new server to its first frame ({call['skipped_frames']} frames skipped)")

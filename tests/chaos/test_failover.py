@@ -25,7 +25,7 @@ from vaed_client import core as client_core
 from vaed_client.resume import CallReport, ResumePolicy
 from vaed_client.video import assemble
 
-from chaos_tools import ChaosProxy, Fault, Replica, free_port, random_faults, start_replicas
+from chaos_tools import ChaosProxy, Replica, free_port, random_faults, recovery_split, start_replicas
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +40,21 @@ def frames_of(t: int) -> int:
     return 1 + 4 * (t - 1)
 
 
-def report_line(name: str, report: CallReport) -> None:
+def report_line(name: str, report: CallReport, resumed_calls: list[dict[str, str]] = ()) -> None:
+    """Print a call's resumes; with the new server's log lines of its resumed calls, each recovery
+    split into reconnect and the server's re-decode (they pair up when every resume skipped frames)."""
     recovery = ", ".join(f"{s * 1e3:.0f} ms" for s in report.recovery_seconds) or "-"
     print(f"{name}: resumes={report.resumes} recovery={recovery} reasons={report.reasons}")
+    if len(resumed_calls) == len(report.recovery_seconds):
+        for seconds, call in zip(report.recovery_seconds, resumed_calls):
+            print(f"  recovery {recovery_split(seconds, call)}")
+
+
+def check_resumed_call(call: dict[str, str], total: int) -> None:
+    """The new server's log line of a resumed call: it succeeded, and the frames it skipped and
+    the frames it sent make the whole video (it skipped exactly what the client had)."""
+    assert call["status"] == "OK"
+    assert int(call["skipped_frames"]) > 0 and int(call["skipped_frames"]) + int(call["frames"]) == total
 
 
 def assert_tiles_once(chunks: list[Any], total: int) -> None:
@@ -88,12 +100,13 @@ def test_kill9_mid_decode_resumes_on_the_other_replica(pair: list[Replica], monk
     report = CallReport()
     killer = KillAfter(monkeypatch, {r.target: r for r in pair}, report, messages=8)
     with VaeClient([r.target for r in pair]) as client:
-        got = client.decode(x, report=report)
-    report_line("kill -9 mid-Decode", report)
+        got = client.decode(x, report=report, request_id="chaos-decode")
     assert killer.killed_at is not None and report.resumes == 1
     assert torch.equal(got, want) and got.shape[1] == frames_of(12)
     survivor = next(r for r in pair if r.target == report.targets[1])
-    assert survivor.wait_for_line("skipped_frames="), survivor.log()  # it skipped, not resent
+    (call,) = survivor.resumed_calls("chaos-decode")  # it skipped, not resent
+    report_line("kill -9 mid-Decode", report, [call])
+    check_resumed_call(call, frames_of(12))
 
 
 def test_kill9_mid_decode_stream_gives_every_frame_once(pair: list[Replica]) -> None:
@@ -104,12 +117,14 @@ def test_kill9_mid_decode_stream_gives_every_frame_once(pair: list[Replica]) -> 
     report = CallReport()
     chunks = []
     with VaeClient([r.target for r in pair]) as client:
-        for chunk in client.stream(x, report=report):
+        for chunk in client.stream(x, report=report, request_id="chaos-stream"):
             chunks.append(chunk)
             if len(chunks) == 5:
                 replicas[report.targets[0]].kill()
-    report_line("kill -9 mid-DecodeStream", report)
     assert report.resumes == 1
+    (call,) = replicas[report.targets[1]].resumed_calls("chaos-stream")
+    report_line("kill -9 mid-DecodeStream", report, [call])
+    check_resumed_call(call, frames_of(12))
     assert_tiles_once(chunks, frames_of(12))
     assert torch.equal(assemble(chunks), want)
 
@@ -131,7 +146,7 @@ def test_kill9_while_the_replacement_warms_up(monkeypatch: pytest.MonkeyPatch) -
             nonlocal replacement
             chunks: list[Any] = []
             async with AsyncVaeClient([serving.target, f"127.0.0.1:{port}"], resume=policy) as client:
-                session = client.session()
+                session = client.session(request_id="chaos-warmup")
                 async with session:
                     await session.push(x[:, :, :4])
                     async for chunk in session:
@@ -148,7 +163,11 @@ def test_kill9_while_the_replacement_warms_up(monkeypatch: pytest.MonkeyPatch) -
                 return chunks, session.report
 
         chunks, report = asyncio.run(run())
+        assert replacement is not None
+        (call,) = replacement.resumed_calls("chaos-warmup")
         report_line("kill -9 while the replacement warms up", report)
+        print(f"  the last recovery {recovery_split(report.recovery_seconds[-1], call)}")
+        check_resumed_call(call, frames_of(10))
         assert report.resumes >= 1 and report.targets[-1] == f"127.0.0.1:{port}"
         assert_tiles_once(chunks, frames_of(10))
         assert torch.equal(assemble(chunks), want)
@@ -175,7 +194,7 @@ def test_sigterm_of_one_of_two_replicas_while_8_sessions_stream() -> None:
 
         async def one(client: AsyncVaeClient, x: torch.Tensor, first: asyncio.Event,
                       terminated: asyncio.Event, drained: asyncio.Event) -> tuple[list[Any], CallReport]:
-            session = client.session()
+            session = client.session(request_id=f"rolling-{len(sessions)}")
             sessions.append(session)
             chunks: list[Any] = []
 
@@ -224,9 +243,12 @@ def test_sigterm_of_one_of_two_replicas_while_8_sessions_stream() -> None:
         print(f"8 sessions across a rolling update in {time.monotonic() - started:.1f} s "
               f"(SIGTERM to the last of its sessions resumed elsewhere: {drain_s:.1f} s)")
         for i, ((chunks, report), want) in enumerate(zip(results, wants)):
-            report_line(f"session {i} ({report.targets[0]})", report)
+            resumed = staying.resumed_calls(f"rolling-{i}") if report.resumes else []
+            report_line(f"session {i} ({report.targets[0]})", report, resumed)
             assert_tiles_once(chunks, frames_of(t))
             assert torch.equal(assemble(chunks), want)
+            for call in resumed:
+                check_resumed_call(call, frames_of(t))
         on_draining = [r for _, r in results if r.targets[0] == draining.target]
         on_staying = [r for _, r in results if r.targets[0] == staying.target]
         assert len(on_draining) == len(on_staying) == 4  # the client starts calls round-robin
@@ -254,15 +276,15 @@ def test_proxy_cuts_stalls_and_delays_connections() -> None:
             want = client.decode(x)
         with VaeClient(proxy.target, options=keepalive, resume=ResumePolicy(max_resumes=8)) as client:
             decode_report = CallReport()
-            got = client.decode(x, report=decode_report)
-            with client.session() as session:
+            got = client.decode(x, report=decode_report, request_id="proxy-decode")
+            with client.session(request_id="proxy-session") as session:
                 for i in range(0, 12, 3):
                     session.push(x[:, :, i : i + 3])
                 streamed = session.collect()
             session_report = session.report
         print("proxy:", proxy.events)
-        report_line("proxy decode", decode_report)
-        report_line("proxy session", session_report)
+        report_line("proxy decode", decode_report, replica.resumed_calls("proxy-decode", timeout=5))
+        report_line("proxy session", session_report, replica.resumed_calls("proxy-session", timeout=5))
         assert torch.equal(got, want) and torch.equal(streamed, want)
         # Each fault that fired (the first two always do: at least a reply's bytes follow them)
         # cost exactly one resume.
