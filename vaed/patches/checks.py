@@ -76,8 +76,9 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
             for cl in (True, False):
                 main = _t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, cl)
                 cases.append(((main, src, 2, 2, first), {}))
-            bias = torch.randn(2, generator=g).to(device=device, dtype=dtype)  # an upsampler's deferred bias
-            cases.append(((_t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, True), src, 2, 2, first), {"bias": bias}))
+            up_bias = torch.randn(2, generator=g).to(device=device, dtype=dtype)  # an upsampler's deferred bias
+            main = _t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, True)
+            cases.append(((main, src, 2, 2, first), {"bias": up_bias}))
     elif name == "avgdown_add":
         # Wan2.2's shortcuts: time and space (a first chunk's one frame is padded), space only
         for ft, frames in ((2, 1), (2, 4), (1, 2)):
@@ -126,7 +127,7 @@ def _compare(got: Any, want: Any, exact: bool, same_layout: bool = True) -> str 
     if isinstance(want, tuple):
         if not isinstance(got, tuple) or len(got) != len(want):
             return "returned a different structure than the reference"
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=True):  # lengths checked above
             why = _compare(a, b, exact, same_layout)
             if why:
                 return why
@@ -173,7 +174,9 @@ def check_op(ops: OpSet, name: str, device: torch.device, dtype: torch.dtype) ->
     return None
 
 
-def check_op_set(ops: OpSet, device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = OP_NAMES) -> dict[str, str]:
+def check_op_set(
+    ops: OpSet, device: torch.device, dtype: torch.dtype, names: tuple[str, ...] = OP_NAMES
+) -> dict[str, str]:
     """{op name: reason} for every op in ``names`` that differs from its reference and fails."""
     failed: dict[str, str] = {}
     for name in names:

@@ -112,7 +112,7 @@ def fast_norm_causal_pad(
     return tiled_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
 
 
-def unfolded_weight(conv: nn.Module) -> torch.Tensor:
+def unfolded_weight(conv: nn.Conv3d) -> torch.Tensor:
     """The conv3d weight [C_out, C_in, KT, kh, kw] as a conv2d weight whose input channel
     k*C_in + c is time tap k of channel c (the unfolded input's order); rebuilt when the
     weight is replaced or changed in place."""
@@ -127,7 +127,7 @@ def unfolded_weight(conv: nn.Module) -> torch.Tensor:
 
 
 def unfolded_norm_causal_conv(
-    conv: nn.Module,
+    conv: nn.Conv3d,
     x: torch.Tensor,
     cache: torch.Tensor | None,
     pad: PadTuple,
@@ -146,7 +146,7 @@ def unfolded_norm_causal_conv(
 
 
 def unfolded_causal_conv(
-    conv: nn.Module,
+    conv: nn.Conv3d,
     x: torch.Tensor,
     cache: torch.Tensor | None,
     pad: PadTuple,
@@ -212,6 +212,8 @@ FAST_OPS: OpSet = dataclasses.replace(
     norm_causal_conv=FusedOp("norm_causal_conv", unfolded_norm_causal_conv, unfused_norm_causal_conv),
     residual_add=FusedOp("residual_add", fused_residual_add, reference_residual_add),
     upsample=FusedOp("upsample", channels_last_upsample, reference_upsample),
-    upsample_interleave=FusedOp("upsample_interleave", channels_last_upsample_interleave, reference_upsample_interleave),
+    upsample_interleave=FusedOp(
+        "upsample_interleave", channels_last_upsample_interleave, reference_upsample_interleave
+    ),
     defer_bias=True,
 )

@@ -41,7 +41,7 @@ def causal_conv_forward(self: Any, x: torch.Tensor, cache_x: torch.Tensor | None
     return tree.causal_conv(ops_for(self), self, x, cache_x)
 
 
-def resblock_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006 (diffusers' signature)
+def resblock_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:
     """WanResidualBlock.forward with a cache."""
     if feat_cache is None or not op_path_ok(x) or not tree.dropout_off(self):
         return type(self).forward(self, x, feat_cache, feat_idx)
@@ -49,7 +49,7 @@ def resblock_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None,
 
 
 def decoder_forward(
-    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0], first_chunk: bool = False  # noqa: B006
+    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0], first_chunk: bool = False
 ) -> torch.Tensor:
     """WanDecoder3d.forward with a cache."""
     if feat_cache is None or not op_path_ok(x):
@@ -57,14 +57,14 @@ def decoder_forward(
     return tree.decoder(_walk(self, x, feat_cache, feat_idx, first_chunk), self, x)
 
 
-def encoder_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006
+def encoder_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:
     """WanEncoder3d.forward with a cache."""
     if feat_cache is None or not op_path_ok(x):
         return type(self).forward(self, x, feat_cache, feat_idx)
     return tree.encoder(_walk(self, x, feat_cache, feat_idx), self, x)
 
 
-def resample_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006
+def resample_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:
     """WanResample.forward for upsample2d/upsample3d and downsample2d/downsample3d."""
     if not tree.resample_ok(self) or not op_path_ok(x):
         return type(self).forward(self, x, feat_cache, feat_idx)
@@ -73,7 +73,7 @@ def resample_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None,
 
 
 def up_block_forward(
-    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0], first_chunk: Any = None  # noqa: B006
+    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0], first_chunk: Any = None
 ) -> torch.Tensor:
     """WanUpBlock.forward (Wan2.1). The decoder walks its up blocks itself, carrying each
     upsampler's bias into the next block; entered alone, the bias is added before it leaves."""
@@ -83,7 +83,7 @@ def up_block_forward(
 
 
 def res_up_block_forward(
-    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0], first_chunk: bool = False  # noqa: B006
+    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0], first_chunk: bool = False
 ) -> torch.Tensor:
     """WanResidualUpBlock.forward (Wan2.2)."""
     if not op_path_ok(x):
@@ -91,7 +91,9 @@ def res_up_block_forward(
     return tree.residual_up_block(_walk(self, x, feat_cache, feat_idx, first_chunk), self, Act(x)).settled()
 
 
-def res_down_block_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]) -> torch.Tensor:  # noqa: B006
+def res_down_block_forward(
+    self: Any, x: torch.Tensor, feat_cache: list | None = None, feat_idx: list = [0]
+) -> torch.Tensor:
     """WanResidualDownBlock.forward (Wan2.2)."""
     if not op_path_ok(x):
         return type(self).forward(self, x, feat_cache, feat_idx)

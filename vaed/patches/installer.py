@@ -147,7 +147,8 @@ def prepare_decoder(
         if kernels == Kernels.TRITON:
             raise FastPathError(f"--kernels triton requested but unavailable: {stock_reason}")
         log.warning("fast paths: %s", stock_reason)
-        return _finish(vae, FastPathReport(Kernels.OFF, lay, tuple(installed), (stock_reason,), stock_reason=stock_reason))
+        stock = FastPathReport(Kernels.OFF, lay, tuple(installed), (stock_reason,), stock_reason=stock_reason)
+        return _finish(vae, stock)
 
     skipped: list[str] = []
     usable: dict[str, OpSet] = {}
@@ -174,7 +175,8 @@ def prepare_decoder(
     if default_tier not in usable:
         if kernels == Kernels.AUTO:
             log.info("fast paths: layout=%s, kernels off (%s)", lay, k_reason)
-        return _finish(vae, FastPathReport(Kernels.OFF, lay, tuple(installed), tuple(skipped), disabled_ops=tuple(sorted(disabled))))
+        off = FastPathReport(Kernels.OFF, lay, tuple(installed), tuple(skipped), disabled_ops=tuple(sorted(disabled)))
+        return _finish(vae, off)
     default = usable[default_tier]
     counts = _install(vae, default)
     installed += [f"{label} ({n})" for label, n in counts.items() if n]
@@ -203,7 +205,7 @@ def _install(vae: nn.Module, default: OpSet) -> dict[str, int]:
             row = row_for(m)
             if row is None:
                 continue
-            m.forward = types.MethodType(row.forward, m)  # type: ignore[method-assign]
+            m.forward = types.MethodType(row.forward, m)
             setattr(m, OPS_ATTR, default)
             setattr(m, _MARK, True)
             counts[row.label] = counts.get(row.label, 0) + 1

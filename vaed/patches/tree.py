@@ -79,12 +79,13 @@ def op_path_ok(x: torch.Tensor) -> bool:
 def norm_silu_spec(norm: Any, act: Any, x: torch.Tensor) -> NormSilu | None:
     """A NormSilu for ``act(norm(x))`` when it is WanRMS_norm(channel_first, no bias) + SiLU."""
     g = getattr(norm, "gamma", None)
+    if not isinstance(g, torch.Tensor):
+        return None
     ok = (
         isinstance(act, nn.SiLU)
         and not act.inplace
         and getattr(norm, "channel_first", False)
         and isinstance(getattr(norm, "bias", None), float)
-        and isinstance(g, torch.Tensor)
         and g.dim() == 4
         and g.numel() == x.shape[1]
     )
@@ -138,7 +139,7 @@ class Walk:
         kw: dict[str, Any] = {"first_chunk": self.first_chunk} if up_block else {}
         return Act(module(plain, feat_cache=self.cache, feat_idx=self.idx, **kw))
 
-    def conv(self, conv: nn.Module, x: Act, norm: tuple[Any, Any] | None = None, *, leave_bias: bool = False) -> Act:
+    def conv(self, conv: Any, x: Act, norm: tuple[Any, Any] | None = None, *, leave_bias: bool = False) -> Act:
         """conv([cache | x]), or of SiLU(norm(x)) when ``norm`` = (norm, activation): one cached
         call site (the cache slot at the cursor is read and replaced). The norm goes into the
         op when it is the standard one, and ``x``'s pending bias with it; ``leave_bias`` lets
@@ -190,7 +191,7 @@ def _pointwise(sc: Any) -> bool:
     )
 
 
-def shortcut(w: Walk, sc: nn.Module, x: Act) -> Act:
+def shortcut(w: Walk, sc: Any, x: Act) -> Act:
     """The residual block's shortcut of ``x``: identity passes ``x``'s pending bias on; a 1x1x1
     conv runs without its bias when deferring and passes on bias + W @ (x's pending bias)."""
     if isinstance(sc, nn.Identity):
@@ -229,7 +230,7 @@ def residual_block(w: Walk, rb: Any, x: Act) -> Act:
 def mid_block(w: Walk, mid: Any, x: Act) -> Act:
     """WanMidBlock.forward: a residual block, then (attention, residual block) pairs."""
     x = w.visit(mid.resnets[0], x)
-    for attn, resnet in zip(mid.attentions, mid.resnets[1:]):
+    for attn, resnet in zip(mid.attentions, mid.resnets[1:], strict=False):  # as stock zips them
         if attn is not None:
             x = Act(w.ops.attention(attn, x.settled()))
         x = w.visit(resnet, x)
@@ -359,7 +360,9 @@ def decoder(w: Walk, dec: Any, x: torch.Tensor) -> torch.Tensor:
     return w.conv(dec.conv_out, h, (dec.norm_out, dec.nonlinearity)).x
 
 
-def decode(ops: OpSet, dec: nn.Module, x: torch.Tensor, cache: list, first_chunk: bool, *, strict: bool = False) -> torch.Tensor:
+def decode(
+    ops: OpSet, dec: nn.Module, x: torch.Tensor, cache: list, first_chunk: bool, *, strict: bool = False
+) -> torch.Tensor:
     """One decoder call on one latent frame (post_quant_conv'd), cache list in diffusers' layout."""
     w = Walk(ops, cache, [0], first_chunk, defer=ops.defers_bias_for(x), strict=strict)
     return decoder(w, dec, x)
@@ -387,7 +390,8 @@ def resample_ok(m: nn.Module) -> bool:
         return isinstance(m.resample, nn.Sequential) and len(m.resample) == 2 and isinstance(m.resample[1], nn.Conv2d)
     if mode not in UPSAMPLE_MODES:
         return False
-    up = m.resample[0]  # type: ignore[index]
+    resample: Any = m.resample  # (Upsample, Conv2d); diffusers' modules carry no type hints
+    up = resample[0]
     sf = getattr(up, "scale_factor", None)
     return (
         isinstance(up, nn.Upsample)
@@ -395,7 +399,7 @@ def resample_ok(m: nn.Module) -> bool:
         and tuple(sf if isinstance(sf, tuple) else (sf, sf)) == (2.0, 2.0)
         and up.size is None
         and not getattr(up, "recompute_scale_factor", None)
-        and isinstance(m.resample[1], nn.Conv2d)  # type: ignore[index]
+        and isinstance(resample[1], nn.Conv2d)
     )
 
 
