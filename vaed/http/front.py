@@ -222,9 +222,10 @@ class HfFront:
 
     @staticmethod
     def _to_message(query: DecodeQuery) -> Callable[[FramesOut | CallEnd], Any]:
-        # A group's frames may live in a buffer the device worker reuses once the front asks for
-        # the next item, so a front that keeps them (every answer but mp4, which encodes each
-        # piece before asking for the next) keeps a copy.
+        # On CUDA a group's frames are in pinned host memory, which torch's host allocator keeps
+        # cached once allocated: an answer that keeps the whole video (every answer but mp4,
+        # which encodes each piece before asking for the next) copies each piece to pageable
+        # memory, so pinned memory stays at the credit window's few groups per session.
         if query.answer is Answer.MP4:
             return lambda item: item
         return lambda item: item if isinstance(item, CallEnd) else FramesOut(
@@ -242,6 +243,7 @@ class HfFront:
                 request_id = item.request_id
         time_dim = 1 if query.rgb8 else 2
         video = torch.cat(pieces, dim=time_dim)
+        del pieces  # the answer is sent from `video` alone
         headers = {REQUEST_ID_HEADER: request_id}
         if query.answer is Answer.IMAGE:
             content_type = "image/png" if query.image_format == "PNG" else "image/jpeg"

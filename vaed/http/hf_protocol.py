@@ -262,10 +262,11 @@ def tensor_headers(tensor: torch.Tensor) -> dict[str, str]:
             "Content-Type": "tensor/binary"}
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """C-order bytes of a CPU tensor, as `torch.frombuffer(...).reshape(shape)` reads them back."""
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """C-order bytes of a CPU tensor, as `torch.frombuffer(...).reshape(shape)` reads them back:
+    a view of its memory, not a copy (a 720p video's RGB8 frames are 224 MB)."""
     # through uint8: numpy has no bfloat16
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def unit_video(raw: torch.Tensor) -> torch.Tensor:
