@@ -33,8 +33,10 @@ front knows its deadline.
 
 Operations: `decode` (one message) and `decode_stream` (a stream of chunks)
 share admission, the first-message read, options, the session, the output and
-the finish; an Encode operation adds its own `open` (its session and spec)
-and reuses the rest. `model_info` is a call without a session.
+the finish; `encode` (a stream of frame chunks, `vaed.encode_session`) adds
+its own open (its session, spec and limits) and output (one `LatentFrameOut`
+per encoder call) and reuses the rest. `model_info` is a call without a
+session.
 
 The log line (logger `vaed.service`, one per call, OK at INFO, others at
 WARNING) keeps the name the service had when it wrote it.
@@ -58,12 +60,17 @@ from vaed_client.wire import MAX_REQUEST_ID_CHARS, frame_slices
 
 from .choices import Parallel, Precision
 from .config import ServerConfig
+from .encode_session import EncodeLimits, EncodeSession
 from .engine import OutputSpec
+from .engine_protocol import EncodeSpec
 from .errors import ClientIdle, InvalidInput, NotReady, Status, status_for
 from .parallel.pool import SessionSlot, WorkerPool
 from .session import CallRecord, HostGroup, Limits, Receive, Session, first_message
 
 log = logging.getLogger("vaed.service")
+
+# the encoder's tiers: lossless only (a fast encode tier is not measured yet)
+ENCODE_PRECISIONS: tuple[Precision, ...] = (Precision.LOSSLESS,)
 
 T = TypeVar("T")
 
@@ -90,6 +97,18 @@ class RequestedOutput:
     skip_frames: int = 0                   # a resumed call: frames the client has (decoded, not sent)
 
 
+@dataclass(frozen=True)
+class RequestedEncode:
+    """An Encode call's options as the front read them (the defaults: nothing asked)."""
+
+    latents: bool = False                  # also the normalised latents
+    out_dtype: torch.dtype | None = None   # None = the encode's compute dtype
+    precision: Precision | None = None     # None = the encode's default tier
+    allow_non_finite: bool = False
+    trailing_zero_frames: int = 0          # zero frames the server appends (image-to-video)
+    encode_dtype: torch.dtype | None = None  # None = the server's; another is refused (one is offered)
+
+
 class LatentsIn(Protocol):
     """A message's latents, still in the front's form."""
 
@@ -111,11 +130,21 @@ class InputMessage:
 
 
 @dataclass(frozen=True)
+class VideoMessage:
+    """One parsed Encode message: its frames (a tensor in the front's form) and options."""
+
+    request_id: str
+    frames: LatentsIn
+    options: Callable[[], RequestedEncode] | None = None
+
+
+@dataclass(frozen=True)
 class CallInput(Generic[T]):
     """How the core reads one call's input from its front."""
 
     receive: Receive                     # the next raw message; None once the client half-closed
-    parse: Callable[[T], InputMessage]   # raw -> InputMessage; InvalidInput when malformed
+    # raw -> InputMessage (Decode, DecodeStream) or VideoMessage (Encode); InvalidInput when malformed
+    parse: Callable[[T], Any]
 
 
 # -- what the core hands the front -------------------------------------------------------
@@ -129,6 +158,16 @@ class FramesOut:
     chunk_index: int
     first_frame: int     # index in the whole video of `frames`' first frame
     frames: torch.Tensor  # CPU, wire layout
+
+
+@dataclass(frozen=True)
+class LatentFrameOut:
+    """One encoder call's latent frame: the moments, and the normalised latents when asked."""
+
+    request_id: str
+    latent_frame: int
+    moments: torch.Tensor          # CPU [B, 2 * z_dim, 1, h, w]
+    latents: torch.Tensor | None   # CPU [B, z_dim, 1, h, w]
 
 
 @dataclass(frozen=True)
@@ -175,6 +214,9 @@ class ModelFacts:
     precisions: tuple[Precision, ...]   # the default first
     devices: list[str]
     parallel: str
+    encodes: bool = False
+    encode_precisions: tuple[Precision, ...] = ()
+    encode_dtypes: tuple[torch.dtype, ...] = ()
 
 
 def checked_request_id(request_id: str) -> str:
@@ -305,6 +347,14 @@ class CallCore:
         return Call(self, "DecodeStream", lambda record: self._decode_stream(record, input), to_message,
                     deadline_passed, linger)
 
+    def encode(
+        self, input: CallInput[T], to_message: Callable[[Any], Any], deadline_passed: Callable[[], bool],
+        linger: float = 0.0,
+    ) -> Call[Any]:
+        """Encode: frame chunks in (`VideoMessage`s), latent frames out (`LatentFrameOut`) as each
+        encoder call finishes, then the CallEnd; `linger` as for decode_stream."""
+        return Call(self, "Encode", lambda record: self._encode(record, input), to_message, deadline_passed, linger)
+
     # -- finishing: the one log line and the metrics ----------------------------------------
 
     def finish(self, record: CallRecord, status: Status) -> None:
@@ -370,6 +420,9 @@ class CallCore:
             devices=(list(cfg.devices) if engine.describe() != Parallel.OFF
                      else [w.device for w in self.pool.healthy_workers]),
             parallel=engine.describe(),
+            encodes=engine.encodes,
+            encode_precisions=ENCODE_PRECISIONS if engine.encodes else (),
+            encode_dtypes=(info.dtype,) if engine.encodes else (),
         )
 
     def _limits(self) -> Limits:
@@ -536,6 +589,7 @@ class CallCore:
     async def _read_rest(self, input: CallInput[Any], session: Session) -> None:
         """Feed the session's later chunks, reading the next one only while its backlog has
         room (the front's flow control then holds the client); a bad chunk fails the session."""
+        method = "Encode" if session.encodes else "DecodeStream"
         try:
             while True:
                 await session.wait_for_room()  # a full backlog is the server's wait: not idle
@@ -545,12 +599,91 @@ class CallCore:
                 chunk = input.parse(raw)
                 if chunk.options is not None:
                     raise InvalidInput(
-                        "options are only accepted on the first message of a DecodeStream; "
+                        f"options are only accepted on the first message of a {method}; "
                         f"chunk {session.record.chunks_in} carried options"
                     )
-                self._accept(session, chunk.latents)
+                self._accept(session, chunk.frames if session.encodes else chunk.latents)
             session.finish_input()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             session.fail(exc)
+
+    # -- Encode ----------------------------------------------------------------------------
+
+    def _open_encode(self, record: CallRecord, message: VideoMessage) -> EncodeSession:
+        """The Encode session of a call's first message: request id, spec, limits, trailing zeros."""
+        record.request_id = checked_request_id(message.request_id)
+        requested = message.options() if message.options is not None else RequestedEncode()
+        engine = self.pool.engine
+        assert engine is not None  # _check_encodes ran
+        precision = requested.precision or ENCODE_PRECISIONS[0]
+        if precision not in ENCODE_PRECISIONS:
+            raise InvalidInput(f"precision {precision} is not offered for Encode by this server; "
+                               f"it offers {', '.join(ENCODE_PRECISIONS)}")
+        if requested.encode_dtype not in (None, engine.dtype):
+            raise InvalidInput(f"encode_dtype {requested.encode_dtype} is not offered by this server; "
+                               f"it encodes in {engine.dtype}")
+        cfg = self.config
+        limits = EncodeLimits(
+            scale_spatial=engine.scale_spatial, scale_temporal=engine.scale_temporal, max_batch=cfg.max_batch,
+            max_latent_frames=cfg.max_latent_frames, max_pixels=cfg.max_pixels,
+        )
+        limits.check_frames(requested.trailing_zero_frames)
+        spec = EncodeSpec(latents=requested.latents, out_dtype=requested.out_dtype, precision=precision,
+                          allow_non_finite=requested.allow_non_finite)
+        return EncodeSession(
+            record, spec, limits, loop=asyncio.get_running_loop(),
+            credits=cfg.queue_chunks, max_backlog_frames=cfg.max_backlog_frames,
+            trailing_zero_frames=requested.trailing_zero_frames,
+        )
+
+    def _check_encodes(self) -> None:
+        self.check_serving()
+        engine = self.pool.engine
+        if engine is None or not engine.encodes:
+            raise InvalidInput("this server does not encode: it was started without --encode "
+                               "(ModelInfo.encodes says so)")
+
+    async def _encode(self, record: CallRecord, input: CallInput[Any]) -> AsyncGenerator[Any, None]:
+        """As DecodeStream: admitted, the first chunk (with the options) opens the session, a
+        reader feeds the rest under backpressure, latent frames stream back as each encoder call
+        finishes, then the CallEnd (groups = frames = latent frames)."""
+        self._check_encodes()
+        async with self._admitted() as slot:
+            raw = await first_message(input.receive, "Encode", self.config.session_first_message_timeout)
+            if raw is None:
+                raise InvalidInput("Encode needs at least one VideoChunk (frames and options)")
+            first = input.parse(raw)
+            session = self._open_encode(record, first)
+            self._accept(session, first.frames)
+            del first, raw
+            worker = self.pool.attach(session, slot)
+            reader = asyncio.create_task(self._read_rest(input, session))
+            try:
+                async for item in self._latent_frames(session):
+                    yield item
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                worker.detach(session)
+
+    async def _latent_frames(self, session: Session) -> AsyncGenerator[Any, None]:
+        record = session.record
+        count = 0
+        while (group := await session.next_group()) is not None:
+            if record.first_step_s is None:
+                record.first_wait_s = group.step_started - record.started
+                record.first_step_s = group.device_seconds
+                record.first_gpu_s = group.gpu_seconds
+                record.first_launch_s = group.launch_seconds
+            yield LatentFrameOut(record.request_id, group.chunk_index, group.frames, group.latents)
+            if record.first_frame_at is None:
+                record.first_frame_at = time.perf_counter()
+            session.group_sent()  # the front asked for the next item: the latent frame went out
+            count += 1
+            record.groups_out += 1
+            record.frames_out += 1
+            record.device_seconds += group.device_seconds
+        yield CallEnd(record.request_id, count, count)

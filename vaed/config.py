@@ -76,6 +76,9 @@ class ServerConfig:
     precision: Precision = option(
         Precision.LOSSLESS, "tier of requests that do not ask for one; a request may always ask for lossless",
         choices=Precision)
+    encode: bool = option(
+        False, "load the encoder too and serve Encode (video frames -> latents); Wan2.1's encoder "
+        "weights are 0.1 GiB in bf16", action="store_true")
     parallel: Parallel = option(
         Parallel.OFF, "spatial: a large request is decoded by all --gpu devices together", choices=Parallel)
     spatial_axis: SpatialAxis = option(

@@ -23,9 +23,15 @@ prepared.
 Encoding (`encode_call`, fed by `Engine.encode_frames`) is
 `AutoencoderKLWan._encode` taken apart the same way: one encoder call per
 latent frame (frame 0, then four frames), the session's cache list, and
-quant_conv per call where diffusers runs it once on the concatenated output
-(a 1x1x1 conv again: the tests compare with diffusers' encode). The encoder's
-weights are loaded only when asked (`load(..., encoder=True)`).
+quant_conv per call, so each latent frame can leave as soon as its call ran,
+where diffusers runs quant_conv once on the concatenated output. The same
+assumption as post_quant_conv's above, with a known exception: on the CPU a
+one-frame 1x1x1 conv of a tiny latent (B=1, 2x3 latent pixels: Wan2.2 at
+32x48) takes another aten kernel than the whole video's and differs by one
+ulp; at 4x6 and up (and the real sizes checked, 30x52 and 45x80) the CPU
+agrees. The tests compare with diffusers' encode at the sizes they use; the
+GPU tests at real sizes. The encoder's weights are loaded only when asked
+(`load(..., encoder=True)`).
 """
 
 from __future__ import annotations

@@ -75,6 +75,13 @@ class EncodeSpec:
     latents: bool = False           # also the normalised latents
     out_dtype: torch.dtype | None = None  # None: the encoder's compute dtype
     precision: str = Precision.LOSSLESS  # op set tier
+    allow_non_finite: bool = False  # False: NaN/Inf frames are refused
+
+
+def rgb8_to_video(frames: torch.Tensor) -> torch.Tensor:
+    """uint8 frames in video layout [B, 3, t, H, W] (a permuted view of the wire's [B, t, H, W, 3])
+    -> float32 in [-1, 1] the way diffusers' VideoProcessor makes them: x / 255, then 2x - 1."""
+    return (frames.to(torch.float32) / 255.0) * 2.0 - 1.0
 
 
 @dataclass(frozen=True)

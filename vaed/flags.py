@@ -40,7 +40,9 @@ class Flag:
     metavar: str | None = None
     default_note: str = ""  # said after the default: "(default 399360 = 480x832)"
     no_default: str | None = None  # what a None default means, in words: "(default: off)"
-    action: str | None = None  # "store_false" (a --no-X flag for a True field), "append" (a tuple field)
+    # "store_false" (a --no-X flag for a True field), "store_true" (a --X flag for a False
+    # field), "append" (a tuple field)
+    action: str | None = None
 
     def flag_name(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
@@ -78,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         default = field.default
         name = flag.flag_name(field.name)
         help_text = _help(flag, default)
-        if flag.action == "store_false":
-            parser.add_argument(name, dest=field.name, action="store_false", help=help_text)
+        if flag.action in ("store_false", "store_true"):
+            parser.add_argument(name, dest=field.name, action=flag.action, help=help_text)
             continue
         kwargs: dict[str, Any] = {"dest": field.name, "help": help_text}
         if flag.parse is not None:

@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 PENDING_LATENT_FRAMES_METRIC = "vaed_pending_latent_frames"
 
 # The `method` label values; anything else is counted as OTHER_METHOD.
-RPC_METHODS: tuple[str, ...] = ("GetModelInfo", "Decode", "DecodeStream")
+RPC_METHODS: tuple[str, ...] = ("GetModelInfo", "Decode", "DecodeStream", "Encode")
 OTHER_METHOD = "other"
 
 _STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)

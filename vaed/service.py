@@ -43,9 +43,12 @@ from .calls import (
     CallInput,
     FramesOut,
     InputMessage,
+    LatentFrameOut,
     ModelFacts,
     Out,
+    RequestedEncode,
     RequestedOutput,
+    VideoMessage,
 )
 from .choices import Precision
 from .engine import DTYPES
@@ -94,11 +97,36 @@ def requested_output(options: Any) -> RequestedOutput:
     )
 
 
-class ProtoLatents:
-    """A wire Tensor as the core reads latents: its header without a copy, then the copy."""
+def requested_encode(options: Any) -> RequestedEncode:
+    """EncodeOptions -> RequestedEncode; values the wire cannot name are InvalidInput."""
+    def dtype_of(value: int, what: str) -> torch.dtype | None:
+        if value == pb.DATA_TYPE_UNSPECIFIED:
+            return None
+        name = wire.DTYPE_NAMES.get(value)
+        if name not in DTYPES:
+            raise InvalidInput(f"{what} {wire.dtype_name(value)} is not a latent type; use FLOAT16, BFLOAT16 or FLOAT32")
+        return DTYPES[name]
 
-    def __init__(self, message: Any) -> None:
+    if options.precision == pb.PRECISION_UNSPECIFIED:
+        precision = None
+    elif options.precision in _PRECISION_NAMES:
+        precision = _PRECISION_NAMES[options.precision]
+    else:
+        raise InvalidInput(f"unknown precision {options.precision}; use LOSSLESS")
+    return RequestedEncode(
+        latents=options.latents, out_dtype=dtype_of(options.out_dtype, "out_dtype"), precision=precision,
+        allow_non_finite=options.allow_non_finite, trailing_zero_frames=options.trailing_zero_frames,
+        encode_dtype=dtype_of(options.encode_dtype, "encode_dtype"),
+    )
+
+
+class ProtoLatents:
+    """A wire Tensor as the core reads latents (or an Encode's frames): its header without a
+    copy, then the copy."""
+
+    def __init__(self, message: Any, what: str = "latents") -> None:
         self._message = message
+        self._what = what
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a wire tensor, checked against its byte count, without copying it."""
@@ -106,7 +134,7 @@ class ProtoLatents:
             shape = wire.validate(self._message)
             return shape, wire.torch_dtype(self._message.dtype)
         except wire.TensorFormatError as exc:
-            raise InvalidInput(f"latents: {exc}") from None
+            raise InvalidInput(f"{self._what}: {exc}") from None
 
     def to_tensor(self) -> torch.Tensor:
         return wire.to_torch(self._message)
@@ -130,6 +158,16 @@ def latent_chunk(raw: bytes) -> InputMessage:
     return _input_message(parse(pb.LatentChunk, raw))
 
 
+def video_chunk(raw: bytes) -> VideoMessage:
+    chunk = parse(pb.VideoChunk, raw)
+    options = chunk.options
+    return VideoMessage(
+        request_id=options.request_id,
+        frames=ProtoLatents(chunk.frames, "frames"),
+        options=(lambda: requested_encode(options)) if chunk.HasField("options") else None,
+    )
+
+
 # -- the core's types -> protobuf ---------------------------------------------------------
 
 
@@ -140,6 +178,16 @@ def frame_chunk(item: Out) -> Any:
     return pb.FrameChunk(
         request_id=item.request_id, chunk_index=item.chunk_index, first_frame=item.first_frame,
         frames=wire.to_message(item.frames),
+    )
+
+
+def latent_frame_chunk(item: Any) -> Any:
+    if isinstance(item, CallEnd):
+        return pb.LatentFrameChunk(request_id=item.request_id, latent_frame=item.groups, final=True)
+    assert isinstance(item, LatentFrameOut)
+    return pb.LatentFrameChunk(
+        request_id=item.request_id, latent_frame=item.latent_frame, moments=wire.to_message(item.moments),
+        latents=wire.to_message(item.latents) if item.latents is not None else None,
     )
 
 
@@ -163,6 +211,9 @@ def model_info(facts: ModelFacts) -> Any:
         precisions=[_PRECISION_VALUES[p] for p in facts.precisions],
         devices=facts.devices,
         parallel=facts.parallel,
+        encodes=facts.encodes,
+        encode_precisions=[_PRECISION_VALUES[p] for p in facts.encode_precisions],
+        encode_dtypes=[_WIRE_DTYPE[d] for d in facts.encode_dtypes],
     )
 
 
@@ -176,7 +227,7 @@ def _deadline_passed(context: grpc.aio.ServicerContext) -> Callable[[], bool]:
     return passed
 
 
-def _stream_input(requests: AsyncIterator[bytes], parse_one: Callable[[bytes], InputMessage]) -> CallInput[bytes]:
+def _stream_input(requests: AsyncIterator[bytes], parse_one: Callable[[bytes], Any]) -> CallInput[bytes]:
     messages = requests.__aiter__()
 
     async def receive() -> bytes | None:
@@ -197,7 +248,7 @@ async def _abort(context: grpc.aio.ServicerContext, failed: CallFailed) -> None:
 
 
 class VaeDecoderService:
-    """GetModelInfo, Decode and DecodeStream: translations over a CallCore."""
+    """GetModelInfo, Decode, DecodeStream and Encode: translations over a CallCore."""
 
     def __init__(self, core: CallCore) -> None:
         self.core = core
@@ -209,6 +260,8 @@ class VaeDecoderService:
                 self.GetModelInfo, response_serializer=pb.ModelInfo.SerializeToString),
             "Decode": grpc.stream_stream_rpc_method_handler(self.Decode, response_serializer=serialize),
             "DecodeStream": grpc.stream_stream_rpc_method_handler(self.DecodeStream, response_serializer=serialize),
+            "Encode": grpc.stream_stream_rpc_method_handler(
+                self.Encode, response_serializer=pb.LatentFrameChunk.SerializeToString),
         })
 
     async def GetModelInfo(self, request: bytes, context: grpc.aio.ServicerContext) -> Any:
@@ -232,6 +285,12 @@ class VaeDecoderService:
         # grpc.aio client still writing otherwise sees INTERNAL instead of it (see vaed.interceptors).
         call = self.core.decode_stream(
             _stream_input(requests, latent_chunk), frame_chunk, _deadline_passed(context),
+            linger=REFUSAL_LINGER_SECONDS)
+        return self._streamed(context, call)
+
+    def Encode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        call = self.core.encode(
+            _stream_input(requests, video_chunk), latent_frame_chunk, _deadline_passed(context),
             linger=REFUSAL_LINGER_SECONDS)
         return self._streamed(context, call)
 

@@ -178,6 +178,7 @@ class HostGroup:
     step_started: float      # time.perf_counter() when its decode step began
     gpu_seconds: float | None = None  # GPU clock, step start -> host copy done (frame 0 on CUDA only)
     launch_seconds: float | None = None  # wall time from step start until its last launch (host copy) was enqueued
+    latents: torch.Tensor | None = None  # an encode's normalised latents beside its moments (`frames`)
 
 
 class _End:
@@ -310,6 +311,8 @@ def _no_cache(cache: Any) -> None:
 
 class Session:
     """One Decode call or DecodeStream session (see the module docstring)."""
+
+    encodes = False  # an Encode call (vaed.encode_session): backlog items are encoder calls' frames
 
     def __init__(
         self,

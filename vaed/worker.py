@@ -29,13 +29,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, warm_up
-from .engine_protocol import Engine, EngineFactory
+from .engine_protocol import EncodedGroup, Engine, EngineFactory, rgb8_to_video
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
+from .encode_session import check_finite_frames
 from .metrics import DeviceLoad
 from .session import HostGroup, Placement, Session, check_finite
 
@@ -46,6 +48,19 @@ CPU_WARMUP_LATENT_HW = (8, 8)
 
 # what `_next_session` returns after an idle wait: the loop passes by the keepalive again
 _IDLE: Any = object()
+
+
+@dataclass(frozen=True)
+class _EncodedAsGroup(DecodedGroup):
+    """An encoder call's output on the decode group's path: `frames` holds the moments (one
+    latent frame, the group's one "frame"), `latents` the normalised latents when asked."""
+
+    latents: torch.Tensor | None = None
+
+
+def _as_group(encoded: EncodedGroup) -> DecodedGroup:
+    i = encoded.latent_frame
+    return _EncodedAsGroup(chunk_index=i, first_frame=i, frames=encoded.moments, latents=encoded.latents)
 
 
 class DeviceFault(RuntimeError):
@@ -292,12 +307,21 @@ class DeviceWorker:
             session.finish()
             return
         started = time.perf_counter()
-        state = session.decoder_state(engine.new_state)
+        state = session.decoder_state(engine.new_encode_state if session.encodes else engine.new_state)
         # only frame 0's GPU time is reported (first_gpu_ms): later steps record no event
         started_event = self._timing_event() if state.next_latent_frame == 0 else None
-        if not session.output.allow_non_finite:
-            check_finite(frame, state.next_latent_frame)
-        group = engine.decode_frame(state, frame, session.output)
+        if session.encodes:
+            # one backlog item is one encoder call's frames (vaed.encode_session); uint8 is
+            # converted here, on the worker thread, not on the event loop
+            frames = rgb8_to_video(frame) if frame.dtype == torch.uint8 else frame
+            if not session.output.allow_non_finite and frame.dtype != torch.uint8:
+                check_finite_frames(frames, state.frames_in)
+            (encoded,) = engine.encode_frames(state, frames, session.output)  # type: ignore[arg-type]
+            group = _as_group(encoded)
+        else:
+            if not session.output.allow_non_finite:
+                check_finite(frame, state.next_latent_frame)
+            group = engine.decode_frame(state, frame, session.output)
         self._hand_over(session, group, started, started_event)
 
     def _leave_rotation(self, exc: BaseException) -> None:
@@ -324,6 +348,8 @@ class DeviceWorker:
                    started_event: torch.cuda.Event | None) -> None:
         """Start the device-to-host copy on the side stream; the delivery thread finishes it."""
         frames = group.frames
+        latents = group.latents if isinstance(group, _EncodedAsGroup) else None
+        host_latents = latents
         if frames.device.type == "cuda":
             assert self._copy_stream is not None
             host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
@@ -331,6 +357,10 @@ class DeviceWorker:
             with torch.cuda.stream(self._copy_stream):
                 host.copy_(frames, non_blocking=True)
                 frames.record_stream(self._copy_stream)  # keep the block alive until the copy ran
+                if latents is not None:
+                    host_latents = torch.empty(latents.shape, dtype=latents.dtype, pin_memory=True)
+                    host_latents.copy_(latents, non_blocking=True)
+                    latents.record_stream(self._copy_stream)
                 # timed only where the step's start was (frame 0); otherwise it only signals the copy
                 copied = torch.cuda.Event(enable_timing=started_event is not None)
                 copied.record()
@@ -344,7 +374,7 @@ class DeviceWorker:
             session.deliver_group(HostGroup(
                 chunk_index=group.chunk_index, first_frame=group.first_frame, frames=host,
                 device_seconds=time.perf_counter() - started, step_started=started, gpu_seconds=gpu,
-                launch_seconds=launched,
+                launch_seconds=launched, latents=host_latents,
             ))
 
         self._outbox.put((done, deliver))

@@ -43,6 +43,7 @@ from .core import (
     prepare_latents,
     stream_latents,
 )
+from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
 from .errors import CancelledError, ClientClosedError, VaedError, from_rpc_error
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -182,6 +183,33 @@ class AsyncVaeClient:
             except BaseException:
                 call.cancel()
                 raise
+
+    async def encode(
+        self,
+        frames: Any,
+        *,
+        output_type: str = "moments",
+        out_dtype: Any = None,
+        precision: Any = None,
+        request_id: str | None = None,
+        send_zeros: bool = False,
+    ) -> Any:
+        """Latents of `frames`; see `VaeClient.encode`."""
+        video = prepare_video(frames, send_zeros=send_zeros)
+        options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
+                                 request_id=request_id, zero_frames=video.zero_frames)
+        assembly = EncodedAssembly(output_type, video.as_torch)
+        call = self._stub.Encode(iter(list(video_chunks(video, options))), timeout=self.timeout,
+                                 metadata=self._metadata)
+        try:
+            async for reply in call:
+                assembly.add(reply)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except BaseException:
+            call.cancel()
+            raise
+        return assembly.result()
 
     async def stream(
         self,

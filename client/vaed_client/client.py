@@ -41,6 +41,7 @@ from .core import (
     prepare_latents,
     stream_latents,
 )
+from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
 from .errors import ClientClosedError, VaedError, from_rpc_error
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -197,6 +198,41 @@ class VaeClient:
             except BaseException:
                 call.cancel()
                 raise
+
+    def encode(
+        self,
+        frames: Any,
+        *,
+        output_type: str = "moments",
+        out_dtype: Any = None,
+        precision: Any = None,
+        request_id: str | None = None,
+        send_zeros: bool = False,
+    ) -> Any:
+        """Encode video frames to latents through the server's causal encoder.
+
+        `frames`: float `[B, 3, T, H, W]` in [-1, 1] (float32 / float16 / bfloat16) or uint8
+        `[B, T, H, W, 3]` (the batch axis may be left out), T = 1 + 4k. Returns, as a torch
+        tensor for torch input (else numpy; bf16 widened to float32), `output_type`
+        "moments": `[B, 2 * z_dim, T_lat, h, w]` (mean, then log-variance: what
+        `DiagonalGaussianDistribution` takes) or "latents": the normalised latents
+        `(mean - latents_mean) / latents_std` as the Wan pipelines compute them, both in
+        `out_dtype` (default: the server's encode dtype). Frames of zeros at the end are not
+        sent (`trailing_zero_frames`) unless `send_zeros`; see `vaed_client.encoding`."""
+        video = prepare_video(frames, send_zeros=send_zeros)
+        options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
+                                 request_id=request_id, zero_frames=video.zero_frames)
+        assembly = EncodedAssembly(output_type, video.as_torch)
+        call = self._stub.Encode(video_chunks(video, options), timeout=self.timeout, metadata=self._metadata)
+        try:
+            for reply in call:
+                assembly.add(reply)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except BaseException:
+            call.cancel()
+            raise
+        return assembly.result()
 
     def stream(
         self,

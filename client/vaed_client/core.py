@@ -55,6 +55,9 @@ class ModelInfo:
     precisions: list[str] = field(default_factory=list)        # tiers offered, the default first
     devices: list[str] = field(default_factory=list)           # devices serving requests
     parallel: str = ""                                         # "off" or the spatial group
+    encodes: bool = False                                      # the server serves Encode
+    encode_precisions: list[str] = field(default_factory=list)  # its Encode tiers, the default first
+    encode_dtypes: list[str] = field(default_factory=list)      # its Encode compute dtypes
 
     @classmethod
     def from_proto(cls, message: Any) -> "ModelInfo":
@@ -77,6 +80,9 @@ class ModelInfo:
             precisions=[wire.pb.Precision.Name(p).lower() for p in message.precisions],
             devices=list(message.devices),
             parallel=message.parallel,
+            encodes=message.encodes,
+            encode_precisions=[wire.pb.Precision.Name(p).lower() for p in message.encode_precisions],
+            encode_dtypes=[wire.DTYPE_NAMES.get(d, "") for d in message.encode_dtypes],
         )
 
     def output_frames(self, latent_frames: int) -> int:

@@ -42,10 +42,17 @@ value against RAW's 2 in bf16 or 4 in fp32) and hands the pipeline
 path's for an fp32 server (the server quantizes like diffusers' PIL path)
 and `np` / `pt` within 1/510 of them; not bit-identical.
 
-`encode` (image-to-video conditioning) is not served: pass `encoder=` a local
-`AutoencoderKLWan` (its encoder half is used), otherwise `encode` raises.
+`encode` (image-to-video and video-to-video conditioning, Wan2.2 TI2V) is
+served when the server loaded its encoder (`vaed serve --encode`,
+ModelInfo.encodes): the frames go up in the input's dtype (an I2V input's
+trailing zero frames as a count, not bytes), the moments come back in that
+dtype and are wrapped in diffusers' `DiagonalGaussianDistribution` on the
+input's device, so `latent_dist.mode()` / `.sample(generator)` are what a
+local VAE's would be (bit-identical with the same weights, dtype and layout).
+`encoder=` a local `AutoencoderKLWan` still encodes locally instead.
 diffusers is optional: without it `config` is a read-only dict with attribute
-access and `decode` returns a small `DecoderOutput` with `.sample`.
+access and `decode` returns a small `DecoderOutput` with `.sample` (a served
+`encode` needs diffusers for its output types).
 """
 
 from __future__ import annotations
@@ -175,6 +182,13 @@ class RemoteAutoencoderKLWan(_ModuleBase):  # type: ignore[misc, valid-type]
         return self._anchor.device
 
     @property
+    def temperal_downsample(self) -> list[bool]:
+        """AutoencoderKLWan's attribute (diffusers' spelling), which WanVideoToVideoPipeline reads
+        for its temporal factor (2 ** its sum): Wan's two time downsamples in the last blocks."""
+        halvings = (self.config["scale_factor_temporal"]).bit_length() - 1
+        return [False] * (3 - halvings) + [True] * halvings
+
+    @property
     def client(self) -> VaeClient:
         return self._client
 
@@ -207,14 +221,30 @@ class RemoteAutoencoderKLWan(_ModuleBase):  # type: ignore[misc, valid-type]
     def forward(self, z: torch.Tensor, return_dict: bool = True) -> Any:
         return self.decode(z, return_dict=return_dict)
 
+    @torch.no_grad()
     def encode(self, x: torch.Tensor, return_dict: bool = True) -> Any:
-        """Encoding runs locally on `encoder=` (vaed serves the decoder only)."""
-        if self._encoder is None:
+        """Frames `[B, 3, T, H, W]` in [-1, 1] -> `AutoencoderKLOutput(latent_dist=
+        DiagonalGaussianDistribution(moments))`, the moments on x's device in x's dtype: served,
+        or on the local `encoder=` when one was given."""
+        if self._encoder is not None:
+            return self._encoder.encode(x.to(self._encoder.device, self._encoder.dtype), return_dict=return_dict)
+        self._pre_forward()
+        if not self.info.encodes:
             raise NotImplementedError(
-                "vaed serves the decoder only: pass encoder=<a local AutoencoderKLWan> to "
-                "RemoteAutoencoderKLWan for pipelines that encode (image-to-video conditioning)"
+                f"the server at {self._client.target} does not encode (start it with `vaed serve --encode`), "
+                "or pass encoder=<a local AutoencoderKLWan> to RemoteAutoencoderKLWan"
             )
-        return self._encoder.encode(x.to(self._encoder.device, self._encoder.dtype), return_dict=return_dict)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"encode expects a torch.Tensor, got {type(x).__name__}")
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+        dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        moments = self._client.encode(x.to(dtype), output_type="moments", out_dtype=dtype)
+        posterior = DiagonalGaussianDistribution(moments.to(device=x.device, dtype=dtype))
+        if not return_dict:
+            return (posterior,)
+        return AutoencoderKLOutput(latent_dist=posterior)
 
     # -- no-ops pipelines or users may call on a local VAE ---------------------
     def enable_slicing(self) -> None:

@@ -31,7 +31,7 @@ SERVICE_NAME = "vaed.v1.VaeDecoder"
 # The port `vaed serve` listens on by default; client targets without a port get
 # it (gRPC itself would dial 443).
 DEFAULT_PORT = 50051
-METHODS: tuple[str, ...] = ("GetModelInfo", "Decode", "DecodeStream")
+METHODS: tuple[str, ...] = ("GetModelInfo", "Decode", "DecodeStream", "Encode")
 
 # gRPC's default receive limit is 4 MiB, and one 480x832 RGB8 group of 4
 # frames is already 4.8 MiB: both ends set 256 MiB explicitly.

@@ -312,3 +312,86 @@ def test_pipeline_on_cuda_equals_local_vae_same_layout(model: str, dtype: str) -
         assert remote_pipe._execution_device.type == "cuda"
         assert np.array_equal(run(remote_pipe, "np", "cuda", hw), want)
         remote.close()
+
+
+# -- encode served: pipelines with nothing but the DiT on the worker -------------------------------
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def encoding_served(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The same tiny models, served with their encoder (`vaed serve --encode`)."""
+    with serve_in_thread(make_config(request.param, encode=True)) as running:
+        yield running
+
+
+def _i2v_pipe(vae: Any, expand: bool) -> Any:
+    z = vae.config.z_dim
+    # Wan2.1 I2V concatenates [latents, 4 mask channels, image latents]; Wan2.2 TI2V blends instead.
+    in_channels = z if expand else 2 * z + vae.config.scale_factor_temporal
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, image_encoder=None,
+                                   image_processor=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                   transformer=tiny_transformer(z, in_channels), expand_timesteps=expand)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("output_type", ["np", "pt", "pil", "latent"])
+def test_image_to_video_with_served_encode_equals_local_vae(encoding_served: Any, output_type: str) -> None:
+    """WanImageToVideoPipeline (Wan2.1 I2V; Wan2.2 TI2V with expand_timesteps) with
+    vae=RemoteAutoencoderKLWan and no local VAE: the image (and, for Wan2.1, its num_frames - 1
+    zero frames) is encoded on the server; every output equals the local AutoencoderKLWan's."""
+    from PIL import Image
+
+    expand = MODELS[encoding_served.config.model][1]
+    remote = RemoteAutoencoderKLWan(encoding_served.target)
+    assert remote.info.encodes
+    size = 6 * remote.config.scale_factor_spatial
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8))
+    embeds = torch.randn(1, 8, TEXT_DIM, generator=torch.Generator().manual_seed(0))
+
+    def run_i2v(pipe: Any) -> Any:
+        return pipe(image=image, prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds), height=size,
+                    width=size, num_frames=FRAMES, num_inference_steps=2, guidance_scale=2.0,
+                    generator=torch.Generator("cpu").manual_seed(1), output_type=output_type).frames
+
+    local = run_i2v(_i2v_pipe(encoding_served.reference_vae(), expand))
+    got = run_i2v(_i2v_pipe(remote, expand))
+    remote.close()
+    if output_type == "pil":
+        assert len(got) == len(local) == 1
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(local[0], got[0]))
+    elif output_type == "np":
+        assert np.array_equal(got, local) and local.std() > 0.01
+    else:
+        assert got.dtype == local.dtype and torch.equal(got, local)
+
+
+@pytest.mark.parametrize("output_type", ["np", "pt", "latent"])
+def test_video_to_video_with_served_encode_equals_local_vae(encoding_served: Any, output_type: str) -> None:
+    """WanVideoToVideoPipeline encodes the whole input video (vae.encode, sample_mode argmax)."""
+    from diffusers import WanVideoToVideoPipeline
+    from PIL import Image
+
+    if MODELS[encoding_served.config.model][1]:
+        pytest.skip("WanVideoToVideoPipeline is a Wan2.1 pipeline (no expand_timesteps / 2x2 patches)")
+    remote = RemoteAutoencoderKLWan(encoding_served.target)
+    size = 6 * remote.config.scale_factor_spatial
+    rng = np.random.default_rng(2)
+    video = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(FRAMES)]
+    embeds = torch.randn(1, 8, TEXT_DIM, generator=torch.Generator().manual_seed(0))
+
+    def run_v2v(vae: Any) -> Any:
+        pipe = WanVideoToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=tiny_transformer(
+            vae.config.z_dim), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(video=video, prompt_embeds=embeds, negative_prompt_embeds=torch.zeros_like(embeds), height=size,
+                    width=size, num_inference_steps=4, strength=0.5, guidance_scale=2.0,
+                    generator=torch.Generator("cpu").manual_seed(1), output_type=output_type).frames
+
+    local = run_v2v(encoding_served.reference_vae())
+    got = run_v2v(remote)
+    remote.close()
+    if output_type == "np":
+        assert np.array_equal(got, local) and local.std() > 0.01
+    else:
+        assert got.dtype == local.dtype and torch.equal(got, local)

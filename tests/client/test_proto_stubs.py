@@ -25,7 +25,7 @@ def test_wire_names_are_the_public_contract():
 
     service = vaed_pb2.DESCRIPTOR.services_by_name["VaeDecoder"]
     assert service.full_name == "vaed.v1.VaeDecoder"
-    assert {m.name for m in service.methods} == {"GetModelInfo", "Decode", "DecodeStream"}
+    assert {m.name for m in service.methods} == {"GetModelInfo", "Decode", "DecodeStream", "Encode"}
     assert vaed_pb2.DecodeOptions.DESCRIPTOR.fields_by_name["raw_latents"].number == 3
     assert vaed_pb2.FrameChunk.DESCRIPTOR.fields_by_name["final"].number == 5
     assert [v.name for v in vaed_pb2.DataType.DESCRIPTOR.values] == [

@@ -61,7 +61,7 @@ def _encoder_loop(vae: Any, x: torch.Tensor, calls: list[int]) -> tuple[torch.Te
 def _same_cache(got: list, want: list) -> None:
     assert len(got) == len(want)
     assert any(b is not None for b in want)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         if b is None:  # the list has a slot per causal conv; 1x1x1 shortcuts keep none
             assert a is None
         else:
@@ -120,6 +120,10 @@ def test_the_tree_walked_on_a_stock_encoder_equals_stock(arch: str) -> None:
     _same_cache(cache, want_cache)
 
 
+def _act(m: Any, seed: int) -> torch.Tensor:
+    return torch.randn(1, m.dim, 3, 4, 6, generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_encoder_whole_call_fallbacks_run_stock(arch: str) -> None:
     """No cache (the encoder, or a downsampler called alone) and autograd: stock results; the
@@ -133,7 +137,7 @@ def test_encoder_whole_call_fallbacks_run_stock(arch: str) -> None:
     assert {m.mode for m in downs} == {"downsample2d", "downsample3d"}
     with torch.no_grad():
         want_nocache = vae.encoder(xp[:, :, :1])  # Wan2.2 without a cache takes one frame only
-        want_down = [m(torch.randn(1, m.dim, 3, 4, 6, generator=torch.Generator().manual_seed(i))) for i, m in enumerate(downs)]
+        want_down = [m(_act(m, i)) for i, m in enumerate(downs)]
     with torch.enable_grad():
         want_grad = vae.encode(x).latent_dist.parameters
     ops, calls = _counting(P.REFERENCE_OPS)
@@ -144,11 +148,11 @@ def test_encoder_whole_call_fallbacks_run_stock(arch: str) -> None:
     assert sum(calls.values()) == 0
     with torch.no_grad():
         got_nocache = vae.encoder(xp[:, :, :1])
-        got_down = [m(torch.randn(1, m.dim, 3, 4, 6, generator=torch.Generator().manual_seed(i))) for i, m in enumerate(downs)]
+        got_down = [m(_act(m, i)) for i, m in enumerate(downs)]
     assert calls["conv2d"] > 0 and calls["norm_causal_pad"] == 0
     assert_same(got_grad, want_grad)
     assert_same(got_nocache, want_nocache)
-    for a, b in zip(got_down, want_down):
+    for a, b in zip(got_down, want_down, strict=True):
         assert_same(a, b)
 
 

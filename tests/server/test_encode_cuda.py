@@ -48,7 +48,8 @@ def test_encode_bit_identical_to_stock_same_layout(
     assert launches  # the exact causal-input kernel ran on the encoder's convs
     assert moments.dtype == want.dtype and torch.equal(moments, want)
     state = engine.new_encode_state()
-    pieces = [g.moments for a, e in [(0, 2), (2, 3), (3, t)] for g in engine.encode_frames(state, x[:, :, a:e], EncodeSpec())]
+    pieces = [g.moments for a, e in [(0, 2), (2, 3), (3, t)]
+              for g in engine.encode_frames(state, x[:, :, a:e], EncodeSpec())]
     engine.end_encode(state)
     assert torch.equal(torch.cat(pieces, 2), want)
 

@@ -57,7 +57,8 @@ def test_encode_video_bit_identical_to_stock(engine_and_stock: tuple[DecodeEngin
     want = _stock_moments(stock, x)
     moments, latents = engine.encode_video(x, EncodeSpec())
     assert latents is None
-    assert moments.dtype == want.dtype and moments.shape == want.shape == (2, 2 * engine.z_dim, 1 + (t - 1) // 4, *want.shape[3:])
+    assert moments.dtype == want.dtype
+    assert moments.shape == want.shape == (2, 2 * engine.z_dim, 1 + (t - 1) // 4, *want.shape[3:])
     assert torch.equal(moments, want)
 
 

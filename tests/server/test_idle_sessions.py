@@ -272,7 +272,7 @@ def _readme_defaults() -> dict[str, str]:
 def test_the_readme_flag_table_matches_vaed_serve_help():
     """Every `vaed serve` flag has a row in the README's table and every row a flag, and each
     row's default is the one --help shows (the config's): a concrete default is written as that
-    value, a flag without one (None) in words, a switch (--no-warmup, --disable-op) with none."""
+    value, a flag without one (None) in words, a switch (--no-warmup, --encode, --disable-op) with none."""
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     actions = {s: a for a in parser._actions for s in a.option_strings if s.startswith("--")}
@@ -286,7 +286,7 @@ def test_the_readme_flag_table_matches_vaed_serve_help():
         readme = in_table[flag]
         if action.dest in fields:  # --gpu/--device set `devices` and have no config default
             assert action.default == fields[action.dest].default or action.default == [], flag
-        switch = isinstance(action, (argparse._StoreFalseAction, argparse._AppendAction))
+        switch = isinstance(action, (argparse._StoreFalseAction, argparse._StoreTrueAction, argparse._AppendAction))
         if switch:
             assert readme == "", f"{flag} is a switch; the README gives it a default {readme!r}"
         elif action.default is None:

@@ -96,12 +96,52 @@ class FrameChunk(_message.Message):
     final: bool
     def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., first_frame: _Optional[int] = ..., frames: _Optional[_Union[Tensor, _Mapping]] = ..., final: bool = ...) -> None: ...
 
+class EncodeOptions(_message.Message):
+    __slots__ = ("request_id", "precision", "out_dtype", "latents", "allow_non_finite", "trailing_zero_frames", "encode_dtype")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    OUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_ZERO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    precision: Precision
+    out_dtype: DataType
+    latents: bool
+    allow_non_finite: bool
+    trailing_zero_frames: int
+    encode_dtype: DataType
+    def __init__(self, request_id: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., out_dtype: _Optional[_Union[DataType, str]] = ..., latents: bool = ..., allow_non_finite: bool = ..., trailing_zero_frames: _Optional[int] = ..., encode_dtype: _Optional[_Union[DataType, str]] = ...) -> None: ...
+
+class VideoChunk(_message.Message):
+    __slots__ = ("frames", "options")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    frames: Tensor
+    options: EncodeOptions
+    def __init__(self, frames: _Optional[_Union[Tensor, _Mapping]] = ..., options: _Optional[_Union[EncodeOptions, _Mapping]] = ...) -> None: ...
+
+class LatentFrameChunk(_message.Message):
+    __slots__ = ("request_id", "latent_frame", "moments", "latents", "final")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LATENT_FRAME_FIELD_NUMBER: _ClassVar[int]
+    MOMENTS_FIELD_NUMBER: _ClassVar[int]
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    latent_frame: int
+    moments: Tensor
+    latents: Tensor
+    final: bool
+    def __init__(self, request_id: _Optional[str] = ..., latent_frame: _Optional[int] = ..., moments: _Optional[_Union[Tensor, _Mapping]] = ..., latents: _Optional[_Union[Tensor, _Mapping]] = ..., final: bool = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel")
+    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel", "encodes", "encode_precisions", "encode_dtypes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     Z_DIM_FIELD_NUMBER: _ClassVar[int]
     SCALE_FACTOR_TEMPORAL_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +160,9 @@ class ModelInfo(_message.Message):
     PRECISIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    ENCODES_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_PRECISIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_DTYPES_FIELD_NUMBER: _ClassVar[int]
     model: str
     z_dim: int
     scale_factor_temporal: int
@@ -138,4 +181,7 @@ class ModelInfo(_message.Message):
     precisions: _containers.RepeatedScalarFieldContainer[Precision]
     devices: _containers.RepeatedScalarFieldContainer[str]
     parallel: str
-    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ...) -> None: ...
+    encodes: bool
+    encode_precisions: _containers.RepeatedScalarFieldContainer[Precision]
+    encode_dtypes: _containers.RepeatedScalarFieldContainer[DataType]
+    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ..., encodes: bool = ..., encode_precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., encode_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ...) -> None: ...

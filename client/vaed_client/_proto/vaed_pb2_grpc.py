@@ -49,6 +49,11 @@ class VaeDecoderStub(object):
                 request_serializer=vaed_dot_v1_dot_vaed__pb2.LatentChunk.SerializeToString,
                 response_deserializer=vaed_dot_v1_dot_vaed__pb2.FrameChunk.FromString,
                 _registered_method=True)
+        self.Encode = channel.stream_stream(
+                '/vaed.v1.VaeDecoder/Encode',
+                request_serializer=vaed_dot_v1_dot_vaed__pb2.VideoChunk.SerializeToString,
+                response_deserializer=vaed_dot_v1_dot_vaed__pb2.LatentFrameChunk.FromString,
+                _registered_method=True)
 
 
 class VaeDecoderServicer(object):
@@ -72,6 +77,12 @@ class VaeDecoderServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VaeDecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_VaeDecoderServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=vaed_dot_v1_dot_vaed__pb2.LatentChunk.FromString,
                     response_serializer=vaed_dot_v1_dot_vaed__pb2.FrameChunk.SerializeToString,
+            ),
+            'Encode': grpc.stream_stream_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=vaed_dot_v1_dot_vaed__pb2.VideoChunk.FromString,
+                    response_serializer=vaed_dot_v1_dot_vaed__pb2.LatentFrameChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class VaeDecoder(object):
             '/vaed.v1.VaeDecoder/DecodeStream',
             vaed_dot_v1_dot_vaed__pb2.LatentChunk.SerializeToString,
             vaed_dot_v1_dot_vaed__pb2.FrameChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vaed.v1.VaeDecoder/Encode',
+            vaed_dot_v1_dot_vaed__pb2.VideoChunk.SerializeToString,
+            vaed_dot_v1_dot_vaed__pb2.LatentFrameChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,160 @@
+"""The Encode call's shared core for `VaeClient.encode` and `AsyncVaeClient.encode`.
+
+Everything that does not wait, once: input preparation, the request messages
+and the reply's assembly; the two clients only differ in how they wait.
+
+Input rule: float frames `[B, 3, T, H, W]` (or `[3, T, H, W]`, taken as B=1)
+in [-1, 1], float32 / float16 / bfloat16 (torch; numpy float64 is cast to
+float32), or uint8 frames `[B, T, H, W, 3]` (or `[T, H, W, 3]`). T must be
+1 + 4k. Frames are sent in chunks of at most `FRAME_MESSAGE_BYTES`, so the
+server starts encoding while the rest uploads.
+
+Trailing zeros: frames at the end whose every value is +0.0 (bit for bit, so
+a -0.0 is sent) are not sent; the request's `trailing_zero_frames` tells the
+server to append them. An image-to-video encode (an image, then
+num_frames - 1 zero frames) then sends one frame: 4.8 MB for 480x832x81 in
+fp32 (2.4 MB bf16) instead of 388 MB (97 MB had it been uint8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .errors import LocalInputError
+from .tensors import is_torch
+
+pb = wire.pb
+MOMENTS = "moments"
+LATENTS = "latents"
+OUTPUT_TYPES = (MOMENTS, LATENTS)
+FRAMES_HELP = "frames must be float [B, 3, T, H, W] / [3, T, H, W] in [-1, 1], or uint8 [B, T, H, W, 3] / [T, H, W, 3]"
+
+
+@dataclass(frozen=True)
+class Video:
+    """Frames ready to send: the batch axis added, float64 cast, trailing zeros counted."""
+
+    frames: Any            # torch tensor or numpy array, wire layout, the frames to send
+    zero_frames: int       # trailing zero frames not sent
+    time_dim: int          # 2 for float [B, 3, T, H, W], 1 for uint8 [B, T, H, W, 3]
+    as_torch: bool
+
+    @property
+    def total_frames(self) -> int:
+        return self.frames.shape[self.time_dim] + self.zero_frames
+
+
+def _trailing_zero_frames(frames: Any, time_dim: int, as_torch: bool) -> int:
+    """How many frames at the end are all +0.0 (float frames only; bitwise, so -0.0 is not)."""
+    t = frames.shape[time_dim]
+    if as_torch:
+        import torch
+
+        bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[frames.dtype]
+        nonzero = (frames.view(bits) != 0).movedim(time_dim, 0).reshape(t, -1).any(dim=1)
+        idx = torch.nonzero(nonzero).flatten()
+        last = int(idx[-1]) if idx.numel() else -1
+    else:
+        bits_np = frames.view({np.dtype(np.float32): np.int32, np.dtype(np.float16): np.int16}[frames.dtype])
+        nonzero_np = np.moveaxis(bits_np != 0, time_dim, 0).reshape(t, -1).any(axis=1)
+        idx_np = np.flatnonzero(nonzero_np)
+        last = int(idx_np[-1]) if idx_np.size else -1
+    # at least frame 0 travels: the server needs one chunk for the call's shape and dtype
+    return t - max(last + 1, 1)
+
+
+def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
+    """Check and shape the caller's frames (`LocalInputError` before a byte is sent)."""
+    as_torch = is_torch(frames)
+    if not as_torch:
+        frames = np.asarray(frames)
+        if frames.dtype == np.float64:
+            frames = frames.astype(np.float32)
+    name = str(frames.dtype).replace("torch.", "")
+    if name not in ("uint8", "float32", "float16", "bfloat16"):
+        raise LocalInputError(f"frames dtype {name} is not accepted; use uint8, float32, float16 or bfloat16")
+    uint8 = name == "uint8"
+    if frames.ndim == 4:
+        frames = frames[None]
+    if frames.ndim != 5 or frames.shape[-1 if uint8 else 1] != 3:
+        raise LocalInputError(f"{FRAMES_HELP}; got shape {list(frames.shape)} ({name})")
+    time_dim = 1 if uint8 else 2
+    t = frames.shape[time_dim]
+    try:
+        wire.encoded_latent_frames(t)
+    except ValueError as e:
+        raise LocalInputError(str(e)) from None
+    if as_torch:
+        frames = frames.detach()
+    zeros = 0 if uint8 or send_zeros else _trailing_zero_frames(frames, time_dim, as_torch)
+    if zeros:
+        frames = frames[:, :, : t - zeros] if time_dim == 2 else frames[:, : t - zeros]
+    return Video(frames=frames, zero_frames=zeros, time_dim=time_dim, as_torch=as_torch)
+
+
+def encode_options(
+    *, output_type: str, out_dtype: Any = None, precision: Any = None, request_id: str | None = None,
+    zero_frames: int = 0,
+) -> Any:
+    if output_type not in OUTPUT_TYPES:
+        raise LocalInputError(f"unknown output_type {output_type!r}; use one of {', '.join(OUTPUT_TYPES)}")
+    options = pb.EncodeOptions(latents=output_type == LATENTS, trailing_zero_frames=zero_frames,
+                               request_id=request_id or "")
+    if out_dtype is not None:
+        try:
+            options.out_dtype = wire.wire_dtype(out_dtype)
+        except wire.TensorFormatError as e:
+            raise LocalInputError(f"out_dtype: {e}") from None
+    if precision is not None:
+        name = str(getattr(precision, "value", precision)).upper()
+        if name not in ("LOSSLESS", "FAST"):
+            raise LocalInputError(f"unknown precision {precision!r}; use 'lossless'")
+        options.precision = pb.Precision.Value(name)
+    return options
+
+
+def video_chunks(video: Video, options: Any, cap_bytes: int = wire.FRAME_MESSAGE_BYTES) -> Iterator[Any]:
+    """VideoChunks of at most `cap_bytes` of frames each (whole frames), options on the first."""
+    frames = video.frames
+    count = frames.shape[video.time_dim]
+    frame_bytes = int(np.prod(frames.shape)) * frames.element_size() // count if video.as_torch else \
+        frames.nbytes // count
+    for i, (start, length) in enumerate(wire.frame_slices(count, frame_bytes, cap_bytes)):
+        part = frames[:, :, start : start + length] if video.time_dim == 2 else frames[:, start : start + length]
+        chunk = pb.VideoChunk(frames=wire.to_message(part))
+        if i == 0:
+            chunk.options.CopyFrom(options)
+        yield chunk
+
+
+class EncodedAssembly:
+    """The replies of one Encode call -> the whole result (moments or latents)."""
+
+    def __init__(self, output_type: str, as_torch: bool) -> None:
+        self.output_type = output_type
+        self.as_torch = as_torch
+        self.parts: list[Any] = []
+        self.final = False
+
+    def add(self, reply: Any) -> None:
+        if reply.final:
+            self.final = True
+            return
+        tensor = reply.latents if self.output_type == LATENTS else reply.moments
+        self.parts.append(wire.to_torch(tensor) if self.as_torch else wire.to_numpy(tensor))
+
+    def result(self) -> Any:
+        from .errors import InternalError
+
+        if not self.final:
+            raise InternalError("the Encode call ended without its final message")
+        if self.as_torch:
+            import torch
+
+            return torch.cat(self.parts, dim=2)
+        return np.concatenate(self.parts, axis=2)

@@ -1,0 +1,237 @@
+"""The Encode RPC through a real server and the real clients (CPU, tiny models): moments
+bit-identical to stock AutoencoderKLWan.encode, frames streamed in chunks that split encoder calls
+anywhere, uint8 frames as diffusers' VideoProcessor makes them, the image-to-video pattern sent as
+one frame plus a count of zeros (bytes measured), the normalised latents, the async client,
+RemoteAutoencoderKLWan.encode, ModelInfo, and the bad-input matrix (INVALID_ARGUMENT, the server
+keeps serving)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from harness import make_config, serve_in_thread
+
+from vaed.models import build_random_vae
+from vaed_client import AsyncVaeClient, RemoteAutoencoderKLWan, VaeClient, wire
+from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
+from vaed_client.encoding import encode_options, prepare_video, video_chunks
+
+ARCHS = ["wan2.1-tiny", "wan2.2-tiny"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    config = make_config(f"random:{request.param}", encode=True, max_latent_frames=8, max_pixels=64 * 96, max_batch=2)
+    with serve_in_thread(config) as running:
+        stock = build_random_vae(request.param).eval().requires_grad_(False)
+        yield running, stock
+
+
+@pytest.fixture()
+def stub(served: tuple[Any, Any]) -> Iterator[Any]:
+    channel = grpc.insecure_channel(served[0].target)
+    yield vaed_pb2_grpc.VaeDecoderStub(channel)
+    channel.close()
+
+
+# 64x96: every latent frame takes the CPU's conv kernel of the whole video in quant_conv (a 2x3
+# latent does not: vaed.engine's docstring)
+def _video(b: int, t: int, h: int = 64, w: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.rand(b, 3, t, h, w, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+@torch.no_grad()
+def _stock(stock: Any, x: torch.Tensor) -> torch.Tensor:
+    return stock.encode(x).latent_dist.parameters
+
+
+def _chunk(frames: torch.Tensor, options: Any = None) -> Any:
+    chunk = vaed_pb2.VideoChunk(frames=wire.to_message(frames))
+    if options is not None:
+        chunk.options.CopyFrom(options)
+    return chunk
+
+
+def _status(stub: Any, chunks: list[Any]) -> tuple[grpc.StatusCode, str, list[Any]]:
+    replies: list[Any] = []
+    try:
+        for r in stub.Encode(iter(chunks), timeout=60):
+            replies.append(r)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details(), replies
+    return grpc.StatusCode.OK, "", replies
+
+
+def test_served_encode_bit_identical_to_stock(served: tuple[Any, Any]) -> None:
+    running, stock = served
+    x = _video(2, 9)
+    with VaeClient(running.target) as client:
+        moments = client.encode(x)
+        latents = client.encode(x, output_type="latents")
+    want = _stock(stock, x)
+    assert moments.dtype == want.dtype and torch.equal(moments, want)
+    z = stock.config.z_dim
+    mean = torch.tensor(stock.config.latents_mean).view(1, z, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(stock.config.latents_std).view(1, z, 1, 1, 1)
+    assert torch.equal(latents, (want[:, :z] - mean) * inv_std)
+
+
+def test_chunks_that_split_encoder_calls_equal_one_shot(served: tuple[Any, Any], stub: Any) -> None:
+    """VideoChunks of 3, 2, 1 and 7 frames (13 in all): latent frames come back as their calls
+    fill, each equal to stock's; so does the client's own chunking at a small message cap."""
+    running, stock = served
+    x = _video(1, 13, seed=4)
+    want = _stock(stock, x)
+    pieces = [x[:, :, 0:3], x[:, :, 3:5], x[:, :, 5:6], x[:, :, 6:13]]
+    code, details, replies = _status(stub, [_chunk(pieces[0], vaed_pb2.EncodeOptions(request_id="chunks"))]
+                                     + [_chunk(p) for p in pieces[1:]])
+    assert code == grpc.StatusCode.OK, details
+    assert [r.latent_frame for r in replies] == [0, 1, 2, 3, 4] and replies[-1].final
+    got = torch.cat([wire.to_torch(r.moments) for r in replies[:-1]], 2)
+    assert torch.equal(got, want) and all(r.request_id == "chunks" for r in replies)
+    video = prepare_video(x)
+    chunks = list(video_chunks(video, encode_options(output_type="moments"), cap_bytes=2 * 3 * 64 * 96 * 4))
+    assert len(chunks) == 7  # two frames a message
+    code, details, replies = _status(stub, chunks)
+    assert code == grpc.StatusCode.OK, details
+    assert torch.equal(torch.cat([wire.to_torch(r.moments) for r in replies[:-1]], 2), want)
+
+
+def test_uint8_frames_are_diffusers_video_processor_frames(served: tuple[Any, Any]) -> None:
+    """uint8 [B, T, H, W, 3] -> the float32 frames VideoProcessor.preprocess_video makes of them."""
+    from diffusers.video_processor import VideoProcessor
+
+    running, stock = served
+    u8 = np.random.default_rng(3).integers(0, 256, size=(1, 5, 64, 96, 3), dtype=np.uint8)
+    processed = VideoProcessor(vae_scale_factor=8).preprocess_video(u8[0][None].astype(np.float32) / 255.0)
+    # preprocess_video takes [0, 1] floats for numpy video; its [-1, 1] output is the stock input
+    with VaeClient(running.target) as client:
+        got = client.encode(u8)
+    assert isinstance(got, np.ndarray)
+    assert np.array_equal(got, _stock(stock, processed).numpy())
+
+
+def test_image_to_video_sends_one_frame(served: tuple[Any, Any]) -> None:
+    """An image then zero frames: only the image travels (trailing_zero_frames), same moments."""
+    running, stock = served
+    image = _video(1, 1, seed=9)
+    x = torch.cat([image, torch.zeros(1, 3, 8, 64, 96)], 2)
+    video = prepare_video(x)
+    assert video.zero_frames == 8 and video.frames.shape[2] == 1
+    sent = sum(c.ByteSize() for c in video_chunks(video, encode_options(output_type="moments", zero_frames=8)))
+    everything = prepare_video(x, send_zeros=True)
+    full = sum(c.ByteSize() for c in video_chunks(everything, encode_options(output_type="moments")))
+    assert sent < 3 * 64 * 96 * 4 + 200 and full > 9 * 3 * 64 * 96 * 4  # one frame's bytes, not nine
+    negative_zero = x.clone()
+    negative_zero[0, 1, 8, 0, 0] = -0.0  # bitwise: a -0.0 frame is sent, not replaced by +0.0
+    assert prepare_video(negative_zero).zero_frames == 0
+    want = _stock(stock, x)
+    with VaeClient(running.target) as client:
+        assert torch.equal(client.encode(x), want)
+        assert torch.equal(client.encode(x, send_zeros=True), want)
+        assert torch.equal(client.encode(negative_zero), _stock(stock, negative_zero))
+
+
+def test_async_client_and_model_info(served: tuple[Any, Any]) -> None:
+    running, stock = served
+    x = _video(1, 5, seed=5)
+
+    async def go() -> tuple[Any, Any]:
+        async with AsyncVaeClient(running.target) as client:
+            return await client.encode(x, out_dtype=torch.bfloat16), await client.model_info()
+
+    got, info = asyncio.run(go())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, _stock(stock, x).to(torch.bfloat16))
+    assert info.encodes and info.encode_precisions == ["lossless"] and info.encode_dtypes == ["float32"]
+
+
+def test_remote_autoencoder_encode(served: tuple[Any, Any]) -> None:
+    """RemoteAutoencoderKLWan.encode: diffusers' AutoencoderKLOutput with a
+    DiagonalGaussianDistribution equal to the local VAE's (mode, sample with a generator)."""
+    running, stock = served
+    x = _video(1, 5, seed=6)
+    vae = RemoteAutoencoderKLWan(running.target)
+    try:
+        out = vae.encode(x)
+        (posterior,) = vae.encode(x, return_dict=False)
+    finally:
+        vae.close()
+    with torch.no_grad():
+        local = stock.encode(x).latent_dist
+    assert type(out.latent_dist) is type(local)
+    assert torch.equal(out.latent_dist.mode(), local.mode()) and torch.equal(posterior.logvar, local.logvar)
+    g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    assert torch.equal(out.latent_dist.sample(g1), local.sample(g2))
+
+
+def test_a_decode_only_server_refuses_encode(tiny_server: Any) -> None:
+    with VaeClient(tiny_server.target) as client:
+        assert not client.model_info().encodes
+        with pytest.raises(Exception, match="--encode"):
+            client.encode(_video(1, 1))
+        assert client.decode(torch.randn(1, 4, 1, 4, 6)).shape[1] == 1  # still serving
+
+
+def _options(**kw: Any) -> Any:
+    return vaed_pb2.EncodeOptions(**kw)
+
+
+BAD = {
+    "T = 4": ([_video(1, 4)], "1 + 4k"),
+    "T = 2 in two chunks": ([_video(1, 1), _video(1, 1)], "1 + 4k"),
+    "4 channels": ([torch.rand(1, 4, 1, 64, 96)], "channels"),
+    "uint8 channels": ([torch.zeros(1, 1, 64, 96, 4, dtype=torch.uint8)], "channels"),
+    "rank 4": ([torch.rand(3, 1, 64, 96)], "5-D"),
+    "H not a multiple": ([_video(1, 1, h=36, w=48)], "multiple"),
+    "over max_pixels": ([_video(1, 1, h=96, w=96)], "pixels"),
+    "over max_batch": ([_video(3, 1)], "batch"),
+    "over max_latent_frames": ([_video(1, 33)], "limit of 29"),
+    "zeros over the limit": ([_video(1, 1)], "limit of 29", _options(trailing_zero_frames=10**6)),
+    "NaN": ([_video(1, 5).index_fill_(2, torch.tensor([3]), float("nan"))], "NaN"),
+    "chunk shape changes": ([_video(1, 1), _video(1, 4, w=48)], "share B, H and W"),
+    "chunk dtype changes": ([_video(1, 1), _video(1, 4).to(torch.bfloat16)], "dtype"),
+    "out_dtype UINT8": ([_video(1, 1)], "out_dtype", _options(out_dtype=vaed_pb2.UINT8)),
+    "encode_dtype not offered": ([_video(1, 1)], "encode_dtype", _options(encode_dtype=vaed_pb2.BFLOAT16)),
+    "unknown precision": ([_video(1, 1)], "precision", _options(precision=7)),
+    "fast not offered": ([_video(1, 1)], "not offered", _options(precision=vaed_pb2.FAST)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(served: tuple[Any, Any], stub: Any, case: str) -> None:
+    frames, expect, *opts = BAD[case]
+    chunks = [_chunk(f, opts[0] if opts and i == 0 else None) for i, f in enumerate(frames)]
+    code, details, _ = _status(stub, chunks)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert expect in details
+    code, details, replies = _status(stub, [_chunk(_video(1, 1))])
+    assert code == grpc.StatusCode.OK and len(replies) == 2
+
+
+@pytest.mark.parametrize("case", ["byte count", "unknown dtype", "empty call", "options later", "malformed"])
+def test_bad_messages_are_invalid_argument(served: tuple[Any, Any], stub: Any, case: str) -> None:
+    good = _chunk(_video(1, 1))
+    chunks = {
+        "byte count": [vaed_pb2.VideoChunk(frames=vaed_pb2.Tensor(dtype=vaed_pb2.FLOAT32, shape=[1, 3, 1, 64, 96],
+                                                                   data=b"\0" * 100))],
+        "unknown dtype": [vaed_pb2.VideoChunk(frames=vaed_pb2.Tensor(dtype=9, shape=[1, 3, 1, 64, 96]))],
+        "empty call": [],
+        "options later": [good, _chunk(_video(1, 4), _options(request_id="late"))],
+    }.get(case)
+    if case == "malformed":
+        channel = grpc.insecure_channel(served[0].target)
+        call = channel.stream_stream(f"/{wire.SERVICE_NAME}/Encode")
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(iter([b"\xff\xff\xff"]), timeout=30))
+        channel.close()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    else:
+        code, details, _ = _status(stub, chunks)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert _status(stub, [good])[0] == grpc.StatusCode.OK

@@ -1,0 +1,197 @@
+"""An Encode call's session: video frames in, one latent frame out per encoder call.
+
+The encoder is causal like the decoder: diffusers' `AutoencoderKLWan._encode`
+calls it on frame 0 alone, then on four frames at a time, each call giving one
+latent frame. So an Encode session is a `Session` whose backlog items are
+whole encoder calls' frames instead of latent frames: `accept` cuts the
+client's chunks (any length) into calls here, on the handler side, keeping the
+frames of a call not yet complete, and everything else of a session --
+backlog room, credits, frame 0 first, failure and close, the device worker's
+round-robin -- is the decode session's, one step per call. A frame count that
+is not 1 + 4k is refused when the input ends.
+
+Frames stay in their wire dtype until the worker's step (`worker`
+converts uint8 there, off the event loop): uint8 [B, t, H, W, 3] is kept as a
+permuted view [B, 3, t, H, W] of the received bytes, so calls are cut on one
+axis whatever the wire layout. Trailing zero frames (the image-to-video
+pattern: an image, then num_frames - 1 zeros) are made here as a broadcast
+view of one zero, so 80 frames of zeros cost no memory until their call runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vaed_client import wire
+
+from .errors import InvalidInput
+from .session import _EXPONENT_BITS, Session
+
+VIDEO_DTYPES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class EncodeLimits:
+    """What one Encode call may ask; `check_chunk` is its one validator (as `Limits`')."""
+
+    scale_spatial: int
+    scale_temporal: int
+    max_batch: int
+    max_latent_frames: int  # 0 = no limit
+    max_pixels: int         # 0 = no limit
+
+    @property
+    def max_frames(self) -> int:
+        """Frames of the longest video whose latents fit max_latent_frames (0 = no limit)."""
+        return wire.output_frames(self.max_latent_frames, self.scale_temporal) if self.max_latent_frames else 0
+
+    def check_frames(self, total: int) -> None:
+        if self.max_frames and total > self.max_frames:
+            raise InvalidInput(
+                f"{total} frames in this call are over the server limit of {self.max_frames} "
+                f"({self.max_latent_frames} latent frames)"
+            )
+
+    def check_chunk(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        frames_before: int = 0,
+        first: tuple[tuple[int, int, int], torch.dtype] | None = None,
+    ) -> None:
+        """Raise InvalidInput unless a frame chunk fits the model, the limits and its call."""
+        if dtype not in VIDEO_DTYPES:
+            raise InvalidInput(f"frames dtype {dtype} is not accepted; send uint8, float16, bfloat16 or float32")
+        if len(shape) != 5:
+            raise InvalidInput(
+                f"frames must be 5-D ([B, 3, T, H, W] float or [B, T, H, W, 3] uint8); got {list(shape)}")
+        if dtype == torch.uint8:
+            b, t, h, w, c = shape
+            layout = "[B, T, H, W, 3] for uint8"
+        else:
+            b, c, t, h, w = shape
+            layout = "[B, 3, T, H, W] for float frames"
+        if c != 3:
+            raise InvalidInput(f"frames have {c} channels; send RGB, {layout}; got {list(shape)}")
+        if b < 1 or t < 1 or h < 1 or w < 1:
+            raise InvalidInput(f"frames shape {list(shape)} is empty: B, T, H and W must be at least 1")
+        if b > self.max_batch:
+            raise InvalidInput(f"batch {b} is over the server limit of {self.max_batch}")
+        s = self.scale_spatial
+        if h % s or w % s:
+            raise InvalidInput(f"frame size {h}x{w} is not a multiple of the model's spatial factor {s}")
+        if self.max_pixels and h * w > self.max_pixels:
+            raise InvalidInput(f"frame {h}x{w} ({h * w} pixels) is over the server limit of {self.max_pixels} pixels")
+        self.check_frames(frames_before + t)
+        if first is not None:
+            (b0, h0, w0), dtype0 = first
+            if (b, h, w) != (b0, h0, w0):
+                raise InvalidInput(
+                    f"chunk has B, H, W = {(b, h, w)} but this call started with {(b0, h0, w0)}; "
+                    "every chunk of a call must share B, H and W"
+                )
+            if dtype != dtype0:
+                raise InvalidInput(f"chunk has dtype {dtype} but this call started with {dtype0}")
+
+
+def check_finite_frames(frames: torch.Tensor, first_frame: int) -> None:
+    """Raise InvalidInput if one encoder call's float frames (CPU, before the call) hold NaN or
+    Inf; checked on the exponent bits as `session.check_finite` checks latents."""
+    as_int, mask = _EXPONENT_BITS[frames.dtype]
+    if bool(((frames.view(as_int) & mask) == mask).any()):
+        last = first_frame + frames.shape[2] - 1
+        raise InvalidInput(
+            f"frames {first_frame}-{last} hold NaN or Inf values; send finite frames "
+            "(or set allow_non_finite to encode them as they are)"
+        )
+
+
+def video_view(frames: torch.Tensor) -> torch.Tensor:
+    """A received chunk as [B, 3, t, H, W]: float frames as they are, uint8 permuted (no copy)."""
+    return frames.permute(0, 4, 1, 2, 3) if frames.dtype == torch.uint8 else frames
+
+
+class EncodeSession(Session):
+    """One Encode call: `accept` takes frame chunks, the backlog holds encoder calls."""
+
+    encodes = True
+
+    def __init__(self, *args: Any, trailing_zero_frames: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trailing_zero_frames = trailing_zero_frames
+        self._waiting: list[torch.Tensor] = []  # frames of the next call, not yet complete
+        self._waiting_frames = 0
+        self._calls_cut = 0
+
+    def _call_frames(self) -> int:
+        return 1 if self._calls_cut == 0 else self.limits.scale_temporal  # type: ignore[attr-defined]
+
+    def _cut(self) -> list[torch.Tensor]:
+        """Every complete call among the waiting frames (their pieces joined when split)."""
+        calls = []
+        while self._waiting_frames >= (need := self._call_frames()):
+            parts, got = [], 0
+            while got < need:
+                piece = self._waiting[0]
+                take = min(need - got, piece.shape[2])
+                parts.append(piece[:, :, :take])
+                if take == piece.shape[2]:
+                    self._waiting.pop(0)
+                else:
+                    self._waiting[0] = piece[:, :, take:]
+                got += take
+            if len({p.dtype for p in parts}) > 1:  # real uint8 frames beside the zeros: one dtype
+                from .engine_protocol import rgb8_to_video
+
+                parts = [rgb8_to_video(p) if p.dtype == torch.uint8 else p for p in parts]
+            calls.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+            self._waiting_frames -= need
+            self._calls_cut += 1
+        return calls
+
+    def accept(self, frames: torch.Tensor) -> None:
+        """Queue a CPU chunk that passed `validate`: its complete encoder calls join the backlog."""
+        video = video_view(frames)
+        b, _, t, h, w = video.shape
+        if self._first is None:
+            self._first = ((b, h, w), frames.dtype)
+            self.record.shape = [b, 3, 0, h, w]
+        self._add(video)
+        self.record.chunks_in += 1
+
+    def _add(self, video: torch.Tensor) -> None:
+        t = video.shape[2]
+        assert self.record.shape is not None
+        self.record.shape[2] += t
+        self._waiting.append(video)
+        self._waiting_frames += t
+        calls = self._cut()
+        if not calls:
+            return
+        self._frames_in += len(calls)  # backlog items, as a decode session counts latent frames
+        self._delivered.clear()
+        with self.lock:
+            self._backlog.extend(calls)
+            self._update_room()
+            self.lock.notify_all()
+
+    def finish_input(self) -> None:
+        """The client's frames ended: append the trailing zeros, refuse a count that is not
+        1 + 4k (InvalidInput), then end the input as a decode session does."""
+        if self._first is not None and self.trailing_zero_frames:
+            (b, h, w), dtype = self._first
+            zero_dtype = torch.float32 if dtype == torch.uint8 else dtype
+            zeros = torch.zeros((), dtype=zero_dtype).expand(b, 3, self.trailing_zero_frames, h, w)
+            self.trailing_zero_frames = 0
+            self._add(zeros)
+        assert self.record.shape is not None or self._first is None
+        total = self.record.shape[2] if self.record.shape is not None else 0
+        try:
+            wire.encoded_latent_frames(total, self.limits.scale_temporal)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            raise InvalidInput(f"{exc} (frames sent plus trailing_zero_frames)") from None
+        super().finish_input()
