@@ -149,8 +149,8 @@ def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | N
                              "(e.g. checking localhost against a cert for vaed.<ns>.svc; default: HOST)")
     parser.add_argument("--tls-client-cert", metavar="PATH",
                         help="PEM client certificate chain for a server run with --tls-client-ca (mutual TLS; "
-                             "needs --tls or --ca-cert, and --tls-client-key)")
-    parser.add_argument("--tls-client-key", metavar="PATH", help="PEM private key of --tls-client-cert")
+                             "needs --tls or --ca-cert, and --tls-client-key; default: none, no client certificate)")
+    parser.add_argument("--tls-client-key", metavar="PATH", help="PEM private key of --tls-client-cert (default: none)")
     parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
                         help="deadline of the call" + (f" (default {timeout:g})" if timeout else " (default: none)"))
 
