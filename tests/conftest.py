@@ -1,5 +1,6 @@
 """Fixtures shared by every test directory; the helpers they use live in
-`harness.py` (test modules import from there, never from each other)."""
+`harness.py` (test modules import from there, never from each other), and the
+kernel tests' two backends in `backends.py` (its hooks are registered here)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Iterator
 
 import pytest
 
+import backends
 from harness import CUDA, RunningServer, make_config, serve_in_thread
 
 
@@ -15,6 +17,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not CUDA:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    backends.run_interpreter_child(session)  # returns None: the normal test loop follows
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    return backends.report_child_outcome(pyfuncitem)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    backends.check_interpreter_active(item)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    backends.record_child_report(report)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,123 @@
+"""The fast tier's fused norm site (``vaed.patches.fast``): the conv input's time taps unfolded
+into channels by the tile kernel and one conv2d, against the fast pair (norm conv input, then
+conv3d): conv3d's output layout, the same next cache, values within a rounding, no further from
+float64; a deferred bias left out on request; only the measured conv shape taken.
+
+GPU cases run cuDNN's conv at the decoder's 96 channels; interpreter cases run the kernel's
+unfold on the CPU (``unfolded_norm_causal_conv``, the whole fused site, is CUDA only) with
+torch's CPU conv2d (tests/backends.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vaed import kernels as K
+from vaed import patches as P
+from vaed.patches.fast import unfolded_causal_conv, unfolded_norm_causal_conv
+from vaed.patches.ops import NormSilu
+
+from backends import Backend, kernel_cases
+from harness import lay
+
+CL = torch.channels_last_3d
+PAD = (1, 1, 1, 1, 2, 0)
+
+
+def _conv(backend: Backend, c_in: int, c_out: int, dtype: torch.dtype, **kw) -> torch.nn.Conv3d:
+    conv = torch.nn.Conv3d(c_in, c_out, kw.pop("kernel_size", 3), **kw).to(device=backend.device, dtype=dtype)
+    conv.weight.data = conv.weight.data.contiguous(memory_format=CL)
+    return conv
+
+
+@kernel_cases("dtype, cache_frames, frames",
+              cuda=[(d, c, f) for d in (torch.bfloat16, torch.float16) for c, f in ((0, 1), (1, 2), (2, 4))])
+def test_unfolded_conv_matches_the_fast_pair_and_is_no_less_accurate(backend: Backend, dtype, cache_frames, frames) -> None:
+    """The fused norm site (taps unfolded into channels, one conv2d) at the decoder's 96 channels:
+    conv3d's output layout, the same next cache, values within a rounding of the fast pair (norm
+    conv input, then cuDNN conv3d) and no further from a float64 conv than the pair is."""
+    c = 96
+    g = torch.Generator(device="cuda").manual_seed(frames)
+    x = lay(torch.randn(1, c, frames, 30, 52, device="cuda", generator=g) * 3, "cl3d").to(dtype)
+    cache = lay(torch.randn(1, c, cache_frames, 30, 52, device="cuda", generator=g), "cl3d").to(dtype) if cache_frames else None
+    gamma = (torch.rand(c, 1, 1, 1, device="cuda", generator=g) + 0.5).to(dtype)
+    conv = _conv(backend, c, c, dtype)
+    norm = NormSilu(gamma, c**0.5, 0.0)
+    with torch.no_grad():
+        got = unfolded_norm_causal_conv(conv, x, cache, PAD, norm=norm)
+        assert got is not None
+        pair = P.FAST_OPS.without({"norm_causal_conv"}).causal_conv(conv, x, cache, PAD, norm=norm)
+        assert got[0].stride() == pair[0].stride() and got[0].shape == pair[0].shape
+        assert torch.equal(got[1], pair[1])
+        torch.testing.assert_close(got[0], pair[0], atol=3e-2, rtol=4e-2)
+        padded, _ = K.causal_pad_cl(x, cache, PAD, norm_cl=K.NormSilu(gamma, c**0.5, 0.0))
+        truth = F.conv3d(padded.double(), conv.weight.double(), conv.bias.double())
+    err_unfolded = (got[0].double() - truth).abs().mean()
+    err_pair = (pair[0].double() - truth).abs().mean()
+    assert err_unfolded <= err_pair * 1.05, (err_unfolded, err_pair)
+
+
+@kernel_cases("", cuda=[()])
+def test_unfolded_conv_passes_its_start_up_check_on_the_gpu(backend: Backend) -> None:
+    from vaed.patches.checks import check_op
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # fp32 has no case: half dtypes only
+        assert check_op(P.FAST_OPS, "norm_causal_conv", torch.device("cuda"), dtype) is None, dtype
+    with torch.inference_mode():  # the engine's start-up: the check's conv weights are inference tensors
+        assert check_op(P.FAST_OPS, "norm_causal_conv", torch.device("cuda"), torch.bfloat16) is None
+
+
+@kernel_cases(
+    "dtype, cache_frames, frames",
+    interpreter=[(torch.bfloat16, 2, 3), (torch.bfloat16, 0, 1), (torch.float16, 1, 2)],
+)
+def test_unfolded_conv_matches_the_fast_pair(backend: Backend, dtype, cache_frames, frames) -> None:
+    """The unfolded conv (kernel unfold + conv2d) against the fast pair, B = 2: conv3d's layout,
+    the same next cache, values within a rounding; the whole fused site declines off CUDA, and
+    fp32 is not taken (half dtypes only)."""
+    g = backend.generator(frames)
+    x = lay(torch.randn(2, 5, frames, 4, 6, device=backend.device, dtype=dtype, generator=g), "cl3d")
+    c = lay(torch.randn(2, 5, cache_frames, 4, 6, device=backend.device, dtype=dtype, generator=g), "cl3d") if cache_frames else None
+    gamma = (torch.rand(5, 1, 1, 1, device=backend.device, generator=g) + 0.5).to(dtype)
+    conv = _conv(backend, 5, 5, dtype)
+    ns = NormSilu(gamma, 5**0.5, 0.0)
+    assert unfolded_norm_causal_conv(conv, x, c, PAD, norm=ns) is None  # CUDA only
+    got = unfolded_causal_conv(conv, x, c, PAD, ns)
+    want = P.FAST_OPS.without({"norm_causal_conv"}).causal_conv(conv, x, c, PAD, norm=ns)
+    assert got[0].is_contiguous(memory_format=CL) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+    c32 = None if c is None else c.float()
+    assert unfolded_causal_conv(conv.float(), x.float(), c32, PAD, NormSilu(gamma.float(), 5**0.5, 0.0)) is None
+
+
+@kernel_cases("", interpreter=[()])
+def test_unfolded_conv_leaves_a_deferred_bias_out_on_request(backend: Backend) -> None:
+    """bias=False: the conv's own bias is left for the next op; the norm's deferred x_bias is
+    still added before the norm."""
+    g = backend.generator(11)
+    x = lay(torch.randn(2, 5, 3, 4, 6, device=backend.device, dtype=torch.bfloat16, generator=g), "cl3d")
+    gamma = (torch.rand(5, 1, 1, 1, device=backend.device, generator=g) + 0.5).to(torch.bfloat16)
+    xb = torch.randn(5, device=backend.device, generator=g).to(torch.bfloat16)
+    conv = _conv(backend, 5, 5, torch.bfloat16)
+    deferred = NormSilu(gamma, 5**0.5, 0.0, xb)
+    got, _ = unfolded_causal_conv(conv, x, None, PAD, deferred, bias=False)
+    padded, _ = P.REFERENCE_OPS.causal_conv_input(x, None, PAD, norm=deferred)
+    want = F.conv3d(padded.float(), conv.weight.float())
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    with_bias, _ = unfolded_causal_conv(conv, x, None, PAD, deferred)
+    torch.testing.assert_close(with_bias.float(), want + conv.bias.float().view(1, -1, 1, 1, 1), atol=3e-2, rtol=3e-2)
+
+
+@kernel_cases("", cuda=[()], interpreter=[()])
+def test_unfolded_conv_takes_only_the_measured_shape(backend: Backend) -> None:
+    """Channels in = out <= UNFOLD_MAX_CHANNELS, stride 1, a 3x3x3 kernel; anything else declines."""
+    x = lay(torch.randn(1, 5, 1, 4, 6, device=backend.device, dtype=torch.bfloat16), "cl3d")
+    gamma = (torch.rand(5, 1, 1, 1, device=backend.device) + 0.5).to(torch.bfloat16)
+    for kw in ({"c_out": 4}, {"stride": (1, 2, 2)}, {"kernel_size": (1, 3, 3)}):
+        conv = _conv(backend, 5, kw.pop("c_out", 5), torch.bfloat16, **kw)
+        assert unfolded_causal_conv(conv, x, None, PAD, NormSilu(gamma, 5**0.5, 0.0)) is None, conv
+    wide = lay(torch.randn(1, 128, 1, 2, 2, device=backend.device, dtype=torch.bfloat16), "cl3d")
+    g128 = torch.ones(128, 1, 1, 1, device=backend.device, dtype=torch.bfloat16)
+    conv = _conv(backend, 128, 128, torch.bfloat16)
+    assert unfolded_causal_conv(conv, wide, None, PAD, NormSilu(g128, 128**0.5, 0.0)) is None
