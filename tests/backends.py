@@ -165,7 +165,8 @@ def run_interpreter_child(session: pytest.Session) -> None:
     session.config.stash[_CHILD_LOG] = log
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"interpreter: {len(items)} kernel cases in a TRITON_INTERPRET=1 child pytest, {elapsed:.0f} s")
+        reporter.write_line(f"interpreter: {len(items)} kernel cases in a TRITON_INTERPRET=1 child pytest, "
+                            f"{elapsed:.0f} s")
 
 
 def report_child_outcome(item: pytest.Function) -> bool | None:

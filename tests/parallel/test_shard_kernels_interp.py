@@ -42,12 +42,13 @@ def test_lossless_kernels_take_every_shard_conv_input(backend: Backend, monkeypa
             cache = [None] * engine.num_convs
             with torch.inference_mode():
                 outs[name] = [
-                    decoder_forward(ctx, engine.vae.decoder, engine.vae.post_quant_conv(z[:, :, i : i + 1]), cache, i == 0)
+                    decoder_forward(ctx, engine.vae.decoder, engine.vae.post_quant_conv(z[:, :, i : i + 1]),
+                                    cache, i == 0)
                     for i in range(2)
                 ]
     finally:
         dist.destroy_process_group()
     n_fused = len(calls)
     assert n_fused > 20 and all(calls), (n_fused, calls.count(False))
-    diff = max((a - b).abs().max().item() for a, b in zip(outs["fused"], outs["aten"]))
+    diff = max((a - b).abs().max().item() for a, b in zip(outs["fused"], outs["aten"], strict=True))
     assert diff <= 1e-4, diff
