@@ -129,6 +129,54 @@ def test_kill9_mid_decode_stream_gives_every_frame_once(pair: list[Replica]) -> 
     assert torch.equal(assemble(chunks), want)
 
 
+def test_kill9_mid_async_decode_and_stream(pair: list[Replica], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The asyncio client's decode and stream resume like the sync client's: a decode whose
+    replica is killed after 8 frame messages, then (on a fresh replica beside the survivor) a
+    stream whose replica is killed after 5 chunks (each on whichever replica it started on:
+    the client's first call, its model info, took the first turn of its targets)."""
+    x = latents(12, seed=4)
+    with VaeClient(pair[1].target) as client:
+        want = client.decode(x)
+    decode_report, stream_report = CallReport(), CallReport()
+    killer = KillAfter(monkeypatch, {r.target: r for r in pair}, decode_report, messages=8)
+
+    async def decode() -> torch.Tensor:
+        async with AsyncVaeClient([r.target for r in pair]) as client:
+            return await client.decode(x, report=decode_report, request_id="chaos-async-decode")
+
+    got = asyncio.run(decode())
+    assert killer.killed_at is not None and decode_report.resumes == 1
+    assert torch.equal(got, want)
+    survivor = next(r for r in pair if r.target == decode_report.targets[1])
+    (call,) = survivor.resumed_calls("chaos-async-decode")
+    report_line("kill -9 mid-Decode (asyncio)", decode_report, [call])
+    check_resumed_call(call, frames_of(12))
+    monkeypatch.undo()
+
+    (fresh,) = start_replicas(())
+    try:
+        replicas = {fresh.target: fresh, survivor.target: survivor}
+
+        async def stream() -> list[Any]:
+            chunks: list[Any] = []
+            async with AsyncVaeClient([fresh.target, survivor.target]) as client:
+                async for chunk in client.stream(x, report=stream_report, request_id="chaos-async-stream"):
+                    chunks.append(chunk)
+                    if len(chunks) == 5:
+                        replicas[stream_report.targets[0]].kill()
+            return chunks
+
+        chunks = asyncio.run(stream())
+        assert stream_report.resumes == 1 and set(stream_report.targets) == {fresh.target, survivor.target}
+        (call,) = replicas[stream_report.targets[1]].resumed_calls("chaos-async-stream")
+        report_line("kill -9 mid-DecodeStream (asyncio)", stream_report, [call])
+        check_resumed_call(call, frames_of(12))
+        assert_tiles_once(chunks, frames_of(12))
+        assert torch.equal(assemble(chunks), want)
+    finally:
+        fresh.stop()
+
+
 def test_kill9_while_the_replacement_warms_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """The serving replica dies mid-session while the only other one is still starting (first
     not listening, then UNAVAILABLE while it warms up): the asyncio session keeps resuming with
