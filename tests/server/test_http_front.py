@@ -236,7 +236,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
 def _head(shape: tuple[int, ...], length: int, *headers: str) -> str:
     query = "&".join(f"shape={d}" for d in shape)
     return "".join(f"{line}\r\n" for line in (
-        f"POST /?{query}&dtype=float32&output_type=pt HTTP/1.1", "Host: x", f"Content-Length: {length}", *headers))
+        f"POST /?{query}&dtype=float32&output_type=pt&do_scaling=true HTTP/1.1", "Host: x", f"Content-Length: {length}", *headers))
 
 
 def test_no_or_a_wrong_token_is_401_before_the_body_is_read(guarded: RunningServer) -> None:
@@ -249,6 +249,9 @@ def test_no_or_a_wrong_token_is_401_before_the_body_is_read(guarded: RunningServ
         # headers only: the body never comes, and the answer does not wait for it
         status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, *headers))
         assert status == 401 and re.search(pattern, error["error"]), error
+        # Expect: 100-continue: the refusal is the first answer (no 100 Continue before it)
+        status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, *headers, "Expect: 100-continue"))
+        assert status == 401 and re.search(pattern, error["error"]), error
     assert front.bodies_read == before
     with pytest.raises(RuntimeError, match="missing credentials"):
         remote_decode(endpoint=url(guarded), tensor=x, output_type="pt", return_type="pt")  # diffusers sends no token
@@ -258,6 +261,16 @@ def test_no_or_a_wrong_token_is_401_before_the_body_is_read(guarded: RunningServ
                        headers={**sent["headers"], "Authorization": f"Bearer {TOKEN}"}, timeout=60)
     assert ok.status_code == 200 and json.loads(ok.headers["shape"]) == [1, 3, 9, 32, 48]
     assert front.bodies_read == before + 1
+    # an admitted client that waits for 100 Continue gets it, sends its body, gets its answer
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((_head(tuple(x.shape), x.numel() * 4, f"Authorization: Bearer {TOKEN}",
+                         "Expect: 100-continue") + "\r\n").encode())
+        assert s.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(sent["data"])
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(ok.content)
     assert requests.get(url(guarded, "/health"), timeout=10).status_code == 200  # health needs no token
 
 
@@ -274,8 +287,8 @@ def test_a_full_server_answers_429_and_a_draining_one_503_before_the_body_is_rea
         holder.sendall((_head(tuple(x.shape), x.numel() * 4, auth) + "\r\n").encode())
         # admitted, and waiting for its body
         _wait(lambda: guarded.server.pool.admitted == 1 and front.bodies_read == before + 1)
-        status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, auth))
-        assert status == 429 and "sessions are in use" in error["error"], error
+        status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, auth, "Expect: 100-continue"))
+        assert status == 429 and "sessions are in use" in error["error"], error  # no 100 Continue first
         assert front.bodies_read == before + 1  # the refused request's body was never read
         holder.sendall(prepare_decode(x, output_type="pt")["data"])
         answer = b""

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from ..calls import CallCore, CallEnd, CallFailed, CallInput, FramesOut, InputMessage, RequestedOutput
 from ..errors import InvalidInput, NotReady, Status
@@ -82,6 +82,19 @@ def _status_answer(status: Status, message: str) -> web.Response:
     return _json_error(code, message, **extra)
 
 
+def _expects_continue(request: web.BaseRequest) -> bool:
+    return request.version == HttpVersion11 and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue"
+
+
+async def _defer_continue(request: web.Request) -> None:
+    """`Expect: 100-continue` (curl sends it for bodies over 1 MiB): aiohttp's default handler
+    answers 100 Continue before the route's handler runs, so a client would send its body to a
+    request about to be refused. The front sends it only when it reads the body: after the token,
+    the head checks and admission (a refused client then never sends it)."""
+    if request.version == HttpVersion11 and not _expects_continue(request):
+        raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get(hdrs.EXPECT)}")
+
+
 def default_fps(patch_size: int | None) -> int:
     """Wan2.2's VAE patchifies its output (patch_size 2) and generates 24 fps; Wan2.1's does
     neither and generates 16 fps."""
@@ -103,7 +116,7 @@ class HfFront:
 
     def add_routes(self, app: web.Application) -> None:
         for path in DECODE_PATHS:
-            app.router.add_post(path, self.decode)
+            app.router.add_post(path, self.decode, expect_handler=_defer_continue)
         app.router.add_get(HEALTH_PATH, self.health, allow_head=False)
 
     # -- GET /health -----------------------------------------------------------------------
@@ -204,6 +217,9 @@ class HfFront:
     async def _read_body(self, request: web.Request, length: int) -> bytearray:
         """Exactly `length` bytes into one buffer, as they arrive."""
         self.bodies_read += 1
+        if _expects_continue(request):  # the client holds its body back until told to send it
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # as aiohttp's own expect handler: the answer has not begun
         body = bytearray(length)
         view = memoryview(body)
         got = 0
