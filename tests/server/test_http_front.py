@@ -28,6 +28,7 @@ from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import VaeClient
 
 TOKEN = "s3cret-token"
+BODY_TIMEOUT_S = 3.0  # the bad-input server's --session-first-message-timeout
 Z = {"random:wan2.1-tiny": 4, "random:wan2.2-tiny": 6}
 
 
@@ -174,7 +175,9 @@ def _assert_json_error(response: requests.Response, status: int, pattern: str) -
 
 @pytest.fixture(scope="module")
 def tiny_http() -> Iterator[RunningServer]:
-    with serve_in_thread(make_config("random:wan2.1-tiny", http_port=0, max_message_bytes=1 << 20)) as running:
+    config = make_config("random:wan2.1-tiny", http_port=0, max_message_bytes=1 << 20,
+                         session_first_message_timeout=BODY_TIMEOUT_S)
+    with serve_in_thread(config) as running:
         yield running
 
 
@@ -202,6 +205,7 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
         ({**params, "stream": "true"}, body, 400, "stream=true is served for output_type mp4 only"),
         ({**params, "shape": [1, 5, 3, 4, 6], "dtype": "float16"}, body[:720], 400, "z_dim|channels|5"),
         (params, prepare_decode(nan, output_type="pt")["data"], 400, "NaN or Inf"),
+        ({**params, "shape": [2, 4, 3, 4, 6], "output_type": "mp4"}, body + body, 400, "send batch 1"),
         ({**params, "precision": "fast"}, body, 400, "precision fast is not offered"),
     ]
     for case_params, data, status, pattern in cases:
@@ -211,6 +215,12 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
     status, error = raw_request(tiny_http.server.http_port,
                                 f"POST /decode?shape=1&dtype=float32 HTTP/1.1\r\nHost: x\r\nContent-Length: {2 << 20}\r\n")
     assert status == 413 and "at most 1048576 (--max-message-bytes)" in error["error"]
+    # admitted, then the body does not come: 504 once --session-first-message-timeout ran out
+    status, error = raw_request(tiny_http.server.http_port,
+                                _head((1, 4, 3, 4, 6), 1152).replace("do_scaling=true", "do_scaling=false"))
+    assert status == 504 and "--session-first-message-timeout" in error["error"], error
+    assert tiny_http.server.front.bodies_read == before + 1
+    before += 1
     # no Content-Length: a chunked body
     _assert_json_error(_post(tiny_http, params, iter([body])), 411, "Content-Length is required")
     assert tiny_http.server.front.bodies_read == before
