@@ -170,7 +170,7 @@ class ServerConfig:
     metrics_host: str | None = option(None, "address the metrics endpoint binds", no_default="--host")
     http_port: int | None = option(
         None, "serve Hugging Face's remote-VAE protocol (diffusers' remote_decode) and /health over HTTP "
-        "on this port; the same port as --metrics-port shares its listener", parse=int)
+        "on this port; the same port as --metrics-port shares its listener", parse=int, no_default="off")
     http_host: str | None = option(None, "address the HTTP front binds", no_default="--host")
     tls_cert: str | None = option(None, "PEM certificate chain; with --tls-key serves TLS")
     tls_key: str | None = option(None, "PEM private key for --tls-cert")
