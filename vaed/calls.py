@@ -106,7 +106,7 @@ class RequestedEncode:
     precision: Precision | None = None     # None = the encode's default tier
     allow_non_finite: bool = False
     trailing_zero_frames: int = 0          # zero frames the server appends (image-to-video)
-    encode_dtype: torch.dtype | None = None  # None = the server's; another is refused (one is offered)
+    encode_dtype: torch.dtype | None = None  # None = the server's default (ModelInfo.encode_dtypes[0])
 
 
 class LatentsIn(Protocol):
@@ -422,7 +422,7 @@ class CallCore:
             parallel=engine.describe(),
             encodes=engine.encodes,
             encode_precisions=ENCODE_PRECISIONS if engine.encodes else (),
-            encode_dtypes=(info.dtype,) if engine.encodes else (),
+            encode_dtypes=engine.encode_dtypes,
         )
 
     def _limits(self) -> Limits:
@@ -621,9 +621,10 @@ class CallCore:
         if precision not in ENCODE_PRECISIONS:
             raise InvalidInput(f"precision {precision} is not offered for Encode by this server; "
                                f"it offers {', '.join(ENCODE_PRECISIONS)}")
-        if requested.encode_dtype not in (None, engine.dtype):
+        offered = engine.encode_dtypes
+        if requested.encode_dtype not in (None, *offered):
             raise InvalidInput(f"encode_dtype {requested.encode_dtype} is not offered by this server; "
-                               f"it encodes in {engine.dtype}")
+                               f"it encodes in {', '.join(str(d) for d in offered)}")
         cfg = self.config
         limits = EncodeLimits(
             scale_spatial=engine.scale_spatial, scale_temporal=engine.scale_temporal, max_batch=cfg.max_batch,
@@ -631,7 +632,7 @@ class CallCore:
         )
         limits.check_frames(requested.trailing_zero_frames)
         spec = EncodeSpec(latents=requested.latents, out_dtype=requested.out_dtype, precision=precision,
-                          allow_non_finite=requested.allow_non_finite)
+                          allow_non_finite=requested.allow_non_finite, dtype=requested.encode_dtype or offered[0])
         return EncodeSession(
             record, spec, limits, loop=asyncio.get_running_loop(),
             credits=cfg.queue_chunks, max_backlog_frames=cfg.max_backlog_frames,

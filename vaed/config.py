@@ -79,6 +79,10 @@ class ServerConfig:
     encode: bool = option(
         False, "load the encoder too and serve Encode (video frames -> latents); Wan2.1's encoder "
         "weights are 0.1 GiB in bf16", action="store_true")
+    encode_dtype: ComputeDtype | None = option(
+        None, "compute dtype of Encode (a request may ask for --dtype too); one more copy of the encoder "
+        "when it differs from --dtype (in fp32: 0.2 GiB for Wan2.1, 0.56 GiB for Wan2.2)", choices=ComputeDtype,
+        no_default="--dtype")
     parallel: Parallel = option(
         Parallel.OFF, "spatial: a large request is decoded by all --gpu devices together", choices=Parallel)
     spatial_axis: SpatialAxis = option(

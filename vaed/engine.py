@@ -94,6 +94,7 @@ class DecodeEngine(Engine):
         layout: str = Layout.AUTO,
         disabled_ops: tuple[str, ...] = (),
         cuda_graphs: str = CudaGraphs.OFF,
+        encode_dtype: torch.dtype | None = None,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
     ) -> None:
         self.loaded = loaded
@@ -110,6 +111,16 @@ class DecodeEngine(Engine):
             self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
             tiers=tuple(Precision),
         )
+        # Encode dtypes: the weights' own, and one encoder-only copy per other dtype loaded
+        # (LoadedModel.encoder_copies), each prepared like the decoder; the default first.
+        self.encoders: dict[torch.dtype, tuple[Any, patches.FastPathReport]] = {}
+        if self.vae.encoder is not None:
+            self.encoders[self.dtype] = (self.vae, self.fast_paths)
+            for dt, copy in loaded.encoder_copies.items():
+                self.encoders[dt] = (copy, patches.prepare_decoder(
+                    copy, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops), tiers=(Precision.LOSSLESS,)))
+        default = encode_dtype if encode_dtype in self.encoders else self.dtype
+        self._encode_dtypes = tuple(sorted(self.encoders, key=lambda d: d != default))
         # Captured decoder calls (vaed.graphs): CUDA only; the sharded path never uses them.
         self.graphs: DecoderGraphs | None = None
         if CudaGraphs.parse(cuda_graphs, "cuda_graphs") == CudaGraphs.ON and self.device.type == "cuda":
@@ -119,12 +130,17 @@ class DecodeEngine(Engine):
 
     @classmethod
     def load(
-        cls, model: str, *, device: str, dtype: str | torch.dtype, encoder: bool = False, **options: Any
+        cls, model: str, *, device: str, dtype: str | torch.dtype, encoder: bool = False,
+        encode_dtype: str | torch.dtype | None = None, **options: Any
     ) -> "DecodeEngine":
         """Load `model` (a `--model` spec) onto `device` and build the engine; decoder-only
-        unless `encoder` (the encoder's weights: 0.1 GiB bf16 for Wan2.1)."""
+        unless `encoder` (the encoder's weights: 0.1 GiB bf16 for Wan2.1). `encode_dtype`, when
+        it differs from `dtype`, adds an encoder copy in it and makes it the encode's default."""
         torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-        return cls(load_model(model, device, torch_dtype, decoder_only=not encoder), **options)
+        enc_dtype = DTYPES[encode_dtype] if isinstance(encode_dtype, str) else encode_dtype
+        extra = (enc_dtype,) if encoder and enc_dtype is not None else ()
+        loaded = load_model(model, device, torch_dtype, decoder_only=not encoder, encoder_dtypes=extra)
+        return cls(loaded, encode_dtype=enc_dtype, **options)
 
     @property
     def info(self) -> EngineInfo:
@@ -178,6 +194,10 @@ class DecodeEngine(Engine):
     def encodes(self) -> bool:
         return self.vae.encoder is not None
 
+    @property
+    def encode_dtypes(self) -> tuple[torch.dtype, ...]:
+        return self._encode_dtypes
+
     @torch.inference_mode()
     def encode_call(self, state: EncodeState, frames: torch.Tensor, spec: EncodeSpec) -> EncodedGroup:
         """One `AutoencoderKLWan._encode` loop step: the frames in the weights' layout (then
@@ -185,16 +205,19 @@ class DecodeEngine(Engine):
         session's cache, quant_conv on its one latent frame."""
         if not self.encodes:
             raise NotImplementedError("this engine was loaded decoder-only")
-        x = patches.to_decoder_layout(frames.to(self.device, non_blocking=True).to(self.dtype), self.fast_paths.layout)
+        dtype = spec.dtype or self._encode_dtypes[0]
+        vae, paths = self.encoders[dtype]
+        x = patches.to_decoder_layout(frames.to(self.device, non_blocking=True).to(dtype), paths.layout)
         if self.patch_size is not None:
             from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 
             x = patchify(x, patch_size=self.patch_size)
-        ops = self.fast_paths.op_sets.get(spec.precision)
+        ops = paths.op_sets.get(spec.precision)
         with patches.using(ops) if ops is not None else contextlib.nullcontext():
-            moments = self.vae.quant_conv(self.vae.encoder(x, feat_cache=state.cache, feat_idx=[0]))
-        latents = self.latent_output(moments, spec.out_dtype or self.dtype) if spec.latents else None
-        return EncodedGroup(state.next_latent_frame, moments.to(spec.out_dtype or self.dtype), latents)
+            moments = vae.quant_conv(vae.encoder(x, feat_cache=state.cache, feat_idx=[0]))
+        out_dtype = spec.out_dtype or dtype
+        latents = self.latent_output(moments, out_dtype) if spec.latents else None
+        return EncodedGroup(state.next_latent_frame, moments.to(out_dtype), latents)
 
     def free(self, state: DecodeState) -> None:
         # may run on the event loop's thread (a detach): graphs notice a freed owner themselves

@@ -76,6 +76,7 @@ class EncodeSpec:
     out_dtype: torch.dtype | None = None  # None: the encoder's compute dtype
     precision: str = Precision.LOSSLESS  # op set tier
     allow_non_finite: bool = False  # False: NaN/Inf frames are refused
+    dtype: torch.dtype | None = None  # the encode's compute dtype (Engine.encode_dtypes); None: the first
 
 
 def rgb8_to_video(frames: torch.Tensor) -> torch.Tensor:
@@ -291,6 +292,11 @@ class Engine(ABC):
     def encodes(self) -> bool:
         """Whether this engine holds an encoder (a decode-only load does not)."""
         return False
+
+    @property
+    def encode_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The compute dtypes it encodes in, the default first (none without an encoder)."""
+        return ()
 
     def new_encode_state(self) -> EncodeState:
         return EncodeState(cache=[None] * self.facts.encoder_convs)

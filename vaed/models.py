@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import dataclasses
 import threading
 import urllib.parse
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ class LoadedModel:
     vae: Any  # diffusers AutoencoderKLWan, eval mode, on its device and dtype
     spec: str
     random_weights: bool
+    # encoder-only copies in other dtypes (decoder and post_quant_conv None), from the loaded
+    # weights before their cast: an fp32 encode beside a bf16 decode (load_model's encoder_dtypes)
+    encoder_copies: dict[torch.dtype, Any] = dataclasses.field(default_factory=dict)
 
 
 def parse_random_spec(spec: str) -> tuple[str, int]:
@@ -181,12 +185,27 @@ def _load_pretrained(spec: str) -> Any:
         ) from None
 
 
+def _encoder_copy(vae: Any) -> Any:
+    """A deep copy of `vae` without its decoder half (decoder, post_quant_conv set to None)."""
+    import copy
+
+    decoder, post_quant_conv = vae.decoder, vae.post_quant_conv
+    vae.decoder = vae.post_quant_conv = None
+    try:
+        return copy.deepcopy(vae)
+    finally:
+        vae.decoder, vae.post_quant_conv = decoder, post_quant_conv
+
+
 def load_model(
-    spec: str, device: str | torch.device, dtype: torch.dtype, *, decoder_only: bool = False
+    spec: str, device: str | torch.device, dtype: torch.dtype, *, decoder_only: bool = False,
+    encoder_dtypes: tuple[torch.dtype, ...] = (),
 ) -> LoadedModel:
     """Load, move to device/dtype, eval mode, no grad. `decoder_only` drops the
     encoder before the move: a decode server never runs it (0.1 GiB of bf16
-    weights for Wan2.1)."""
+    weights for Wan2.1). `encoder_dtypes` other than `dtype` each get an
+    encoder-only copy made from the loaded weights before their cast (an fp32
+    copy of Wan2.1's encoder and quant_conv: 0.2 GiB)."""
     if spec.startswith(RANDOM_PREFIX):
         arch, seed = parse_random_spec(spec)
         vae = build_random_vae(arch, seed)
@@ -197,6 +216,7 @@ def load_model(
     if decoder_only:
         vae.encoder = None
         vae.quant_conv = None
+    copies = {} if decoder_only else {d: _encoder_copy(vae) for d in encoder_dtypes if d != dtype}
     from diffusers.utils import logging as diffusers_logging
 
     # diffusers warns on every .to(dtype) of a model without fp32-pinned
@@ -205,7 +225,8 @@ def load_model(
     diffusers_logging.set_verbosity_error()
     try:
         vae = vae.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        copies = {d: c.to(device=device, dtype=d).eval().requires_grad_(False) for d, c in copies.items()}
     finally:
         diffusers_logging.set_verbosity(level)
     log.info("loaded %s (%s weights) on %s as %s", spec, "random" if random_weights else "pretrained", device, dtype)
-    return LoadedModel(vae=vae, spec=spec, random_weights=random_weights)
+    return LoadedModel(vae=vae, spec=spec, random_weights=random_weights, encoder_copies=copies)

@@ -54,7 +54,7 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
         engine = DecodeEngine.load(
             config.model, device=device, dtype=config.compute_dtype_name,
             kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
-            cuda_graphs=config.cuda_graphs, encoder=config.encode,
+            cuda_graphs=config.cuda_graphs, encoder=config.encode, encode_dtype=config.encode_dtype,
         )
         if config.parallel != Parallel.SPATIAL:
             return engine

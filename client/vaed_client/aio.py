@@ -193,11 +193,12 @@ class AsyncVaeClient:
         precision: Any = None,
         request_id: str | None = None,
         send_zeros: bool = False,
+        encode_dtype: Any = None,
     ) -> Any:
         """Latents of `frames`; see `VaeClient.encode`."""
         video = prepare_video(frames, send_zeros=send_zeros)
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
-                                 request_id=request_id, zero_frames=video.zero_frames)
+                                 request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
         assembly = EncodedAssembly(output_type, video.as_torch)
         call = self._stub.Encode(iter(list(video_chunks(video, options))), timeout=self.timeout,
                                  metadata=self._metadata)

@@ -208,6 +208,7 @@ class VaeClient:
         precision: Any = None,
         request_id: str | None = None,
         send_zeros: bool = False,
+        encode_dtype: Any = None,
     ) -> Any:
         """Encode video frames to latents through the server's causal encoder.
 
@@ -217,11 +218,12 @@ class VaeClient:
         "moments": `[B, 2 * z_dim, T_lat, h, w]` (mean, then log-variance: what
         `DiagonalGaussianDistribution` takes) or "latents": the normalised latents
         `(mean - latents_mean) / latents_std` as the Wan pipelines compute them, both in
-        `out_dtype` (default: the server's encode dtype). Frames of zeros at the end are not
+        `out_dtype` (default: the encode's dtype). `encode_dtype` picks the compute dtype among
+        ModelInfo.encode_dtypes (default: the first). Frames of zeros at the end are not
         sent (`trailing_zero_frames`) unless `send_zeros`; see `vaed_client.encoding`."""
         video = prepare_video(frames, send_zeros=send_zeros)
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
-                                 request_id=request_id, zero_frames=video.zero_frames)
+                                 request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
         assembly = EncodedAssembly(output_type, video.as_torch)
         call = self._stub.Encode(video_chunks(video, options), timeout=self.timeout, metadata=self._metadata)
         try:

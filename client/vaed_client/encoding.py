@@ -99,7 +99,7 @@ def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
 
 def encode_options(
     *, output_type: str, out_dtype: Any = None, precision: Any = None, request_id: str | None = None,
-    zero_frames: int = 0,
+    zero_frames: int = 0, encode_dtype: Any = None,
 ) -> Any:
     if output_type not in OUTPUT_TYPES:
         raise LocalInputError(f"unknown output_type {output_type!r}; use one of {', '.join(OUTPUT_TYPES)}")
@@ -110,6 +110,11 @@ def encode_options(
             options.out_dtype = wire.wire_dtype(out_dtype)
         except wire.TensorFormatError as e:
             raise LocalInputError(f"out_dtype: {e}") from None
+    if encode_dtype is not None:
+        try:
+            options.encode_dtype = wire.wire_dtype(encode_dtype)
+        except wire.TensorFormatError as e:
+            raise LocalInputError(f"encode_dtype: {e}") from None
     if precision is not None:
         name = str(getattr(precision, "value", precision)).upper()
         if name not in ("LOSSLESS", "FAST"):

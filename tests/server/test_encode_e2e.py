@@ -235,3 +235,22 @@ def test_bad_messages_are_invalid_argument(served: tuple[Any, Any], stub: Any, c
         code, details, _ = _status(stub, chunks)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert _status(stub, [good])[0] == grpc.StatusCode.OK
+
+
+def test_encode_in_float32_beside_a_bfloat16_decode() -> None:
+    """--dtype bfloat16 --encode-dtype float32: the encode runs on an fp32 copy made from the
+    loaded weights (equal to a stock fp32 encode), a request may ask for the bf16 one (equal to a
+    stock bf16 encode), the decode stays bf16, ModelInfo lists both, the default first."""
+    config = make_config("random:wan2.1-tiny", dtype="bfloat16", encode=True, encode_dtype="float32")
+    x = _video(1, 5, seed=8)
+    fp32 = build_random_vae("wan2.1-tiny").eval().requires_grad_(False)
+    bf16 = build_random_vae("wan2.1-tiny").to(torch.bfloat16).eval().requires_grad_(False)
+    with serve_in_thread(config) as running, VaeClient(running.target) as client:
+        info = client.model_info()
+        assert info.compute_dtype == "bfloat16" and info.encode_dtypes == ["float32", "bfloat16"]
+        got32 = client.encode(x)
+        got16 = client.encode(x.to(torch.bfloat16), encode_dtype="bfloat16")
+        assert client.decode(torch.randn(1, 4, 1, 8, 12), output_type="raw").dtype == torch.bfloat16
+    assert got32.dtype == torch.float32 and torch.equal(got32, _stock(fp32, x))
+    assert got16.dtype == torch.bfloat16 and torch.equal(got16, _stock(bf16, x.to(torch.bfloat16)))
+    assert not torch.equal(got32.to(torch.bfloat16), got16)  # two encodes, not one cast

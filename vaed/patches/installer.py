@@ -135,7 +135,7 @@ def prepare_decoder(
     if unknown:
         raise ValueError(f"unknown op names in disabled_ops: {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
     wanted = _resolve_tiers(tiers, ops)
-    param = next(vae.decoder.parameters())
+    param = next(vae_parts(vae)[0].parameters())  # an encoder-only copy has no decoder
     device, dtype = param.device, param.dtype
     lay = resolve_layout(layout, device)
     n_conv = convert_conv3d_weights(vae, lay)
