@@ -13,6 +13,13 @@ abs RAW error of each variant against an fp32 stock decode of the same latents
 and weights (one extra fp32 decode per case). TFLOP/s uses the Wan2.1
 decoder's ~3.44 TFLOP per 480x832 frame, scaled by pixels (n/a for others).
 
+``--op encode`` times the encoder instead, on seeded frames in [-1, 1]:
+``stock`` / ``stock-cl3d`` are ``AutoencoderKLWan.encode`` with that layout
+(weights and frames), ``vaed-lossless`` the server's encode (one encoder
+call per latent frame on a session-owned cache, quant_conv per call, fused
+kernels installed, channels_last_3d); bit-identity is that of the moments.
+There is no fast encode tier (``vaed-fast`` is skipped), nor ``--psnr``.
+
 ``--cuda-graphs on`` runs the vaed variants with their decoder calls replayed
 from CUDA graphs (``vaed.graphs``; the warm-up then also captures them).
 
@@ -103,6 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="latents seed")
     parser.add_argument("--psnr", action="store_true", help="PSNR / max abs error against an fp32 stock decode")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write rows as JSON")
+    parser.add_argument("--op", choices=("decode", "encode"), default="decode",
+                        help="what to time: the decoder (latents -> frames) or the encoder (frames -> moments)")
 
 
 def _load(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
@@ -183,6 +192,69 @@ def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tu
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     assert out is not None
     return best, peak, out
+
+
+def _frames_shape(vae: Any, case: Case) -> tuple[int, int, int, int, int]:
+    _latent_shape(vae, case)  # the same checks
+    return (1, 3, case.frames, case.height, case.width)
+
+
+def run_encode_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) -> list[Row]:
+    """``--op encode``: stock encode per layout, then the engine's encode on the same weights."""
+    from vaed.engine import DecodeEngine
+    from vaed.engine_protocol import EncodeSpec
+    from vaed.models import LoadedModel
+    from vaed.patches import prepare_decoder, remove_fast_paths, to_decoder_layout
+
+    device = torch.device(args.device)
+    dtype = _DTYPES[args.dtype]
+    spec = args.model or f"random:{case.arch}"
+    vae = _load(spec, device, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    x = (torch.rand(_frames_shape(vae, case), generator=gen) * 2 - 1).to(device=device, dtype=dtype)
+    rows: list[Row] = []
+    refs: dict[str, torch.Tensor] = {}
+    base: float | None = None
+    for variant in variants:
+        if variant == "vaed-fast":
+            log.warning("vaed-fast skipped: there is no fast encode tier")
+            continue
+        if variant in ("stock", "stock-cl3d"):
+            layout = Layout.CONTIGUOUS if variant == "stock" else Layout.CHANNELS_LAST
+            prepare_decoder(vae, kernels=Kernels.OFF, layout=layout)
+            xi, ref_key = to_decoder_layout(x, layout), variant
+            fn: Callable[[torch.Tensor], torch.Tensor] = lambda xx: vae.encode(xx).latent_dist.parameters  # noqa: E731
+        else:
+            engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
+                                  kernels=args.kernels, layout=Layout.CHANNELS_LAST)
+            log.info("vaed-lossless encode: %s", engine.fast_paths.summary)
+            xi, ref_key = x, "stock-cl3d"
+            fn = lambda xx: engine.encode_video(xx, EncodeSpec())[0]  # noqa: E731
+        with torch.inference_mode():
+            fn(xi[:, :, :5])  # the first call and a steady one: Triton compiles, cuDNN plans
+            secs, peak, out = _time(lambda: fn(xi), args.reps, device)
+        out_cpu = out.cpu()
+        del out
+        if variant == ref_key:
+            refs[variant] = out_cpu
+            ident = "ref"
+        elif ref_key in refs:
+            ident = "yes" if torch.equal(refs[ref_key], out_cpu) else "no"
+        else:
+            ident = "n/a"
+        if variant == "stock":
+            base = secs
+        speed = (base / secs) if base else float("nan")
+        rows.append(Row(f"{case.name} encode", variant, secs, speed, peak, ident, ref_key))
+        print(f"[bench] {case.name + ' encode':<24} {variant:<14} {secs:7.3f} s  x{speed:5.2f}  "
+              f"peak {peak:6.2f} GiB  bit-identical={ident}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    remove_fast_paths(vae)
+    del vae, x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) -> list[Row]:
@@ -269,8 +341,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cases = args.cases or [parse_case(c) for c in DEFAULT_CASES]
     rows: list[Row] = []
+    run_one = run_encode_case if args.op == "encode" else run_case
     for case in cases:
-        rows.extend(run_case(case, args, variants))
+        rows.extend(run_one(case, args, variants))
     print(format_table(rows), flush=True)
     if args.json_path:
         meta = {"torch": torch.__version__, "dtype": args.dtype, "reps": args.reps,

@@ -33,6 +33,20 @@ def test_bench_cpu_tiny(tmp_path, capsys) -> None:
     assert rows[2]["bit_identical"] == "yes"
 
 
+def test_bench_encode_cpu_tiny(tmp_path, capsys) -> None:
+    """--op encode: stock per layout, then the engine's encode, whose moments equal stock-cl3d's."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "e.json"
+    args = parser.parse_args(["--op", "encode", "--device", "cpu", "--dtype", "fp32", "--case",
+                              "wan2.2-tiny:64x96x9", "--reps", "1", "--json", str(out)])
+    assert bench.run(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["stock", "stock-cl3d", "vaed-lossless"]
+    assert [r["bit_identical"] for r in rows] == ["ref", "ref", "yes"]
+    assert rows[0]["case"] == "wan2.2-tiny 64x96x9 encode"
+
+
 def test_bench_rejects_unknown_variant() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
