@@ -223,16 +223,18 @@ def run_encode_case(case: Case, args: argparse.Namespace, variants: tuple[str, .
             layout = Layout.CONTIGUOUS if variant == "stock" else Layout.CHANNELS_LAST
             prepare_decoder(vae, kernels=Kernels.OFF, layout=layout)
             xi, ref_key = to_decoder_layout(x, layout), variant
-            fn: Callable[[torch.Tensor], torch.Tensor] = lambda xx: vae.encode(xx).latent_dist.parameters  # noqa: E731
+            def fn(xx: torch.Tensor, model: Any = vae) -> torch.Tensor:
+                return model.encode(xx).latent_dist.parameters
         else:
             engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
                                   kernels=args.kernels, layout=Layout.CHANNELS_LAST)
             log.info("vaed-lossless encode: %s", engine.fast_paths.summary)
             xi, ref_key = x, "stock-cl3d"
-            fn = lambda xx: engine.encode_video(xx, EncodeSpec())[0]  # noqa: E731
+            def fn(xx: torch.Tensor, model: Any = engine) -> torch.Tensor:
+                return model.encode_video(xx, EncodeSpec())[0]
         with torch.inference_mode():
             fn(xi[:, :, :5])  # the first call and a steady one: Triton compiles, cuDNN plans
-            secs, peak, out = _time(lambda: fn(xi), args.reps, device)
+            secs, peak, out = _time(lambda f=fn, xx=xi: f(xx), args.reps, device)
         out_cpu = out.cpu()
         del out
         if variant == ref_key:
@@ -251,7 +253,6 @@ def run_encode_case(case: Case, args: argparse.Namespace, variants: tuple[str, .
         if device.type == "cuda":
             torch.cuda.empty_cache()
     remove_fast_paths(vae)
-    del vae, x
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows

@@ -1,4 +1,4 @@
-"""`vaed-client`: the client commands `decode`, `info` and `health`.
+"""`vaed-client`: the client commands `decode`, `encode` (`vaed_client.encode_cli`), `info` and `health`.
 
     vaed-client decode latents.pt --server localhost:50051 -o video.mp4
     vaed-client decode latents.npy -o video.mkv              # lossless (FFV1)
@@ -39,6 +39,7 @@ import numpy as np
 
 from . import __version__, wire
 from .core import normalize_latents
+from .encode_cli import add_encode_arguments, run_encode
 from .channel import read_token, with_default_port
 from .errors import LocalInputError, VaedError
 from .export import ExportError, FrameWriter, existing_outputs, make_writer, remove_png_frames
@@ -391,6 +392,8 @@ def run_health(args: argparse.Namespace) -> int:
 # -- entry point ---------------------------------------------------------------
 COMMANDS: dict[str, tuple[Any, Any, str]] = {
     "decode": (add_decode_arguments, run_decode, "decode a latents file through a server to .mp4, .mkv or PNGs"),
+    "encode": (add_encode_arguments, run_encode, "encode a video, PNG folder or .npy frames through a server "
+               "to a latents file"),
     "info": (add_info_arguments, run_info, "print a server's model info"),
     "health": (add_health_arguments, run_health, "ask a server's grpc.health.v1 status (exit 0 if SERVING)"),
 }

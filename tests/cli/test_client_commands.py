@@ -17,9 +17,9 @@ import av
 import numpy as np
 import pytest
 import torch
+from harness import FakeDecoder, start_fake_server
 from safetensors.torch import save_file
 
-from harness import FakeDecoder, start_fake_server
 from vaed_client import LocalInputError, VaeClient, channel
 from vaed_client import cli as dc
 
@@ -240,3 +240,48 @@ def test_help_shows_every_default() -> None:
         text = command.format_help()
         assert "localhost:50051" in text and "50051" in text
 
+
+
+def test_encode_command_writes_the_served_moments(tmp_path) -> None:
+    """`vaed-client encode` on a PNG folder, an .mp4 and .npy frames: the file holds what
+    VaeClient.encode returns for the same uint8 frames (the .mp4's as PyAV decodes them)."""
+    import av
+    import numpy as np
+    import torch
+    from harness import make_config, serve_in_thread
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from vaed_client import VaeClient
+    from vaed_client.cli import main
+
+    frames = np.random.default_rng(1).integers(0, 256, size=(5, 64, 96, 3), dtype=np.uint8)
+    (tmp_path / "png").mkdir()
+    for i, f in enumerate(frames):
+        Image.fromarray(f).save(tmp_path / "png" / f"{i:03d}.png")
+    np.save(tmp_path / "frames.npy", frames)
+    with av.open(str(tmp_path / "v.mp4"), "w") as container:
+        stream = container.add_stream("libx264", rate=16)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+    from vaed_client.encode_cli import read_frames
+
+    decoded = read_frames(tmp_path / "v.mp4")
+    assert decoded.shape == frames.shape and decoded.dtype == np.uint8
+    with serve_in_thread(make_config("random:wan2.1-tiny", encode=True)) as running:
+        with VaeClient(running.target) as client:
+            want = client.encode(frames)
+            want_latents = client.encode(torch.from_numpy(frames), output_type="latents")
+            want_mp4 = client.encode(decoded)
+        server = ["--server", running.target]
+        assert main(["encode", str(tmp_path / "png"), "-o", str(tmp_path / "a.safetensors"), *server]) == 0
+        assert main(["encode", str(tmp_path / "frames.npy"), "-o", str(tmp_path / "b.npy"), "--output-type",
+                     "latents", *server]) == 0
+        assert main(["encode", str(tmp_path / "frames.npy"), "-o", str(tmp_path / "b.npy"), *server]) == 2  # exists
+        assert main(["encode", str(tmp_path / "none.txt"), "-o", str(tmp_path / "c.npy"), *server]) == 2
+        assert main(["encode", str(tmp_path / "v.mp4"), "-o", str(tmp_path / "d.npy"), *server]) == 0
+    assert np.array_equal(load_file(str(tmp_path / "a.safetensors"))["moments"].numpy(), want)
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "b.npy")), want_latents)
+    assert np.array_equal(np.load(tmp_path / "d.npy"), want_mp4)
