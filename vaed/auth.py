@@ -67,7 +67,9 @@ _SCHEME = "bearer"
 # Where vaed's own clients take the token from (vaed_client.channel.read_token).
 _HOW = ("vaed decode/info take --token-file FILE or $VAED_AUTH_TOKEN, "
         "VaeClient(..., token=...) in Python")
-_MISSING = f"missing credentials: this server requires a bearer token ('authorization: Bearer <token>' metadata); {_HOW}"
+_MISSING = (
+    f"missing credentials: this server requires a bearer token ('authorization: Bearer <token>' metadata); {_HOW}"
+)
 _MALFORMED = f"malformed authorization metadata: expected 'Bearer <token>'; {_HOW}"
 _WRONG = "invalid bearer token"
 

@@ -32,14 +32,16 @@ variant of the same layout (channels_last_3d for vaed-lossless).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -133,11 +135,20 @@ def stock_decode(vae: Any, z: torch.Tensor) -> torch.Tensor:
     return vae.decode(z, return_dict=False)[0]
 
 
+def stock_warm_up(vae: Any, z: torch.Tensor) -> None:
+    """Stock's decode of the first latent frames, up to the steady chunk."""
+    from vaed.engine import WARMUP_LATENT_FRAMES
+
+    stock_decode(vae, z[:, :, :WARMUP_LATENT_FRAMES])
+
+
 Decode = Callable[[Any, torch.Tensor], torch.Tensor]
 WarmUp = Callable[[torch.Tensor], None]
 
 
-def vaed_decoder(vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = CudaGraphs.OFF) -> tuple[Decode, WarmUp] | None:
+def vaed_decoder(
+    vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = CudaGraphs.OFF
+) -> tuple[Decode, WarmUp] | None:
     """The server's own decode path (DecodeEngine: session-owned cache, one decoder call per
     latent frame, fast paths installed, clamp), as a decode function and its warm-up."""
     from vaed.engine import DecodeEngine, OutputSpec, warm_up
@@ -259,7 +270,6 @@ def run_encode_case(case: Case, args: argparse.Namespace, variants: tuple[str, .
 
 
 def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) -> list[Row]:
-    from vaed.engine import WARMUP_LATENT_FRAMES
     from vaed.patches import prepare_decoder, remove_fast_paths, to_decoder_layout
 
     device = torch.device(args.device)
@@ -273,12 +283,14 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
     refs: dict[str, torch.Tensor] = {}
     base: float | None = None
     fp32 = fp32_reference(spec, z, device) if args.psnr else None
+    fn: Decode
+    warm: WarmUp
     for variant in variants:
         if variant in ("stock", "stock-cl3d"):
             layout = Layout.CONTIGUOUS if variant == "stock" else Layout.CHANNELS_LAST
             prepare_decoder(vae, kernels=Kernels.OFF, layout=layout)
             zi, fn, ref_key = to_decoder_layout(z, layout), stock_decode, variant
-            warm: WarmUp = lambda zz: stock_decode(vae, zz[:, :, :WARMUP_LATENT_FRAMES])  # noqa: E731
+            warm = functools.partial(stock_warm_up, vae)
         else:
             engine_fns = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"), args.cuda_graphs)
             if engine_fns is None:
@@ -286,7 +298,7 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             (fn, warm), zi, ref_key = engine_fns, to_decoder_layout(z, Layout.CHANNELS_LAST), "stock-cl3d"
         with torch.inference_mode():
             warm(zi)  # up to the steady chunk: Triton compiles, cuDNN plans (and captures, with graphs)
-            secs, peak, out = _time(lambda: fn(vae, zi), args.reps, device)
+            secs, peak, out = _time(functools.partial(fn, vae, zi), args.reps, device)
         out_cpu = out.cpu()
         del out
         if variant == ref_key:

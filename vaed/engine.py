@@ -132,7 +132,7 @@ class DecodeEngine(Engine):
     def load(
         cls, model: str, *, device: str, dtype: str | torch.dtype, encoder: bool = False,
         encode_dtype: str | torch.dtype | None = None, **options: Any
-    ) -> "DecodeEngine":
+    ) -> DecodeEngine:
         """Load `model` (a `--model` spec) onto `device` and build the engine; decoder-only
         unless `encoder` (the encoder's weights: 0.1 GiB bf16 for Wan2.1). `encode_dtype`, when
         it differs from `dtype`, adds an encoder copy in it and makes it the encode's default."""
@@ -174,14 +174,15 @@ class DecodeEngine(Engine):
         ops = self.fast_paths.op_sets.get(output.precision)
 
         def call(x: torch.Tensor, cache: list[Any]) -> torch.Tensor:
-            return self.vae.decoder(self.vae.post_quant_conv(x), feat_cache=cache, feat_idx=[0], first_chunk=first_chunk)
+            z = self.vae.post_quant_conv(x)
+            return self.vae.decoder(z, feat_cache=cache, feat_idx=[0], first_chunk=first_chunk)
 
         with patches.using(ops) if ops is not None else contextlib.nullcontext():
             if self.graphs is not None:
                 # a replay's output lives in the graph: unpatchify/clamp below copy it before the next call
                 out = self.graphs.run(state, output.precision, first_chunk, x, call)
             else:
-                out = call(x, state.cache)  # type: ignore[arg-type]
+                out = call(x, state.cache)  # type: ignore[arg-type]  # None only once free()d; no call follows
         frames = self.finish(out, output)  # copies a replay's output out of the graph
         group = DecodedGroup(chunk_index=index, first_frame=state.next_output_frame, frames=frames)
         state.next_latent_frame += 1

@@ -281,7 +281,8 @@ class Engine(ABC):
         """Whole-video decode in this process (warm-up, benchmarks, tests): the served loop, concatenated."""
         state = self.new_state()
         try:
-            groups = [self.decode_frame(state, latents[:, :, i : i + 1], output).frames for i in range(latents.shape[2])]
+            frames = [latents[:, :, i : i + 1] for i in range(latents.shape[2])]
+            groups = [self.decode_frame(state, frame, output).frames for frame in frames]
         finally:
             self.free(state)
         return torch.cat(groups, dim=output.time_dim)
@@ -340,6 +341,7 @@ class Engine(ABC):
         finally:
             self.free_encode(state)
         moments = torch.cat([g.moments for g in groups], dim=2)
+        # every group carries latents when spec.latents asks for them
         latents = torch.cat([g.latents for g in groups], dim=2) if spec.latents else None  # type: ignore[misc]
         return moments, latents
 
@@ -357,11 +359,11 @@ class Engine(ABC):
         """Extra health-service entries (name suffix -> serving) beside the device's own."""
         return {}
 
-    def keepalive(self) -> None:
+    def keepalive(self) -> None:  # noqa: B027  (an optional hook: a one-device engine has nothing to do)
         """Called by the device worker on every pass of its loop, idle or not: an engine that
         must show its group it is alive does so when due (cheap otherwise)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (an optional hook: a one-device engine holds only its weights)
         """Release what the engine holds beyond its weights (a sharded engine stops its group)."""
 
 

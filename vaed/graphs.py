@@ -99,7 +99,7 @@ class CapturedCall:
         cache = getattr(state, "cache", None)
         if cache is None or len(cache) != len(self.static_in):
             return False
-        return all(c is s for c, s in zip(cache, self.static_in) if isinstance(s, torch.Tensor))
+        return all(c is s for c, s in zip(cache, self.static_in, strict=True) if isinstance(s, torch.Tensor))
 
 
 @dataclass
@@ -116,7 +116,7 @@ class DecoderGraphs:
     """Per-device cache of captured decoder calls (the engine owns one; device thread only)."""
 
     def __init__(self, device: torch.device, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
-                 backend: "GraphBackend | None" = None) -> None:
+                 backend: GraphBackend | None = None) -> None:
         if max_graphs < 1:
             raise ValueError("max_graphs must be >= 1")
         self.device = device
@@ -172,14 +172,15 @@ class DecoderGraphs:
         captured.static_x.copy_(x)
         if not (captured.owner is not None and captured.owner() is state and captured.holds_cache_of(state)):
             self._spill(captured)
-            for s, c in zip(captured.static_in, state.cache):
+            for s, c in zip(captured.static_in, state.cache, strict=True):  # one slot per conv, both
                 if isinstance(s, torch.Tensor):
                     s.copy_(c)
             self.stats.cache_loads += 1
         self.backend.replay(captured.graph)
         self.stats.replayed += 1
         if captured.resident:
-            state.cache = [s if isinstance(s, torch.Tensor) else o for s, o in zip(captured.static_in, captured.static_out)]
+            slots = zip(captured.static_in, captured.static_out, strict=True)
+            state.cache = [s if isinstance(s, torch.Tensor) else o for s, o in slots]
             captured.owner = weakref.ref(state)
         else:
             state.cache = [_copy_of(c) for c in captured.static_out]
@@ -215,13 +216,15 @@ class GraphBackend:
         """Give back memory a failed capture left cached."""
 
 
-def record_call(call: DecoderCall, static_x: torch.Tensor, static_in: CacheList) -> tuple[torch.Tensor, CacheList, bool]:
+def record_call(
+    call: DecoderCall, static_x: torch.Tensor, static_in: CacheList
+) -> tuple[torch.Tensor, CacheList, bool]:
     """The body of a capture: the call, then (resident) its new cache written into ``static_in``."""
     cache = list(static_in)
     out = call(static_x, cache)
     resident = [_meta(c) for c in cache] == [_meta(s) for s in static_in]
     if resident:
-        for s, c in zip(static_in, cache):
+        for s, c in zip(static_in, cache, strict=True):
             if isinstance(s, torch.Tensor):
                 s.copy_(c)
     return out, cache, resident
@@ -271,7 +274,7 @@ class RerunBackend(GraphBackend):
     def replay(self, graph: Any) -> None:
         out, cache, _ = record_call(graph.call, graph.static_x, graph.static_in)
         graph.out.copy_(out)
-        for dst, src in zip(graph.cache_out, cache):
+        for dst, src in zip(graph.cache_out, cache, strict=True):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
 

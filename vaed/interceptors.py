@@ -131,7 +131,7 @@ def method_name(method: str) -> str:
 class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
     """At most `limit` RPCs in flight (health excepted); more get RESOURCE_EXHAUSTED unread."""
 
-    def __init__(self, limit: int, on_refused: Refused | None = None, refusals: "Refusals | None" = None) -> None:
+    def __init__(self, limit: int, on_refused: Refused | None = None, refusals: Refusals | None = None) -> None:
         if limit < 1:
             raise ValueError(f"the RPC limit must be >= 1, got {limit}")
         self.limit = limit
