@@ -341,8 +341,7 @@ class Engine(ABC):
         finally:
             self.free_encode(state)
         moments = torch.cat([g.moments for g in groups], dim=2)
-        # every group carries latents when spec.latents asks for them
-        latents = torch.cat([g.latents for g in groups], dim=2) if spec.latents else None  # type: ignore[misc]
+        latents = torch.cat([g.latents for g in groups], dim=2) if spec.latents else None  # type: ignore[misc]  # each group has them when spec.latents asks
         return moments, latents
 
     # -- the group around the engine (a one-device engine has none) ------------------------------

@@ -102,7 +102,10 @@ def connection_cap(config: ServerConfig) -> int:
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Message limits, keepalive, connection age (so clients re-resolve DNS and reach new
     replicas), and the limits a hostile client meets before any call is authenticated."""
-    ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+
+    def ms(seconds: float) -> int:
+        return int(seconds * 1000)
+
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -280,7 +283,8 @@ class VaedServer:
         if self.http is not None:
             self.metrics_port = await self.http.start(cfg.metrics_host or cfg.host, cfg.metrics_port or 0)
             shown = (cfg.metrics_host or cfg.host).strip("[]")
-            log.info("metrics on http://%s:%d%s", f"[{shown}]" if ":" in shown else shown, self.metrics_port, METRICS_PATH)
+            log.info("metrics on http://%s:%d%s", f"[{shown}]" if ":" in shown else shown, self.metrics_port,
+                     METRICS_PATH)
         if self.front_http is not None and self.front_http is not self.http:
             self.http_port = await self.front_http.start(http_host(cfg), cfg.http_port or 0)
         elif self.front_http is not None:
@@ -290,8 +294,16 @@ class VaedServer:
             log.info("HTTP front (Hugging Face remote-VAE protocol) on http://%s:%d/",
                      f"[{shown}]" if ":" in shown else shown, self.http_port)
         loop = asyncio.get_running_loop()
-        self.pool.on_change = lambda: loop.call_soon_threadsafe(self._on_pool_change)
-        self.pool.start(on_ready=lambda: loop.call_soon_threadsafe(self._on_pool_ready))
+        # the pool calls these from device threads; they hand over to the event loop
+
+        def on_change() -> None:
+            loop.call_soon_threadsafe(self._on_pool_change)
+
+        def on_ready() -> None:
+            loop.call_soon_threadsafe(self._on_pool_ready)
+
+        self.pool.on_change = on_change
+        self.pool.start(on_ready=on_ready)
         log.info("listening on %s (port %d, %s, %s); loading %s on %s",
                  address, port, _transport_summary(cfg), auth_summary(cfg, token is not None),
                  cfg.model, ", ".join(cfg.devices))
@@ -322,11 +334,13 @@ class VaedServer:
         for name in ("", wire.SERVICE_NAME):
             await self.health.set(name, status)
         for worker in self.pool.workers:
-            device_status = status if worker.healthy or not worker.started else health_pb2.HealthCheckResponse.NOT_SERVING
+            serving = worker.healthy or not worker.started
+            device_status = status if serving else health_pb2.HealthCheckResponse.NOT_SERVING
             await self.health.set(f"{wire.SERVICE_NAME}/{worker.device}", device_status)
             for name, ok in (worker.engine.health_entries().items() if worker.engine is not None else ()):
                 # a spatial group's entry (`vaed.v1.VaeDecoder/spatial`): NOT_SERVING once it broke
-                await self.health.set(f"{wire.SERVICE_NAME}/{name}", device_status if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+                entry_status = device_status if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+                await self.health.set(f"{wire.SERVICE_NAME}/{name}", entry_status)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait for load + warm-up; raises StartupError if no device could start."""
