@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -129,7 +130,7 @@ class AsyncVaeClient:
         for channel in channels:
             await channel.close()
 
-    async def __aenter__(self) -> "AsyncVaeClient":
+    async def __aenter__(self) -> AsyncVaeClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -272,7 +273,7 @@ class AsyncVaeClient:
         request_id: str | None = None,
         max_pending: int = 8,
         report: CallReport | None = None,
-    ) -> "AsyncDecodeSession":
+    ) -> AsyncDecodeSession:
         """Open a DecodeStream session (see `VaeClient.session`); it starts on first use."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
@@ -439,7 +440,7 @@ class AsyncDecodeSession(SessionView):
             assembly.add(reply)
         return self._state.finish_collect(assembly)
 
-    async def __aenter__(self) -> "AsyncDecodeSession":
+    async def __aenter__(self) -> AsyncDecodeSession:
         self._start()
         return self
 

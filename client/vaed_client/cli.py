@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from . import __version__, wire
+from .channel import read_token, with_default_port
 from .core import normalize_latents
 from .encode_cli import add_encode_arguments, run_encode
-from .channel import read_token, with_default_port
 from .errors import LocalInputError, VaedError
 from .export import ExportError, FrameWriter, existing_outputs, make_writer, remove_png_frames
 from .tensors import widen_bf16_bits
@@ -142,7 +142,8 @@ def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | N
         parser.add_argument("--token-file", metavar="PATH",
                             help=f"file holding the bearer token (default: ${wire.AUTH_TOKEN_ENV} when set, "
                                  "else no token)")
-    parser.add_argument("--tls", action="store_true", help="connect with TLS (system root certificates; default: plaintext)")
+    parser.add_argument("--tls", action="store_true",
+                        help="connect with TLS (system root certificates; default: plaintext)")
     parser.add_argument("--ca-cert", metavar="PATH",
                         help="PEM CA bundle to verify the server (implies --tls; default: system roots)")
     parser.add_argument("--tls-server-name", metavar="NAME",
@@ -208,7 +209,8 @@ def _print_rows(rows: list[tuple[str, str]]) -> None:
 
 # -- decode --------------------------------------------------------------------
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("latents", help="latents file: .pt, .safetensors or .npy, [B, z_dim, T, h, w] or [z_dim, T, h, w]")
+    parser.add_argument("latents",
+                        help="latents file: .pt, .safetensors or .npy, [B, z_dim, T, h, w] or [z_dim, T, h, w]")
     parser.add_argument("-o", "--output", required=True,
                         help="output .mp4, .mkv (lossless FFV1), or a folder for PNG frames (no suffix or a "
                              "trailing /); B > 1: one per item, suffix _bN")

@@ -20,7 +20,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -132,7 +133,7 @@ class VaeClient:
         for channel in self._channels:
             channel.close()
 
-    def __enter__(self) -> "VaeClient":
+    def __enter__(self) -> VaeClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -262,7 +263,7 @@ class VaeClient:
             gate.requests(streamed), timeout=progress.remaining(), metadata=self._metadata)
         return self._resumed_chunks(gate, spec, streamed, progress)
 
-    def _resumed_chunks(self, gate: "_RestGate", spec: CallSpec, streamed: StreamedLatents,
+    def _resumed_chunks(self, gate: _RestGate, spec: CallSpec, streamed: StreamedLatents,
                         progress: Progress) -> Iterator[DecodedChunk]:
         while True:
             try:
@@ -285,7 +286,7 @@ class VaeClient:
         request_id: str | None = None,
         max_pending: int = 8,
         report: CallReport | None = None,
-    ) -> "DecodeSession":
+    ) -> DecodeSession:
         """Open a DecodeStream session: push latent chunks, iterate frames. The session keeps
         its pushed latents to replay them if its server fails (`ResumePolicy.max_replay_bytes`)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
@@ -485,7 +486,7 @@ class DecodeSession(SessionView):
             assembly.add(reply)
         return self._state.finish_collect(assembly)
 
-    def __enter__(self) -> "DecodeSession":
+    def __enter__(self) -> DecodeSession:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:

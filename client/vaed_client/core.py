@@ -60,7 +60,7 @@ class ModelInfo:
     encode_dtypes: list[str] = field(default_factory=list)      # its Encode compute dtypes
 
     @classmethod
-    def from_proto(cls, message: Any) -> "ModelInfo":
+    def from_proto(cls, message: Any) -> ModelInfo:
         return cls(
             model=message.model,
             z_dim=message.z_dim,
@@ -104,7 +104,7 @@ def format_name(fmt: Any) -> str:
     return name
 
 
-def raw_dtype_value(dtype: Any) -> int:
+def raw_dtype_value(dtype: Any) -> pb.DataType:
     """'bfloat16' / torch.bfloat16 / np.float32 / a DataType value -> DataType value."""
     try:
         return wire.wire_dtype(dtype)
@@ -309,7 +309,7 @@ END = object()  # end-of-replies marker in a session's reply queue
 class SessionView:
     """What both session front-ends expose from their `SessionState`."""
 
-    _state: "SessionState"
+    _state: SessionState
 
     @property
     def request_id(self) -> str:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,10 +68,13 @@ from .core import ModelInfo
 
 log = logging.getLogger(__name__)
 
-try:  # what diffusers' from_pretrained requires of a passed-in VAE (see the module doc)
+if TYPE_CHECKING:  # the type checker sees the diffusers base (installed with the server)
     from diffusers.models.modeling_utils import ModelMixin as _ModuleBase
-except ImportError:  # diffusers is optional: outside its pipelines a plain module does
-    _ModuleBase = torch.nn.Module
+else:
+    try:  # what diffusers' from_pretrained requires of a passed-in VAE (see the module doc)
+        from diffusers.models.modeling_utils import ModelMixin as _ModuleBase
+    except ImportError:  # diffusers is optional: outside its pipelines a plain module does
+        _ModuleBase = torch.nn.Module
 
 
 class _AttrDict(dict):
@@ -133,7 +136,7 @@ def config_from_info(info: ModelInfo) -> dict[str, Any]:
     }
 
 
-class RemoteAutoencoderKLWan(_ModuleBase):  # type: ignore[misc, valid-type]
+class RemoteAutoencoderKLWan(_ModuleBase):
     """Drop-in for `AutoencoderKLWan` in diffusers Wan pipelines, decoding on a vaed server.
 
     `target` and `client_options` (timeout, tls, token, tls_server_name,

@@ -9,7 +9,7 @@ torch dtype is asked for, so numpy-only installs never pay for it.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -26,9 +26,13 @@ DTYPE_NAMES: dict[int, str] = {
     vaed_pb2.BFLOAT16: "bfloat16",
     vaed_pb2.FLOAT32: "float32",
 }
-WIRE_DTYPE_BY_NAME: dict[str, int] = {name: value for value, name in DTYPE_NAMES.items()}
+WIRE_DTYPE_BY_NAME: dict[str, vaed_pb2.DataType] = {
+    name: cast(vaed_pb2.DataType, value) for value, name in DTYPE_NAMES.items()  # plain ints at run time
+}
 # Common spellings people pass (torch/diffusers style); resolved to the names above.
-_ALIASES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+}
 
 # DataType -> numpy storage dtype, little-endian (bf16 stored as its uint16 bits).
 NUMPY_STORAGE: dict[int, np.dtype] = {
@@ -64,14 +68,14 @@ def torch_dtype(wire: int) -> Any:
     return getattr(torch, DTYPE_NAMES[wire])
 
 
-def wire_dtype(dtype: Any) -> int:
+def wire_dtype(dtype: Any) -> vaed_pb2.DataType:
     """torch dtype, numpy dtype/type, name ('bfloat16', 'bf16', 'torch.float16')
     or a DataType value -> DataType value. TensorFormatError otherwise."""
     if isinstance(dtype, bool):
         raise TensorFormatError(f"unsupported dtype {dtype!r}; use one of {_supported()}")
     if isinstance(dtype, int):
         itemsize(dtype)
-        return dtype
+        return cast(vaed_pb2.DataType, dtype)  # a checked wire value (protobuf enums are ints at run time)
     name = str(dtype).lower().removeprefix("torch.")
     name = _ALIASES.get(name, name)
     if name not in WIRE_DTYPE_BY_NAME:

@@ -35,7 +35,9 @@ MPEG4_BITS_PER_PIXEL = 0.25
 # PNG level 1 writes ~3x faster than the default 6 for ~15 % larger files;
 # these are intermediate frames, speed matters more.
 PNG_COMPRESS_LEVEL = 1
-SUPPORTED_OUTPUTS = ".mp4 (H.264; lossless with --lossless), .mkv (FFV1, lossless), or a folder of PNG frames (no suffix)"
+SUPPORTED_OUTPUTS = (
+    ".mp4 (H.264; lossless with --lossless), .mkv (FFV1, lossless), or a folder of PNG frames (no suffix)"
+)
 
 
 class ExportError(ValueError):
@@ -70,7 +72,9 @@ def to_uint8_video(frames: Any) -> np.ndarray:
     if array.ndim == 5:
         raise ExportError(f"frames hold {array.shape[0]} videos; pass one (e.g. frames[0])")
     if array.ndim != 4 or array.shape[-1] != 3:
-        raise ExportError(f"expected frames [T, H, W, 3] (or diffusers' [T, 3, H, W] tensor), got shape {list(array.shape)}")
+        raise ExportError(
+            f"expected frames [T, H, W, 3] (or diffusers' [T, 3, H, W] tensor), got shape {list(array.shape)}"
+        )
     if array.dtype == np.uint8:
         return np.ascontiguousarray(array)
     if not np.issubdtype(array.dtype, np.floating):
@@ -129,7 +133,9 @@ class AvWriter:
 
     def _open(self, batch: int, height: int, width: int) -> None:
         import av
+        from av.video.stream import VideoStream
 
+        options: dict[str, object]  # the codec's private options (PyAV's Stream.options)
         if self.mkv:
             codec, pix_fmt, options = "ffv1", "bgr0", {}
         elif self.lossless:
@@ -152,6 +158,7 @@ class AvWriter:
         for path in self._paths:
             container = av.open(str(path), mode="w")
             stream = container.add_stream(codec, rate=self.fps)
+            assert isinstance(stream, VideoStream)  # every codec above is a video codec
             stream.width, stream.height, stream.pix_fmt = crop_w, crop_h, pix_fmt
             if options:
                 stream.options = options
@@ -174,7 +181,7 @@ class AvWriter:
 
         assert self._crop is not None
         h, w = self._crop
-        for b, (container, stream) in enumerate(zip(self._containers, self._streams)):
+        for b, (container, stream) in enumerate(zip(self._containers, self._streams, strict=True)):
             for t in range(frames.shape[1]):
                 image = np.ascontiguousarray(frames[b, t, :h, :w])
                 for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
@@ -182,8 +189,9 @@ class AvWriter:
 
     def close(self) -> list[pathlib.Path]:
         if self._pending:
-            log.warning("%d chunks never became contiguous; frames from %d on are missing", len(self._pending), self._next)
-        for container, stream in zip(self._containers, self._streams):
+            log.warning("%d chunks never became contiguous; frames from %d on are missing",
+                        len(self._pending), self._next)
+        for container, stream in zip(self._containers, self._streams, strict=True):  # appended in pairs
             for packet in stream.encode():  # flush
                 container.mux(packet)
             container.close()

@@ -245,6 +245,7 @@ class Progress:
         if self.deadline is not None and time.monotonic() + delay >= self.deadline:
             raise error
         self.report.resumes += 1
+        assert code is not None  # RETRYABLE holds status codes only
         reason = f"{code.name}: {error.details}"
         self.report.reasons.append(reason)
         self.report.targets.append(self.targets.names[self.target])

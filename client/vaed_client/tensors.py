@@ -27,7 +27,6 @@ from .dtypes import (  # noqa: F401  (re-exported: the old public names of this 
     wire_dtype,
 )
 
-
 __all__ = [
     "DTYPE_NAMES", "NUMPY_STORAGE", "WIRE_DTYPE_BY_NAME", "TensorFormatError", "dtype_name", "is_torch", "itemsize",
     "torch_dtype", "wire_dtype", "validate", "to_message", "to_numpy", "to_torch", "storage_view",

@@ -9,8 +9,9 @@ messages may be split, and order does not matter.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -203,4 +204,6 @@ def assemble(chunks: Iterable[DecodedChunk]) -> Any:
     return np.concatenate(frames, axis=axis)
 
 
-__all__ = ["RGB8", "RAW", "TIME_AXIS", "output_frames", "DecodedChunk", "has_frames", "to_chunk", "VideoAssembler", "assemble"]
+__all__ = [
+    "RGB8", "RAW", "TIME_AXIS", "output_frames", "DecodedChunk", "has_frames", "to_chunk", "VideoAssembler", "assemble",
+]

@@ -66,7 +66,9 @@ def encoded_latent_frames(frames: int, temporal: int = DEFAULT_TEMPORAL_FACTOR) 
     if temporal < 1:
         raise ValueError(f"temporal factor must be >= 1, got {temporal}")
     if frames < 1 or (frames - 1) % temporal:
-        raise ValueError(f"the encoder takes 1 + {temporal}k frames (1, {1 + temporal}, {1 + 2 * temporal}, ...), got {frames}")
+        raise ValueError(
+            f"the encoder takes 1 + {temporal}k frames (1, {1 + temporal}, {1 + 2 * temporal}, ...), got {frames}"
+        )
     return 1 + (frames - 1) // temporal
 
 
