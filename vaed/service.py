@@ -104,7 +104,9 @@ def requested_encode(options: Any) -> RequestedEncode:
             return None
         name = wire.DTYPE_NAMES.get(value)
         if name not in DTYPES:
-            raise InvalidInput(f"{what} {wire.dtype_name(value)} is not a latent type; use FLOAT16, BFLOAT16 or FLOAT32")
+            raise InvalidInput(
+                f"{what} {wire.dtype_name(value)} is not a latent type; use FLOAT16, BFLOAT16 or FLOAT32"
+            )
         return DTYPES[name]
 
     if options.precision == pb.PRECISION_UNSPECIFIED:

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
+from .encode_session import check_finite_frames
 from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, warm_up
 from .engine_protocol import EncodedGroup, Engine, EngineFactory, rgb8_to_video
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
-from .encode_session import check_finite_frames
 from .metrics import DeviceLoad
 from .session import HostGroup, Placement, Session, check_finite
 

@@ -266,7 +266,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """C-order bytes of a CPU tensor, as `torch.frombuffer(...).reshape(shape)` reads them back:
     a view of its memory, not a copy (a 720p video's RGB8 frames are 224 MB)."""
     # through uint8: numpy has no bfloat16
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: a memoryview of it
 
 
 def unit_video(raw: torch.Tensor) -> torch.Tensor:
