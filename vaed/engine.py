@@ -118,7 +118,8 @@ class DecodeEngine(Engine):
             self.encoders[self.dtype] = (self.vae, self.fast_paths)
             for dt, copy in loaded.encoder_copies.items():
                 self.encoders[dt] = (copy, patches.prepare_decoder(
-                    copy, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops), tiers=(Precision.LOSSLESS,)))
+                    copy, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
+                    tiers=(Precision.LOSSLESS,)))
         default = encode_dtype if encode_dtype in self.encoders else self.dtype
         self._encode_dtypes = tuple(sorted(self.encoders, key=lambda d: d != default))
         # Captured decoder calls (vaed.graphs): CUDA only; the sharded path never uses them.

@@ -10,9 +10,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
-import dataclasses
 import threading
 import urllib.parse
 from dataclasses import dataclass
