@@ -62,3 +62,24 @@ def test_encode_480p_bit_identical_to_stock(engine_and_stock: tuple[DecodeEngine
         want = stock.encode(P.to_decoder_layout(x, engine.fast_paths.layout)).latent_dist.parameters
     moments, _ = engine.encode_video(x, EncodeSpec())
     assert torch.equal(moments, want)
+
+
+@pytest.mark.parametrize("model", ["random:wan2.1-tiny", "random:wan2.2-tiny", "random:wan2.1"])
+def test_served_encode_bit_identical_to_stock_same_layout(model: str) -> None:
+    """Through a real server (bf16, fused kernels, channels_last_3d) and the client: the moments
+    equal stock's with the server's layout, one-shot and as an image plus trailing zeros."""
+    from harness import make_config, serve_in_thread
+    from vaed_client import VaeClient
+
+    config = make_config(model, device="cuda:0", dtype="bfloat16", encode=True)
+    with serve_in_thread(config) as running, VaeClient(running.target) as client:
+        engine = running.server.pool.engine
+        stock = build_random_vae(model.removeprefix("random:")).to("cuda:0", torch.bfloat16).eval()
+        P.prepare_decoder(stock, kernels="off", layout=engine.fast_paths.layout)
+        h, w = (64, 96) if model.endswith("tiny") else (480, 832)
+        x = (torch.rand(1, 3, 9, h, w, generator=torch.Generator().manual_seed(2)) * 2 - 1).to(torch.bfloat16)
+        i2v = torch.cat([x[:, :, :1], torch.zeros(1, 3, 8, h, w, dtype=torch.bfloat16)], 2)
+        for frames in (x, i2v):
+            with torch.no_grad():
+                want = stock.encode(P.to_decoder_layout(frames.cuda(), engine.fast_paths.layout)).latent_dist.parameters
+            assert torch.equal(client.encode(frames), want.cpu())
