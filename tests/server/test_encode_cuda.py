@@ -69,6 +69,7 @@ def test_served_encode_bit_identical_to_stock_same_layout(model: str) -> None:
     """Through a real server (bf16, fused kernels, channels_last_3d) and the client: the moments
     equal stock's with the server's layout, one-shot and as an image plus trailing zeros."""
     from harness import make_config, serve_in_thread
+
     from vaed_client import VaeClient
 
     config = make_config(model, device="cuda:0", dtype="bfloat16", encode=True)
