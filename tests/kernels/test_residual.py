@@ -42,7 +42,10 @@ def test_bias_residual_add_exact_and_no_less_accurate(backend: Backend, dtype, c
         torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
     stock = P.REFERENCE_OPS.residual_add(x, hh, bias)
     assert got.stride() == stock.stride() == (x + hh).stride()
-    torch.testing.assert_close(P.FAST_OPS.residual_add(x, hh, bias).float(), stock.float(), atol=3e-2, rtol=3e-2)
+    # stock rounds x + bias before adding h: up to a bf16 ulp of |x + bias| apart near a
+    # cancellation (0.03125 for |x + bias| in [4, 8), met on the GPU at scale 3), so atol scales
+    fast = P.FAST_OPS.residual_add(x, hh, bias).float()
+    torch.testing.assert_close(fast, stock.float(), atol=3e-2 * scale, rtol=3e-2)
     if backend.exact(dtype, bf16_cast=True):
         truth = x.double() + hh.double() + (0 if bias is None else bias.double().view(1, -1, 1, 1, 1))
         assert (got.double() - truth).abs().mean() <= (stock.double() - truth).abs().mean() * 1.0001
