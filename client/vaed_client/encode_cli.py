@@ -67,7 +67,7 @@ def add_encode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", type=pathlib.Path, required=True, help=".safetensors or .npy")
     parser.add_argument("--output-type", choices=OUTPUT_TYPES, default="moments",
                         help="moments (mean, log-variance) or the normalised latents (default moments)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output (default: refuse)")
     add_connection_arguments(parser, None)
 
 

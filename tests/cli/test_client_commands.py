@@ -229,7 +229,7 @@ def test_help_shows_every_default() -> None:
     parser = dc.build_parser()
     assert "localhost:50051" in parser.format_help() and "COMMAND --help" in parser.format_help()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"decode", "info", "health"}
+    assert set(sub.choices) == {"decode", "encode", "info", "health"}
     for name, command in sub.choices.items():
         for action in command._actions:
             if not action.option_strings or action.help == argparse.SUPPRESS or action.required:
