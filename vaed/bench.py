@@ -186,6 +186,17 @@ def fp32_reference(spec: str, z: torch.Tensor, device: torch.device) -> torch.Te
     return out
 
 
+def _bit_identity(refs: dict[str, torch.Tensor], variant: str, ref_key: str, out: torch.Tensor) -> str:
+    """"ref" for the reference variant (kept in `refs` for the others), else "yes"/"no" by
+    torch.equal against it, "n/a" when the reference was not run."""
+    if variant == ref_key:
+        refs[variant] = out
+        return "ref"
+    if ref_key in refs:
+        return "yes" if torch.equal(refs[ref_key], out) else "no"
+    return "n/a"
+
+
 def _time(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, float, torch.Tensor]:
     best = float("inf")
     out = None
@@ -248,13 +259,7 @@ def run_encode_case(case: Case, args: argparse.Namespace, variants: tuple[str, .
             secs, peak, out = _time(functools.partial(fn, xi), args.reps, device)
         out_cpu = out.cpu()
         del out
-        if variant == ref_key:
-            refs[variant] = out_cpu
-            ident = "ref"
-        elif ref_key in refs:
-            ident = "yes" if torch.equal(refs[ref_key], out_cpu) else "no"
-        else:
-            ident = "n/a"
+        ident = _bit_identity(refs, variant, ref_key, out_cpu)
         if variant == "stock":
             base = secs
         speed = (base / secs) if base else float("nan")
@@ -301,13 +306,7 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             secs, peak, out = _time(functools.partial(fn, vae, zi), args.reps, device)
         out_cpu = out.cpu()
         del out
-        if variant == ref_key:
-            refs[variant] = out_cpu
-            ident = "ref"
-        elif ref_key in refs:
-            ident = "yes" if torch.equal(refs[ref_key], out_cpu) else "no"
-        else:
-            ident = "n/a"
+        ident = _bit_identity(refs, variant, ref_key, out_cpu)
         if variant == "stock":
             base = secs
         speed = (base / secs) if base else float("nan")
