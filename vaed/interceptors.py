@@ -140,10 +140,6 @@ class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
         self._on_refused = on_refused
         self._refusals = refusals if refusals is not None else Refusals()
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],

@@ -420,10 +420,6 @@ class Session:
         if self._groups_sent >= self._frames_in:
             self._delivered.set()
 
-    @property
-    def latent_frames_received(self) -> int:
-        return self._frames_in
-
     def close(self) -> None:
         """The call left (done, failed or cancelled): nothing more is delivered; the cache is
         released now, or when the running step ends."""

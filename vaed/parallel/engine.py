@@ -87,9 +87,8 @@ class StepHeader:
     raw_dtype: int = 0  # index into _RAW_DTYPES
     axis: int = 0  # index into _AXES
     precision: int = 0  # index into _PRECISIONS
-    reserved: int = 0
 
-    LEN: ClassVar[int] = 12
+    LEN: ClassVar[int] = 11  # its fields (asserted below the class)
 
     def tensor(self) -> torch.Tensor:
         return torch.tensor(dataclasses.astuple(self), dtype=torch.int64)
@@ -101,6 +100,9 @@ class StepHeader:
     def output(self) -> OutputSpec:
         """The frame's output spec on a follower (its latents arrive denormalized)."""
         return OutputSpec(bool(self.rgb8), _RAW_DTYPES[self.raw_dtype], True, _PRECISIONS[self.precision])
+
+
+assert StepHeader.LEN == len(dataclasses.fields(StepHeader)), "StepHeader.LEN must count its fields"
 
 
 @dataclass
