@@ -156,14 +156,22 @@ def _post(running: RunningServer, params: dict[str, Any], data: Any, **headers: 
 
 
 def raw_request(port: int, head: str, body: bytes = b"") -> tuple[int, dict[str, Any]]:
-    """Send a request head (and `body`), read the answer to the server's close: (status, JSON body)."""
+    """Send a request head (and `body`); read the answer's head and its Content-Length bytes:
+    (status, JSON body). Not to the server's close: a refused request's unread body makes
+    aiohttp linger up to 10 s before closing (so its answer is not lost to a TCP reset)."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(head.encode() + b"\r\n" + body)
         data = b""
-        while chunk := s.recv(65536):
+        while b"\r\n\r\n" not in data and (chunk := s.recv(65536)):
             data += chunk
-    status = int(data.split(b" ", 2)[1])
-    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"null")
+        answer_head, _, rest = data.partition(b"\r\n\r\n")
+        lengths = [int(line.split(b":", 1)[1]) for line in answer_head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")]
+        want = lengths[0] if lengths else None
+        while (want is None or len(rest) < want) and (chunk := s.recv(65536)):
+            rest += chunk
+    status = int(answer_head.split(b" ", 2)[1])
+    return status, json.loads(rest or b"null")
 
 
 def _assert_json_error(response: requests.Response, status: int, pattern: str) -> None:
