@@ -28,7 +28,7 @@ import torch
 from vaed_client import wire
 
 from .errors import InvalidInput
-from .session import _EXPONENT_BITS, Session
+from .session import Session, has_non_finite
 
 VIDEO_DTYPES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32)
 
@@ -101,8 +101,7 @@ class EncodeLimits:
 def check_finite_frames(frames: torch.Tensor, first_frame: int) -> None:
     """Raise InvalidInput if one encoder call's float frames (CPU, before the call) hold NaN or
     Inf; checked on the exponent bits as `session.check_finite` checks latents."""
-    as_int, mask = _EXPONENT_BITS[frames.dtype]
-    if bool(((frames.view(as_int) & mask) == mask).any()):
+    if has_non_finite(frames):
         last = first_frame + frames.shape[2] - 1
         raise InvalidInput(
             f"frames {first_frame}-{last} hold NaN or Inf values; send finite frames "

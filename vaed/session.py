@@ -151,6 +151,12 @@ _EXPONENT_BITS = {
 }
 
 
+def has_non_finite(values: torch.Tensor) -> bool:
+    """Whether a CPU float tensor holds NaN or Inf: a value whose exponent bits are all ones."""
+    as_int, mask = _EXPONENT_BITS[values.dtype]
+    return bool(((values.view(as_int) & mask) == mask).any())
+
+
 def check_finite(latent_frame: torch.Tensor, index: int) -> None:
     """Raise InvalidInput if a CPU latent frame holds NaN or Inf.
 
@@ -159,8 +165,7 @@ def check_finite(latent_frame: torch.Tensor, index: int) -> None:
     off the event loop and off the first frame's path. `torch.isfinite` on
     bf16 CPU tensors took 40x longer. Frames before the first bad one are
     decoded and sent before the status."""
-    as_int, mask = _EXPONENT_BITS[latent_frame.dtype]
-    if bool(((latent_frame.view(as_int) & mask) == mask).any()):
+    if has_non_finite(latent_frame):
         raise InvalidInput(
             f"latent frame {index} holds NaN or Inf values; send finite latents "
             "(or set allow_non_finite to decode them as they are)"
