@@ -3,14 +3,14 @@
 # vaed GPU image: the gRPC VAE decode server on a pinned CUDA PyTorch base.
 #
 #   docker build -t vaed:0.1.0 .
-#   docker run --gpus 1 -p 50051:50051 -p 9090:9090 \
+#   docker run --gpus 1 -p 50051:50051 -p 9090:9090 -p 8000:8000 \
 #       -v /srv/models:/models:ro vaed:0.1.0
 #
 # A CPU image for kind, minikube and laptops (target "cpu": CPU torch on a slim
 # Python base, no CUDA layers; serves random:wan2.1-tiny unless told otherwise):
 #
 #   docker build --target cpu -t vaed:dev-cpu .
-#   docker run -p 50051:50051 vaed:dev-cpu
+#   docker run -p 50051:50051 -p 8000:8000 vaed:dev-cpu
 #
 # Stages: "wheel" builds the vaed wheel from source; "cpu" and "runtime" (the
 # default target, last) each install the dependencies (cached while
@@ -83,7 +83,8 @@ COPY scripts/fetch_weights.py /opt/vaed/fetch_weights.py
 USER 10001:10001
 WORKDIR /cache
 
-EXPOSE 50051 9090
+# gRPC, Prometheus metrics, the HTTP front (remote_decode, /health)
+EXPOSE 50051 9090 8000
 
 # Nothing to compile or warm up on the CPU: SERVING within seconds.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=60s --retries=3 \
@@ -93,7 +94,7 @@ ENTRYPOINT ["vaed"]
 # The tiny random model needs no weights; mount a folder at /models and pass
 # --model /models/... for a real one (slow on a CPU).
 CMD ["serve", "--device", "cpu", "--host", "0.0.0.0", "--port", "50051", \
-     "--metrics-port", "9090", "--model", "random:wan2.1-tiny", "--warmup-shapes", "none", \
+     "--metrics-port", "9090", "--http-port", "8000", "--model", "random:wan2.1-tiny", "--warmup-shapes", "none", \
      "--grace", "30"]
 
 # ---------------------------------------------------------------- runtime
@@ -156,7 +157,8 @@ COPY scripts/fetch_weights.py /opt/vaed/fetch_weights.py
 USER 10001:10001
 WORKDIR /cache
 
-EXPOSE 50051 9090
+# gRPC, Prometheus metrics, the HTTP front (remote_decode, /health)
+EXPOSE 50051 9090 8000
 
 # Kubernetes ignores HEALTHCHECK and uses its native gRPC probes instead
 # (k8s/); this one serves plain `docker run`. start-period covers weight load,
@@ -174,5 +176,5 @@ ENTRYPOINT ["vaed"]
 # Kubernetes sets its own --grace (k8s/base) and the keepalive/connection-age
 # flags; the server's defaults for those suit a single container.
 CMD ["serve", "--gpu", "0", "--host", "0.0.0.0", "--port", "50051", \
-     "--metrics-port", "9090", "--model", "/models/Wan2.1-T2V-1.3B-Diffusers", \
+     "--metrics-port", "9090", "--http-port", "8000", "--model", "/models/Wan2.1-T2V-1.3B-Diffusers", \
      "--grace", "30"]

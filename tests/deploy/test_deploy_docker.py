@@ -126,7 +126,7 @@ def test_cpu_target_runs_the_tiny_model_like_the_gpu_image_runs_vaed() -> None:
     cmd = json.loads(last("CMD"))
     args = _serve_parser().parse_args(cmd[1:])
     assert cmd[0] == "serve" and args.device == "cpu" and args.model == "random:wan2.1-tiny"
-    assert args.port == 50051 and args.metrics_port == 9090
+    assert args.port == 50051 and args.metrics_port == 9090 and args.http_port == 8000
     assert json.loads(last("HEALTHCHECK").partition("CMD")[2])[:2] == ["vaed", "health"]
     env = {}
     for word, rest in cpu:
@@ -196,10 +196,10 @@ def test_json_entrypoint_and_cmd_run_vaed_serve() -> None:
     assert cmd[0] == "serve"
     args = _serve_parser().parse_args(cmd[1:])
     assert str(args.gpu) == "0"  # --gpu takes a device list: "0", "0,1", "all"
-    assert args.port == 50051 and args.metrics_port == 9090
+    assert args.port == 50051 and args.metrics_port == 9090 and args.http_port == 8000
     assert args.grace == 30
     exposed = {int(p) for w, r in instructions() if w == "EXPOSE" for p in r.split()}
-    assert {args.port, args.metrics_port} <= exposed
+    assert {args.port, args.metrics_port, args.http_port} <= exposed
 
 
 def test_healthcheck_uses_vaed_health() -> None:

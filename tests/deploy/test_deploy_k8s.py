@@ -256,6 +256,7 @@ def test_metrics_port_exposed(overlay: str, name: str) -> None:
     args = serve_args(dep)
     assert ports["grpc"] == args.port == 50051
     assert ports["metrics"] == args.metrics_port == 9090
+    assert ports["http"] == args.http_port == 8000  # the HTTP front: remote_decode, curl, /health
     ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/port"] == str(args.metrics_port)
 
@@ -325,6 +326,11 @@ def test_services(overlay: str) -> None:
             assert grpc_port["port"] == 50051
             assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
             assert grpc_port["targetPort"] == "grpc"
+        # the HTTP front on the ClusterIP Service (it closes each connection after its answer,
+        # so kube-proxy balances requests); the container's named port is its target
+        (http_port,) = [p for p in cluster[0]["spec"]["ports"] if p["name"] == "http"]
+        assert http_port["port"] == serve_args(dep).http_port and http_port["targetPort"] == "http"
+        assert {p["name"] for p in container(dep)["ports"]} >= {"http"}
     assert len(services) == 2 * len(decoders(objs))
 
 
@@ -359,7 +365,10 @@ def test_network_policy(overlay: str) -> None:
             for p in rule["ports"]:
                 assert p["port"] in port_names
                 allowed_ports.add(p["port"])
-        assert allowed_ports == {"grpc", "metrics"}
+        assert allowed_ports == {"grpc", "metrics", "http"}
+        # the HTTP front is open to exactly the gRPC port's peers (the generation workers)
+        peers_of = {p["port"]: rule["from"] for rule in spec["ingress"] for p in rule["ports"]}
+        assert peers_of["http"] == peers_of["grpc"]
     # Peers are selected by their own labels only: a model label leaking in
     # from the model layers would match no kube-dns, client or Prometheus pod.
     peers = [peer for rule in spec["ingress"] for peer in rule["from"]]
