@@ -324,13 +324,46 @@ def encoding_served(request: pytest.FixtureRequest) -> Iterator[Any]:
         yield running
 
 
+CLIP_DIM = 8  # the tiny image encoder's hidden size: the Wan2.1 I2V transformer's image_dim
+
+
+def _image_conditioned_transformer(z_dim: int, in_channels: int) -> Any:
+    """Wan2.1 I2V's transformer form: cross-attention on image embeddings too (image_dim, and the
+    added k/v projections of the real I2V-14B, whose added_kv_proj_dim is its inner dim)."""
+    torch.manual_seed(0)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels,
+        out_channels=z_dim, text_dim=TEXT_DIM, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=1024, image_dim=CLIP_DIM, added_kv_proj_dim=24,
+    ).eval()
+
+
+def _tiny_image_encoder() -> tuple[Any, Any]:
+    """A random tiny CLIP vision model and its processor (built offline from configs)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(hidden_size=CLIP_DIM, projection_dim=CLIP_DIM, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=32, intermediate_size=16, patch_size=4)
+    return CLIPVisionModelWithProjection(config).eval(), CLIPImageProcessor(crop_size=32, size=32)
+
+
 def _i2v_pipe(vae: Any, expand: bool) -> Any:
+    """Wan2.2 TI2V (expand_timesteps) has no image encoder; Wan2.1 I2V's transformer also attends
+    to the image's CLIP embeddings (diffusers 0.42.1 refuses `image_embeds=` beside the `image` its
+    VAE conditioning needs, so a tiny random CLIP makes them; it is not the VAE under test)."""
     z = vae.config.z_dim
     # Wan2.1 I2V concatenates [latents, 4 mask channels, image latents]; Wan2.2 TI2V blends instead.
     in_channels = z if expand else 2 * z + vae.config.scale_factor_temporal
-    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, image_encoder=None,
-                                   image_processor=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                                   transformer=tiny_transformer(z, in_channels), expand_timesteps=expand)
+    if expand:
+        transformer, image_encoder, image_processor = tiny_transformer(z, in_channels), None, None
+    else:
+        transformer = _image_conditioned_transformer(z, in_channels)
+        image_encoder, image_processor = _tiny_image_encoder()
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, image_encoder=image_encoder,
+                                   image_processor=image_processor,
+                                   scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                   transformer=transformer, expand_timesteps=expand)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -354,7 +387,9 @@ def test_image_to_video_with_served_encode_equals_local_vae(encoding_served: Any
                     width=size, num_frames=FRAMES, num_inference_steps=2, guidance_scale=2.0,
                     generator=torch.Generator("cpu").manual_seed(1), output_type=output_type).frames
 
-    local = run_i2v(_i2v_pipe(encoding_served.reference_vae(), expand))
+    local_pipe = _i2v_pipe(encoding_served.reference_vae(), expand)
+    assert (local_pipe.image_encoder is None) == expand  # Wan2.1 I2V: conditioned on image embeddings
+    local = run_i2v(local_pipe)
     got = run_i2v(_i2v_pipe(remote, expand))
     remote.close()
     if output_type == "pil":
@@ -366,14 +401,15 @@ def test_image_to_video_with_served_encode_equals_local_vae(encoding_served: Any
         assert got.dtype == local.dtype and torch.equal(got, local)
 
 
-@pytest.mark.parametrize("output_type", ["np", "pt", "latent"])
+@pytest.mark.parametrize("output_type", ["np", "pt", "pil", "latent"])
 def test_video_to_video_with_served_encode_equals_local_vae(encoding_served: Any, output_type: str) -> None:
     """WanVideoToVideoPipeline encodes the whole input video (vae.encode, sample_mode argmax)."""
     from diffusers import WanVideoToVideoPipeline
     from PIL import Image
 
     if MODELS[encoding_served.config.model][1]:
-        pytest.skip("WanVideoToVideoPipeline is a Wan2.1 pipeline (no expand_timesteps / 2x2 patches)")
+        # its latent size is height // 2 ** len(vae.temperal_downsample) = 8x: Wan2.1's VAE only
+        pytest.skip("diffusers' WanVideoToVideoPipeline assumes an 8x spatial VAE; Wan2.2's is 16x")
     remote = RemoteAutoencoderKLWan(encoding_served.target)
     size = 6 * remote.config.scale_factor_spatial
     rng = np.random.default_rng(2)
@@ -391,7 +427,10 @@ def test_video_to_video_with_served_encode_equals_local_vae(encoding_served: Any
     local = run_v2v(encoding_served.reference_vae())
     got = run_v2v(remote)
     remote.close()
-    if output_type == "np":
+    if output_type == "pil":
+        assert len(got) == len(local) == 1 and len(local[0]) == FRAMES
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(local[0], got[0]))
+    elif output_type == "np":
         assert np.array_equal(got, local) and local.std() > 0.01
     else:
         assert got.dtype == local.dtype and torch.equal(got, local)

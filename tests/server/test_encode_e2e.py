@@ -185,6 +185,8 @@ def _options(**kw: Any) -> Any:
 BAD = {
     "T = 4": ([_video(1, 4)], "1 + 4k"),
     "T = 2 in two chunks": ([_video(1, 1), _video(1, 1)], "1 + 4k"),
+    "T = 0": ([_video(1, 0)], "empty"),
+    "uint8 T = 0": ([torch.zeros(1, 0, 64, 96, 3, dtype=torch.uint8)], "empty"),
     "4 channels": ([torch.rand(1, 4, 1, 64, 96)], "channels"),
     "uint8 channels": ([torch.zeros(1, 1, 64, 96, 4, dtype=torch.uint8)], "channels"),
     "rank 4": ([torch.rand(3, 1, 64, 96)], "5-D"),
@@ -214,13 +216,15 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(served: tuple[An
     assert code == grpc.StatusCode.OK and len(replies) == 2
 
 
-@pytest.mark.parametrize("case", ["byte count", "unknown dtype", "empty call", "options later", "malformed"])
+@pytest.mark.parametrize("case", ["byte count", "unknown dtype", "no dtype", "empty call", "options later",
+                                  "malformed"])
 def test_bad_messages_are_invalid_argument(served: tuple[Any, Any], stub: Any, case: str) -> None:
     good = _chunk(_video(1, 1))
     chunks = {
         "byte count": [vaed_pb2.VideoChunk(frames=vaed_pb2.Tensor(dtype=vaed_pb2.FLOAT32, shape=[1, 3, 1, 64, 96],
                                                                    data=b"\0" * 100))],
         "unknown dtype": [vaed_pb2.VideoChunk(frames=vaed_pb2.Tensor(dtype=9, shape=[1, 3, 1, 64, 96]))],
+        "no dtype": [vaed_pb2.VideoChunk(frames=vaed_pb2.Tensor(shape=[1, 3, 1, 64, 96], data=b"\0" * 73728))],
         "empty call": [],
         "options later": [good, _chunk(_video(1, 4), _options(request_id="late"))],
     }.get(case)
