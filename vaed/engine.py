@@ -226,6 +226,20 @@ class DecodeEngine(Engine):
         state.cache = None
 
 
+# Frames that reach the encoder's steady call: frame 0 alone (no cache), a 4-frame call on frame
+# 0's cache, then one on the steady two-frame cache (Wan2.1 / Wan2.2: 4 frames per call).
+WARMUP_ENCODE_FRAMES = 9
+
+
+def warm_up_encode(engine: Engine, latent_hw: tuple[int, int], dtype: torch.dtype,
+                   frames: int = WARMUP_ENCODE_FRAMES) -> None:
+    """Encode zero frames of one size (latent_hw times the spatial factor) through the served
+    encode loop in one encode dtype: the encoder's Triton compiles, cuDNN plans and allocator
+    blocks, as `warm_up` does for the decoder."""
+    s = engine.scale_spatial
+    engine.encode_video(torch.zeros(1, 3, frames, latent_hw[0] * s, latent_hw[1] * s), EncodeSpec(dtype=dtype))
+
+
 def warm_up(engine: Engine, latent_hw: tuple[int, int], precision: str, frames: int = WARMUP_LATENT_FRAMES) -> None:
     """Decode zeros at one size up to the steady chunk (Triton compiles, cuDNN plans, allocator
     blocks) through `engine.decode_video` (a sharded engine warms its group too). With CUDA graphs

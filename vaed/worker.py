@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .encode_session import check_finite_frames
-from .engine import WARMUP_LATENT_FRAMES, DecodedGroup, warm_up
+from .engine import WARMUP_ENCODE_FRAMES, WARMUP_LATENT_FRAMES, DecodedGroup, warm_up, warm_up_encode
 from .engine_protocol import EncodedGroup, Engine, EngineFactory, rgb8_to_video
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
@@ -237,9 +237,10 @@ class DeviceWorker:
         return [(h // s, w // s) for h, w in DEFAULT_WARMUP_SHAPES.get(engine.z_dim, ((480, 832),))]
 
     def _warm_up(self, engine: Engine) -> None:
-        """Decode every warm-up shape up to its steady chunk in every offered tier, so the first
-        real request at that shape does not pay cuDNN plan selection, Triton compiles (the fast
-        tier's kernels specialise per shape too) or allocator growth."""
+        """Decode every warm-up shape up to its steady chunk in every offered tier (and, with an
+        encoder, encode it up to its steady call in every encode dtype), so the first real request
+        at that shape does not pay cuDNN plan selection, Triton compiles (the fast tier's kernels
+        specialise per shape too) or allocator growth."""
         frames = WARMUP_LATENT_FRAMES if self.is_cuda else 2
         for h, w in self._warm_shapes(engine):
             started = time.perf_counter()
@@ -251,6 +252,16 @@ class DeviceWorker:
             self.warmup_seconds[name] = time.perf_counter() - started
             log.info("warm-up on %s at %s (%d latent frames) took %.2f s",
                      self.device, name, frames, self.warmup_seconds[name])
+            if engine.encodes:  # the encoder's own compiles and plans, in every encode dtype
+                started = time.perf_counter()
+                for dtype in engine.encode_dtypes:
+                    warm_up_encode(engine, (h, w), dtype)
+                if self.is_cuda:
+                    torch.cuda.synchronize(self.device)
+                self.warmup_seconds[f"{name} encode"] = time.perf_counter() - started
+                log.info("warm-up of the encoder on %s at %s (%d frames, %s) took %.2f s", self.device, name,
+                         WARMUP_ENCODE_FRAMES, ", ".join(str(d).removeprefix("torch.") for d in engine.encode_dtypes),
+                         self.warmup_seconds[f"{name} encode"])
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 

@@ -300,3 +300,35 @@ def test_connection_age_lets_an_existing_client_reach_a_replica_added_later(max_
             assert ("random:wan2.1-tiny?seed=1" in seen) == reaches_new, seen
         finally:
             forwarder.close()
+
+
+def test_warm_up_encodes_too_when_the_server_encodes():
+    """--encode: before SERVING the worker also encodes zeros at the warm-up size up to the
+    encoder's steady call (1 frame, then two 4-frame calls), in every encode dtype, timed."""
+    from harness import serve_in_thread
+
+    calls = []
+
+    def counting(config):
+        def build(device):
+            engine = engine_factory(config)(device)
+            real = engine.encode_call
+
+            def encode_call(state, frames, spec):
+                calls.append((tuple(frames.shape), spec.dtype))
+                return real(state, frames, spec)
+
+            engine.encode_call = encode_call
+            return engine
+        return build
+
+    config = make_config(dtype="bfloat16", encode=True, encode_dtype="float32")
+    with serve_in_thread(config, build_engine=counting(config)) as running:
+        steady = [(1, 3, 1, 64, 64), (1, 3, 4, 64, 64), (1, 3, 4, 64, 64)]  # CPU warm-up: 8x8 latents
+        assert calls == [(s, torch.float32) for s in steady] + [(s, torch.bfloat16) for s in steady]
+        (worker,) = running.server.pool.workers
+        assert set(worker.warmup_seconds) == {"64x64", "64x64 encode"}
+    calls.clear()
+    config = make_config()
+    with serve_in_thread(config, build_engine=counting(config)) as running:
+        assert calls == [] and set(running.server.pool.workers[0].warmup_seconds) == {"64x64"}
