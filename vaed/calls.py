@@ -60,12 +60,13 @@ from vaed_client.wire import MAX_REQUEST_ID_CHARS, frame_slices
 
 from .choices import Parallel, Precision
 from .config import ServerConfig
-from .encode_session import EncodeLimits, EncodeSession
+from .encode_session import EncodeSession
 from .engine import OutputSpec
 from .engine_protocol import EncodeSpec
 from .errors import ClientIdle, InvalidInput, NotReady, Status, status_for
+from .limits import Limits
 from .parallel.pool import SessionSlot, WorkerPool
-from .session import CallRecord, HostGroup, Limits, Receive, Session, first_message
+from .session import CallRecord, HostGroup, Receive, Session, first_message
 
 log = logging.getLogger("vaed.service")
 
@@ -431,8 +432,8 @@ class CallCore:
             raise NotReady("no device is serving; see the server log")
         cfg = self.config
         return Limits(
-            z_dim=engine.z_dim, scale_spatial=engine.scale_spatial, max_batch=cfg.max_batch,
-            max_latent_frames=cfg.max_latent_frames, max_pixels=cfg.max_pixels,
+            z_dim=engine.z_dim, scale_spatial=engine.scale_spatial, scale_temporal=engine.scale_temporal,
+            max_batch=cfg.max_batch, max_latent_frames=cfg.max_latent_frames, max_pixels=cfg.max_pixels,
         )
 
     def output_spec(self, requested: RequestedOutput) -> OutputSpec:
@@ -560,7 +561,7 @@ class CallCore:
             self._accept(session, first.latents)
             del first, raw
             worker = self.pool.attach(session, slot)
-            reader = asyncio.create_task(self._read_rest(input, session))
+            reader = asyncio.create_task(self._read_rest(input, session, lambda chunk: chunk.latents))
             try:
                 async for item in self._output(session, requested.skip_frames):
                     yield item
@@ -586,10 +587,11 @@ class CallCore:
             session.fail(exc)
             raise exc
 
-    async def _read_rest(self, input: CallInput[Any], session: Session) -> None:
-        """Feed the session's later chunks, reading the next one only while its backlog has
-        room (the front's flow control then holds the client); a bad chunk fails the session."""
-        method = "Encode" if session.encodes else "DecodeStream"
+    async def _read_rest(self, input: CallInput[Any], session: Session, tensor: Callable[[Any], LatentsIn]) -> None:
+        """Feed the session's later chunks (`tensor` picks a parsed message's input: latents or
+        frames), reading the next one only while its backlog has room (the front's flow control
+        then holds the client); a bad chunk fails the session."""
+        method = session.record.method
         try:
             while True:
                 await session.wait_for_room()  # a full backlog is the server's wait: not idle
@@ -602,7 +604,7 @@ class CallCore:
                         f"options are only accepted on the first message of a {method}; "
                         f"chunk {session.record.chunks_in} carried options"
                     )
-                self._accept(session, chunk.frames if session.encodes else chunk.latents)
+                self._accept(session, tensor(chunk))
             session.finish_input()
         except asyncio.CancelledError:
             raise
@@ -626,11 +628,8 @@ class CallCore:
             raise InvalidInput(f"encode_dtype {requested.encode_dtype} is not offered by this server; "
                                f"it encodes in {', '.join(str(d) for d in offered)}")
         cfg = self.config
-        limits = EncodeLimits(
-            scale_spatial=engine.scale_spatial, scale_temporal=engine.scale_temporal, max_batch=cfg.max_batch,
-            max_latent_frames=cfg.max_latent_frames, max_pixels=cfg.max_pixels,
-        )
-        limits.check_frames(requested.trailing_zero_frames)
+        limits = self._limits()
+        limits.check_frame_count(requested.trailing_zero_frames)
         spec = EncodeSpec(latents=requested.latents, out_dtype=requested.out_dtype, precision=precision,
                           allow_non_finite=requested.allow_non_finite, dtype=requested.encode_dtype or offered[0])
         return EncodeSession(
@@ -660,7 +659,7 @@ class CallCore:
             self._accept(session, first.frames)
             del first, raw
             worker = self.pool.attach(session, slot)
-            reader = asyncio.create_task(self._read_rest(input, session))
+            reader = asyncio.create_task(self._read_rest(input, session, lambda chunk: chunk.frames))
             try:
                 async for item in self._latent_frames(session):
                     yield item

@@ -20,82 +20,15 @@ view of one zero, so 80 frames of zeros cost no memory until their call runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vaed_client import wire
 
+from .engine_protocol import EncodeState, Engine, rgb8_to_video
 from .errors import InvalidInput
-from .session import Session, has_non_finite
-
-VIDEO_DTYPES = (torch.uint8, torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class EncodeLimits:
-    """What one Encode call may ask; `check_chunk` is its one validator (as `Limits`')."""
-
-    scale_spatial: int
-    scale_temporal: int
-    max_batch: int
-    max_latent_frames: int  # 0 = no limit
-    max_pixels: int         # 0 = no limit
-
-    @property
-    def max_frames(self) -> int:
-        """Frames of the longest video whose latents fit max_latent_frames (0 = no limit)."""
-        return wire.output_frames(self.max_latent_frames, self.scale_temporal) if self.max_latent_frames else 0
-
-    def check_frames(self, total: int) -> None:
-        if self.max_frames and total > self.max_frames:
-            raise InvalidInput(
-                f"{total} frames in this call are over the server limit of {self.max_frames} "
-                f"({self.max_latent_frames} latent frames)"
-            )
-
-    def check_chunk(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        *,
-        frames_before: int = 0,
-        first: tuple[tuple[int, int, int], torch.dtype] | None = None,
-    ) -> None:
-        """Raise InvalidInput unless a frame chunk fits the model, the limits and its call."""
-        if dtype not in VIDEO_DTYPES:
-            raise InvalidInput(f"frames dtype {dtype} is not accepted; send uint8, float16, bfloat16 or float32")
-        if len(shape) != 5:
-            raise InvalidInput(
-                f"frames must be 5-D ([B, 3, T, H, W] float or [B, T, H, W, 3] uint8); got {list(shape)}")
-        if dtype == torch.uint8:
-            b, t, h, w, c = shape
-            layout = "[B, T, H, W, 3] for uint8"
-        else:
-            b, c, t, h, w = shape
-            layout = "[B, 3, T, H, W] for float frames"
-        if c != 3:
-            raise InvalidInput(f"frames have {c} channels; send RGB, {layout}; got {list(shape)}")
-        if b < 1 or t < 1 or h < 1 or w < 1:
-            raise InvalidInput(f"frames shape {list(shape)} is empty: B, T, H and W must be at least 1")
-        if b > self.max_batch:
-            raise InvalidInput(f"batch {b} is over the server limit of {self.max_batch}")
-        s = self.scale_spatial
-        if h % s or w % s:
-            raise InvalidInput(f"frame size {h}x{w} is not a multiple of the model's spatial factor {s}")
-        if self.max_pixels and h * w > self.max_pixels:
-            raise InvalidInput(f"frame {h}x{w} ({h * w} pixels) is over the server limit of {self.max_pixels} pixels")
-        self.check_frames(frames_before + t)
-        if first is not None:
-            (b0, h0, w0), dtype0 = first
-            if (b, h, w) != (b0, h0, w0):
-                raise InvalidInput(
-                    f"chunk has B, H, W = {(b, h, w)} but this call started with {(b0, h0, w0)}; "
-                    "every chunk of a call must share B, H and W"
-                )
-            if dtype != dtype0:
-                raise InvalidInput(f"chunk has dtype {dtype} but this call started with {dtype0}")
+from .session import DeviceGroup, Session, has_non_finite
 
 
 def check_finite_frames(frames: torch.Tensor, first_frame: int) -> None:
@@ -115,9 +48,8 @@ def video_view(frames: torch.Tensor) -> torch.Tensor:
 
 
 class EncodeSession(Session):
-    """One Encode call: `accept` takes frame chunks, the backlog holds encoder calls."""
-
-    encodes = True
+    """One Encode call: `accept` takes frame chunks, the backlog holds encoder calls, a step
+    runs one encoder call."""
 
     def __init__(self, *args: Any, trailing_zero_frames: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -127,7 +59,7 @@ class EncodeSession(Session):
         self._calls_cut = 0
 
     def _call_frames(self) -> int:
-        return 1 if self._calls_cut == 0 else self.limits.scale_temporal  # type: ignore[attr-defined]
+        return 1 if self._calls_cut == 0 else self.limits.scale_temporal
 
     def _cut(self) -> list[torch.Tensor]:
         """Every complete call among the waiting frames (their pieces joined when split)."""
@@ -144,13 +76,15 @@ class EncodeSession(Session):
                     self._waiting[0] = piece[:, :, take:]
                 got += take
             if len({p.dtype for p in parts}) > 1:  # real uint8 frames beside the zeros: one dtype
-                from .engine_protocol import rgb8_to_video
-
                 parts = [rgb8_to_video(p) if p.dtype == torch.uint8 else p for p in parts]
             calls.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
             self._waiting_frames -= need
             self._calls_cut += 1
         return calls
+
+    def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Check a frame chunk against the limits and the call's first chunk (before any copy)."""
+        self.limits.check_frames(shape, dtype, frames_before=self._frames_in, first=self._first)
 
     def accept(self, frames: torch.Tensor) -> None:
         """Queue a CPU chunk that passed `validate`: its complete encoder calls join the backlog."""
@@ -190,7 +124,25 @@ class EncodeSession(Session):
         assert self.record.shape is not None or self._first is None
         total = self.record.shape[2] if self.record.shape is not None else 0
         try:
-            wire.encoded_latent_frames(total, self.limits.scale_temporal)  # type: ignore[attr-defined]
+            wire.encoded_latent_frames(total, self.limits.scale_temporal)
         except ValueError as exc:
             raise InvalidInput(f"{exc} (frames sent plus trailing_zero_frames)") from None
         super().finish_input()
+
+    # -- the step: one encoder call ----------------------------------------------------------
+
+    def engine_state(self, engine: Engine) -> EncodeState:
+        """This call's encoder cache on `engine`, made at its first step."""
+        state: EncodeState = self.decoder_state(engine.new_encode_state)
+        return state
+
+    def run_step(self, engine: Engine, state: Any, frames: torch.Tensor) -> DeviceGroup:
+        """Run one encoder call on one backlog item (that call's frames): uint8 is converted
+        here, on the worker thread, not on the event loop; float frames holding NaN or Inf are
+        refused unless the call allowed them."""
+        video = rgb8_to_video(frames) if frames.dtype == torch.uint8 else frames
+        if not self.output.allow_non_finite and frames.dtype != torch.uint8:
+            check_finite_frames(video, state.frames_in)
+        (encoded,) = engine.encode_frames(state, video, self.output)  # type: ignore[arg-type]  # an EncodeSpec
+        i = encoded.latent_frame
+        return DeviceGroup(chunk_index=i, first_frame=i, frames=encoded.moments, latents=encoded.latents)

@@ -13,9 +13,11 @@ that drive it only ask it to move:
   (`next_group`, `group_sent`), fails it on bad input (`fail`) and closes it
   when it leaves (`close`);
 * the device worker (one thread per device) attaches it (`attach`) and takes
-  steps: `begin_step`, `take_frame`, `decoder_state`, then `end_step` (with
-  the step's failure, if any); a session whose input is all decoded
-  `finish`es; the delivery thread hands its groups over (`deliver_group`).
+  steps: `begin_step`, `take_frame`, `engine_state`, `run_step` (what the
+  step runs on the engine is the session's: a decode here, an encode in
+  `vaed.encode_session`), then `end_step` (with the step's failure, if any);
+  a session whose input is all decoded `finish`es; the delivery thread hands
+  its groups over (`deliver_group`).
 
 Shared fields are guarded by the worker's condition variable (the `lock` of
 the `Placement` given on attach), which the worker also waits on; every
@@ -73,9 +75,9 @@ from typing import Any
 import torch
 
 from .engine import OutputSpec
+from .engine_protocol import Engine
 from .errors import ClientIdle, InvalidInput
-
-LATENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from .limits import Limits
 
 
 class SessionState(enum.Enum):
@@ -84,63 +86,6 @@ class SessionState(enum.Enum):
     ENDED = "ended"            # the end was put on the channel
     FAILED = "failed"          # an error was put on the channel
     CLOSED = "closed"          # the handler left; nothing more is delivered
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one call may ask of the server; `check_chunk` is the one validator."""
-
-    z_dim: int
-    scale_spatial: int
-    max_batch: int
-    max_latent_frames: int   # 0 = no limit
-    max_pixels: int          # 0 = no limit
-
-    def check_chunk(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        *,
-        frames_before: int = 0,
-        first: tuple[tuple[int, int, int], torch.dtype] | None = None,
-    ) -> None:
-        """Raise InvalidInput unless a latent chunk fits the model, the limits and
-        its session (`frames_before` latent frames already accepted; `first` =
-        ((B, h, w), dtype) of the session's first chunk)."""
-        if dtype not in LATENT_DTYPES:
-            raise InvalidInput(f"latents dtype {dtype} is not accepted; send float16, bfloat16 or float32")
-        if len(shape) != 5:
-            raise InvalidInput(f"latents must be 5-D [B, z_dim, T, h, w]; got shape {list(shape)}")
-        b, z, t, h, w = shape
-        if z != self.z_dim:
-            raise InvalidInput(f"latents have z_dim {z} but the served model has z_dim {self.z_dim}")
-        if b < 1 or t < 1 or h < 1 or w < 1:
-            raise InvalidInput(f"latents shape {list(shape)} is empty: B, T, h and w must be at least 1")
-        if b > self.max_batch:
-            raise InvalidInput(f"batch {b} is over the server limit of {self.max_batch}")
-        height, width = h * self.scale_spatial, w * self.scale_spatial
-        if self.max_pixels and height * width > self.max_pixels:
-            raise InvalidInput(
-                f"output frame {height}x{width} ({height * width} pixels) is over "
-                f"the server limit of {self.max_pixels} pixels"
-            )
-        if self.max_latent_frames and frames_before + t > self.max_latent_frames:
-            raise InvalidInput(
-                f"{frames_before + t} latent frames in this call are over the server limit of "
-                f"{self.max_latent_frames}"
-            )
-        if first is not None:
-            (b0, h0, w0), dtype0 = first
-            if (b, h, w) != (b0, h0, w0):
-                raise InvalidInput(
-                    f"chunk has B, h, w = {(b, h, w)} but this session started with {(b0, h0, w0)}; "
-                    "every chunk of a session must share B, z_dim, h and w"
-                )
-            if dtype != dtype0:
-                raise InvalidInput(
-                    f"chunk has dtype {dtype} but this session started with {dtype0}; "
-                    "every chunk of a session must share its dtype"
-                )
 
 
 # Exponent bits of each latent dtype: all ones means Inf or NaN.
@@ -170,6 +115,17 @@ def check_finite(latent_frame: torch.Tensor, index: int) -> None:
             f"latent frame {index} holds NaN or Inf values; send finite latents "
             "(or set allow_non_finite to decode them as they are)"
         )
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """What one step made, still on the device: a decode's frame group, or an encode's latent
+    frame (its moments in `frames`, the normalised latents beside them when asked)."""
+
+    chunk_index: int         # index of the latent frame (= decoder or encoder call) that made it
+    first_frame: int         # index in the whole video of its first frame (an encode's: its latent frame)
+    frames: torch.Tensor
+    latents: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -315,9 +271,9 @@ def _no_cache(cache: Any) -> None:
 
 
 class Session:
-    """One Decode call or DecodeStream session (see the module docstring)."""
-
-    encodes = False  # an Encode call (vaed.encode_session): backlog items are encoder calls' frames
+    """One Decode call or DecodeStream session (see the module docstring). The operation is
+    the session's: `engine_state` and `run_step` say what a step runs on the engine, so the
+    device worker runs every kind of session alike (`vaed.encode_session` overrides both)."""
 
     def __init__(
         self,
@@ -372,7 +328,7 @@ class Session:
 
     def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Check a chunk against the limits and the session's first chunk (before any copy)."""
-        self.limits.check_chunk(shape, dtype, frames_before=self._frames_in, first=self._first)
+        self.limits.check_latents(shape, dtype, frames_before=self._frames_in, first=self._first)
 
     def accept(self, latents: torch.Tensor) -> None:
         """Queue a CPU chunk [B, z, t, h, w] that passed `validate` as t latent frames."""
@@ -494,6 +450,18 @@ class Session:
         if self._cache is None:
             self._cache = new_state()
         return self._cache
+
+    def engine_state(self, engine: Engine) -> Any:
+        """This session's state on `engine` (causal cache and position), made at its first step."""
+        return self.decoder_state(engine.new_state)
+
+    def run_step(self, engine: Engine, state: Any, latent_frame: torch.Tensor) -> DeviceGroup:
+        """Decode one latent frame taken from the backlog (worker thread, inside a step); a
+        frame holding NaN or Inf is refused unless the call allowed them."""
+        if not self.output.allow_non_finite:
+            check_finite(latent_frame, state.next_latent_frame)
+        group = engine.decode_frame(state, latent_frame, self.output)
+        return DeviceGroup(group.chunk_index, group.first_frame, group.frames)
 
     def finish(self) -> None:
         """Every latent frame was decoded after the input ended: deliver the end."""

@@ -1,13 +1,15 @@
 """The device worker: one thread owns every CUDA call for one device.
 
 It round-robins over its sessions one step at a time; a step decodes one
-latent frame (one decoder call, one frame group), so concurrent sessions
-share the GPU fairly and a long video never blocks a short one for long. A
-session is runnable when it has a latent frame and an output credit (see
-`vaed.session`), or when its input ended and only the end is left to deliver.
-The worker writes no field of a session: it asks the session to move
-(`attach`, `begin_step`, `take_frame`, `end_step`, `finish`, `fail`, `close`),
-so a session's life is read in one module.
+latent frame (one decoder call, one frame group) or, for an Encode, runs one
+encoder call (one latent frame), so concurrent sessions share the GPU fairly
+and a long video never blocks a short one for long. A session is runnable
+when it has a backlog item and an output credit (see `vaed.session`), or
+when its input ended and only the end is left to deliver. The worker writes
+no field of a session: it asks the session to move (`attach`, `begin_step`,
+`take_frame`, `end_step`, `finish`, `fail`, `close`), and what a step runs on
+the engine is the session's own (`engine_state`, `run_step`), so the worker
+has one loop for every operation and a session's life is read in one module.
 
 Overlap: each group is copied to pinned host memory on a side stream; a
 delivery thread waits for the copy and puts the group on the session's
@@ -29,17 +31,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .encode_session import check_finite_frames
-from .engine import WARMUP_ENCODE_FRAMES, WARMUP_LATENT_FRAMES, DecodedGroup, warm_up, warm_up_encode
-from .engine_protocol import EncodedGroup, Engine, EngineFactory, rgb8_to_video
+from .engine import WARMUP_ENCODE_FRAMES, WARMUP_LATENT_FRAMES, warm_up, warm_up_encode
+from .engine_protocol import Engine, EngineFactory
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
-from .session import HostGroup, Placement, Session, check_finite
+from .session import DeviceGroup, HostGroup, Placement, Session
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +48,6 @@ CPU_WARMUP_LATENT_HW = (8, 8)
 
 # what `_next_session` returns after an idle wait: the loop passes by the keepalive again
 _IDLE: Any = object()
-
-
-@dataclass(frozen=True)
-class _EncodedAsGroup(DecodedGroup):
-    """An encoder call's output on the decode group's path: `frames` holds the moments (one
-    latent frame, the group's one "frame"), `latents` the normalised latents when asked."""
-
-    latents: torch.Tensor | None = None
-
-
-def _as_group(encoded: EncodedGroup) -> DecodedGroup:
-    i = encoded.latent_frame
-    return _EncodedAsGroup(chunk_index=i, first_frame=i, frames=encoded.moments, latents=encoded.latents)
 
 
 class DeviceFault(RuntimeError):
@@ -284,7 +271,7 @@ class DeviceWorker:
         """Run one step of `session`; whatever goes wrong fails that session, not the worker."""
         failure: BaseException | None = None
         try:
-            self._decode_next(session)
+            self._run_step(session)
         except torch.cuda.OutOfMemoryError:
             log.warning("CUDA out of memory in session %d on %s; freeing its cache", session.id, self.device)
             failure = CapacityExhausted(
@@ -309,30 +296,20 @@ class DeviceWorker:
         if failure is not None and self.is_cuda:
             torch.cuda.empty_cache()
 
-    def _decode_next(self, session: Session) -> None:
-        """Decode the session's next latent frame and hand its group over, or deliver its end."""
+    def _run_step(self, session: Session) -> None:
+        """Run the session's next step on the engine (a decoder call, or an Encode's encoder
+        call: the session knows which) and hand its group over, or deliver its end."""
         assert self.engine is not None
         engine = self.engine
-        frame = session.take_frame()
-        if frame is None:  # input ended and nothing is left: deliver the end
+        item = session.take_frame()
+        if item is None:  # input ended and nothing is left: deliver the end
             session.finish()
             return
         started = time.perf_counter()
-        state = session.decoder_state(engine.new_encode_state if session.encodes else engine.new_state)
+        state = session.engine_state(engine)
         # only frame 0's GPU time is reported (first_gpu_ms): later steps record no event
         started_event = self._timing_event() if state.next_latent_frame == 0 else None
-        if session.encodes:
-            # one backlog item is one encoder call's frames (vaed.encode_session); uint8 is
-            # converted here, on the worker thread, not on the event loop
-            frames = rgb8_to_video(frame) if frame.dtype == torch.uint8 else frame
-            if not session.output.allow_non_finite and frame.dtype != torch.uint8:
-                check_finite_frames(frames, state.frames_in)
-            (encoded,) = engine.encode_frames(state, frames, session.output)  # type: ignore[arg-type]
-            group = _as_group(encoded)
-        else:
-            if not session.output.allow_non_finite:
-                check_finite(frame, state.next_latent_frame)
-            group = engine.decode_frame(state, frame, session.output)
+        group = session.run_step(engine, state, item)
         self._hand_over(session, group, started, started_event)
 
     def _leave_rotation(self, exc: BaseException) -> None:
@@ -355,11 +332,11 @@ class DeviceWorker:
         event.record()
         return event
 
-    def _hand_over(self, session: Session, group: DecodedGroup, started: float,
+    def _hand_over(self, session: Session, group: DeviceGroup, started: float,
                    started_event: torch.cuda.Event | None) -> None:
         """Start the device-to-host copy on the side stream; the delivery thread finishes it."""
         frames = group.frames
-        latents = group.latents if isinstance(group, _EncodedAsGroup) else None
+        latents = group.latents
         host_latents = latents
         if frames.device.type == "cuda":
             assert self._copy_stream is not None

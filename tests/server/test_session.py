@@ -35,7 +35,7 @@ class Recorder:
 
 
 def new_session(loop: asyncio.AbstractEventLoop, credits: int = 4) -> Session:
-    limits = Limits(z_dim=Z, scale_spatial=8, max_batch=2, max_latent_frames=0, max_pixels=0)
+    limits = Limits(z_dim=Z, scale_spatial=8, scale_temporal=4, max_batch=2, max_latent_frames=0, max_pixels=0)
     spec = OutputSpec(rgb8=True, raw_dtype=None, raw_latents=False, precision="lossless")
     return Session(CallRecord("DecodeStream", "t"), spec, limits, loop=loop, credits=credits, max_backlog_frames=8)
 
