@@ -82,9 +82,14 @@ class EncodeSession(Session):
             self._calls_cut += 1
         return calls
 
+    @property
+    def frames_received(self) -> int:
+        """Video frames accepted so far (`_frames_in` counts encoder calls, as backlog items)."""
+        return self.record.shape[2] if self.record.shape is not None else 0
+
     def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Check a frame chunk against the limits and the call's first chunk (before any copy)."""
-        self.limits.check_frames(shape, dtype, frames_before=self._frames_in, first=self._first)
+        self.limits.check_frames(shape, dtype, frames_before=self.frames_received, first=self._first)
 
     def accept(self, frames: torch.Tensor) -> None:
         """Queue a CPU chunk that passed `validate`: its complete encoder calls join the backlog."""
@@ -116,15 +121,14 @@ class EncodeSession(Session):
         """The client's frames ended: append the trailing zeros, refuse a count that is not
         1 + 4k (InvalidInput), then end the input as a decode session does."""
         if self._first is not None and self.trailing_zero_frames:
+            self.limits.check_frame_count(self.frames_received + self.trailing_zero_frames)
             (b, h, w), dtype = self._first
             zero_dtype = torch.float32 if dtype == torch.uint8 else dtype
             zeros = torch.zeros((), dtype=zero_dtype).expand(b, 3, self.trailing_zero_frames, h, w)
             self.trailing_zero_frames = 0
             self._add(zeros)
-        assert self.record.shape is not None or self._first is None
-        total = self.record.shape[2] if self.record.shape is not None else 0
         try:
-            wire.encoded_latent_frames(total, self.limits.scale_temporal)
+            wire.encoded_latent_frames(self.frames_received, self.limits.scale_temporal)
         except ValueError as exc:
             raise InvalidInput(f"{exc} (frames sent plus trailing_zero_frames)") from None
         super().finish_input()

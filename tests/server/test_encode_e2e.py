@@ -195,6 +195,9 @@ BAD = {
     "over max_batch": ([_video(3, 1)], "batch"),
     "over max_latent_frames": ([_video(1, 33)], "limit of 29"),
     "zeros over the limit": ([_video(1, 1)], "limit of 29", _options(trailing_zero_frames=10**6)),
+    # the limit counts every frame of the call, whatever the chunking, its trailing zeros too
+    "over max_latent_frames in chunks": ([_video(1, 1)] + [_video(1, 4, seed=i) for i in range(8)], "limit of 29"),
+    "frames and zeros over the limit": ([_video(1, 25)], "limit of 29", _options(trailing_zero_frames=8)),
     "NaN": ([_video(1, 5).index_fill_(2, torch.tensor([3]), float("nan"))], "NaN"),
     "chunk shape changes": ([_video(1, 1), _video(1, 4, w=48)], "share B, H and W"),
     "chunk dtype changes": ([_video(1, 1), _video(1, 4).to(torch.bfloat16)], "dtype"),
