@@ -195,23 +195,34 @@ class AsyncVaeClient:
         request_id: str | None = None,
         send_zeros: bool = False,
         encode_dtype: Any = None,
+        report: CallReport | None = None,
     ) -> Any:
-        """Latents of `frames`; see `VaeClient.encode`."""
+        """Latents of `frames`; see `VaeClient.encode` (resumed the same way)."""
         video = prepare_video(frames, send_zeros=send_zeros)
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
                                  request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
         assembly = EncodedAssembly(output_type, video.as_torch)
-        call = self._stub.Encode(iter(list(video_chunks(video, options))), timeout=self.timeout,
-                                 metadata=self._metadata)
-        try:
-            async for reply in call:
-                assembly.add(reply)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except BaseException:
-            call.cancel()
-            raise
-        return assembly.result()
+        progress = self._progress(report, options.request_id)
+
+        async def chunks() -> AsyncIterator[Any]:
+            # one message made at a time, as the sync client's generator does: the first goes out
+            # (and the server starts encoding) before the later ones are even serialised
+            for chunk in video_chunks(video, options):
+                yield chunk
+
+        while True:
+            call = self._stub_at(progress.target).Encode(chunks(), timeout=progress.remaining(),
+                                                         metadata=self._metadata)
+            try:
+                async for reply in call:
+                    if (reply := progress.accept_latent(reply)) is not None:
+                        assembly.add(reply)
+                return assembly.result()
+            except grpc.RpcError as e:
+                await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+            except BaseException:
+                call.cancel()
+                raise
 
     async def stream(
         self,

@@ -210,6 +210,7 @@ class VaeClient:
         request_id: str | None = None,
         send_zeros: bool = False,
         encode_dtype: Any = None,
+        report: CallReport | None = None,
     ) -> Any:
         """Encode video frames to latents through the server's causal encoder.
 
@@ -221,21 +222,26 @@ class VaeClient:
         `(mean - latents_mean) / latents_std` as the Wan pipelines compute them, both in
         `out_dtype` (default: the encode's dtype). `encode_dtype` picks the compute dtype among
         ModelInfo.encode_dtypes (default: the first). Frames of zeros at the end are not
-        sent (`trailing_zero_frames`) unless `send_zeros`; see `vaed_client.encoding`."""
+        sent (`trailing_zero_frames`) unless `send_zeros`; see `vaed_client.encoding`. A call
+        whose server fails is resumed like a decode (`vaed_client.resume`); `report` says how."""
         video = prepare_video(frames, send_zeros=send_zeros)
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
                                  request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
         assembly = EncodedAssembly(output_type, video.as_torch)
-        call = self._stub.Encode(video_chunks(video, options), timeout=self.timeout, metadata=self._metadata)
-        try:
-            for reply in call:
-                assembly.add(reply)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except BaseException:
-            call.cancel()
-            raise
-        return assembly.result()
+        progress = self._progress(report, options.request_id)
+        while True:
+            call = self._stub_at(progress.target).Encode(video_chunks(video, options), timeout=progress.remaining(),
+                                                         metadata=self._metadata)
+            try:
+                for reply in call:
+                    if (reply := progress.accept_latent(reply)) is not None:
+                        assembly.add(reply)
+                return assembly.result()
+            except grpc.RpcError as e:
+                time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+            except BaseException:
+                call.cancel()
+                raise
 
     def stream(
         self,

@@ -24,6 +24,15 @@ frame exactly once and the result equals an undisturbed call bit for bit.
 * Exactly once: `Progress.accept` passes on only frames past those delivered
   (a server without skip_frames resends from frame 0; its extra frames are
   dropped here) and refuses a gap.
+* Encode (`VaeClient.encode`, `AsyncVaeClient.encode`) resumes the same way, by
+  latent frame: the encoder is causal and deterministic, so the new attempt
+  sends the caller's frames again and the client drops the latent frames it
+  already delivered (`Progress.accept_latent`). No skip option is sent: the
+  server must run every encoder call again anyway (each latent frame needs
+  the cache of all before it), and what a skip would save is the delivered
+  moments' bytes, 1/24 of the frames' in the same dtype for Wan2.1 (a latent
+  frame's 2 x 16 channels at 1/64 of the pixels against its 4 frames x 3
+  channels; 1/32 for Wan2.2), so nothing new goes on the wire.
 * Sessions keep every pushed latent message for replay until the session
   ends, up to `max_replay_bytes` (256 MiB by default: 81 frames of 480x832
   latents are 4.2 MB in bf16, 8.5 MB in fp32). Past it the held latents are
@@ -212,6 +221,23 @@ class Progress:
             reply = _tail(reply, self.delivered - first, axis)
             count = first + count - self.delivered
         self.delivered += count
+        return reply
+
+    def accept_latent(self, reply: Any) -> Any | None:
+        """An Encode reply -> itself when its latent frame is the next one the application gets,
+        None when an earlier attempt delivered it already (a resumed encode runs the whole
+        video again: see `encode_resume`); the final marker passes as it is."""
+        if self._failed_at is not None:
+            self._recovered()
+        if reply.final:
+            return reply
+        index = int(reply.latent_frame)
+        if index > self.delivered:
+            raise InternalError(f"server skipped latent frames {self.delivered}..{index - 1} "
+                                f"(request {self.request_id})")
+        if index < self.delivered:
+            return None
+        self.delivered += 1
         return reply
 
     def _recovered(self) -> None:

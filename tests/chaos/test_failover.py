@@ -23,6 +23,7 @@ import torch
 from vaed_client import AsyncVaeClient, VaeClient
 from vaed_client import core as client_core
 from vaed_client.resume import CallReport, ResumePolicy
+from vaed_client.encoding import EncodedAssembly
 from vaed_client.video import assemble
 
 from chaos_tools import ChaosProxy, Replica, free_port, random_faults, recovery_split, start_replicas
@@ -175,6 +176,75 @@ def test_kill9_mid_async_decode_and_stream(pair: list[Replica], monkeypatch: pyt
         assert torch.equal(assemble(chunks), want)
     finally:
         fresh.stop()
+
+
+# -- Encode ---------------------------------------------------------------------------------------
+
+ENCODE_FRAMES = 1 + 4 * 11  # 12 latent frames of 64x96 video
+
+
+def video(seed: int = 0) -> torch.Tensor:
+    return torch.rand(1, 3, ENCODE_FRAMES, 64, 96, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+class KillAfterLatents:
+    """kill -9 the replica serving an encode once `count` latent frames reached the client's
+    assembly (mid-call by construction)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, replicas: dict[str, Replica], report: CallReport,
+                 count: int) -> None:
+        self.killed = False
+        add = EncodedAssembly.add
+        seen = [0]
+
+        def counting_add(assembly: Any, reply: Any) -> None:
+            add(assembly, reply)
+            seen[0] += not reply.final
+            if seen[0] == count and not self.killed:
+                replicas[report.targets[0]].kill()
+                self.killed = True
+
+        monkeypatch.setattr(EncodedAssembly, "add", counting_add)
+
+
+@pytest.fixture()
+def encoding_pair() -> Iterator[list[Replica]]:
+    replicas = start_replicas(("--encode",), ("--encode",))
+    yield replicas
+    for replica in replicas:
+        replica.stop()
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def test_kill9_mid_encode_resumes_bit_identical(encoding_pair: list[Replica], monkeypatch: pytest.MonkeyPatch,
+                                                front: str) -> None:
+    """kill -9 of the replica after 4 of 12 latent frames: the encode is opened again on the
+    other replica, which encodes the whole video again (the causal cache needs every frame); the
+    client drops the 4 latent frames it had, and the moments equal an undisturbed encode."""
+    x = video(seed=3)
+    with VaeClient(encoding_pair[1].target) as client:
+        want = client.encode(x)  # undisturbed
+    assert want.shape[2] == 12
+    report = CallReport()
+    killer = KillAfterLatents(monkeypatch, {r.target: r for r in encoding_pair}, report, count=4)
+    targets = [r.target for r in encoding_pair]
+    request_id = f"chaos-encode-{front}"
+    if front == "sync":
+        with VaeClient(targets) as client:
+            got = client.encode(x, report=report, request_id=request_id)
+    else:
+        async def encode() -> torch.Tensor:
+            async with AsyncVaeClient(targets) as client:
+                return await client.encode(x, report=report, request_id=request_id)
+
+        got = asyncio.run(encode())
+    assert killer.killed and report.resumes == 1 and report.targets[0] != report.targets[1]
+    assert torch.equal(got, want)
+    survivor = next(r for r in encoding_pair if r.target == report.targets[1])
+    assert survivor.wait_for_line(f"Encode id={request_id} status=OK")
+    (line,) = [ln for ln in survivor.lines if f"Encode id={request_id} " in ln]
+    assert " groups=12 " in line  # it encoded (and sent) every latent frame; the client dropped 4
+    report_line(f"kill -9 mid-Encode ({front})", report)
 
 
 def test_kill9_while_the_replacement_warms_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -141,3 +141,18 @@ def test_targets_rotate_and_avoid_one_that_just_failed():
     assert [targets.first() for _ in range(4)] == [0, 1, 2, 0]
     assert targets.after_failure(1) == 2
     assert targets.first() == 2  # b (next in turn) failed just now: skipped while others are fresh
+
+
+def test_encode_replies_pass_once_each_by_latent_frame():
+    """A resumed encode gets latent frames 0.. again: those delivered before are dropped, the
+    next one passes, a gap is an error, the final marker always passes."""
+    progress = _progress("a:1", "b:1")
+    latent = [wire.pb.LatentFrameChunk(latent_frame=i) for i in range(4)]
+    assert [progress.accept_latent(r) is r for r in latent[:3]] == [True] * 3
+    progress.retry_delay(UnavailableError(LOST))
+    assert [progress.accept_latent(r) for r in latent[:3]] == [None] * 3
+    assert progress.accept_latent(latent[3]) is latent[3] and progress.delivered == 4
+    end = wire.pb.LatentFrameChunk(latent_frame=4, final=True)
+    assert progress.accept_latent(end) is end
+    with pytest.raises(InternalError, match="skipped latent frames 4..5"):
+        progress.accept_latent(wire.pb.LatentFrameChunk(latent_frame=6))
