@@ -1,5 +1,6 @@
-"""The HTTP front: Hugging Face's remote-VAE protocol (`vaed.http.hf_protocol`) and GET /health,
-as routes of the server's aiohttp app, translated onto the call core (`vaed.calls`).
+"""The HTTP front: Hugging Face's remote-VAE protocol (`vaed.http.hf_protocol`: POST / and /decode
+for `remote_decode`, POST /encode for `remote_encode`) and GET /health, as routes of the server's
+aiohttp app, translated onto the call core (`vaed.calls`: its Decode and Encode).
 
 The front is a translator, as the gRPC servicer is: the core admits the call, opens its session,
 feeds the input, streams the output and logs and counts it once; the front only turns a request
@@ -41,16 +42,30 @@ from typing import Any
 import torch
 from aiohttp import HttpVersion11, hdrs, web
 
-from ..calls import CallCore, CallEnd, CallFailed, CallInput, FramesOut, InputMessage, RequestedOutput
+from ..calls import (
+    CallCore,
+    CallEnd,
+    CallFailed,
+    CallInput,
+    FramesOut,
+    InputMessage,
+    LatentFrameOut,
+    RequestedEncode,
+    RequestedOutput,
+    VideoMessage,
+)
 from ..errors import InvalidInput, NotReady, Status
 from ..video import DEFAULT_FPS, PackagingPool
 from .hf_protocol import (
     Answer,
+    DecodedImage,
     DecodeQuery,
+    EncodeQuery,
     RawLatents,
     check_size,
     error_body,
     image_bytes,
+    parse_encode_query,
     parse_query,
     tensor_bytes,
     tensor_headers,
@@ -60,10 +75,12 @@ from .hf_protocol import (
 log = logging.getLogger(__name__)
 
 DECODE_PATHS = ("/", "/decode")
+ENCODE_PATH = "/encode"
 HEALTH_PATH = "/health"
 REQUEST_ID_HEADER = "X-Request-Id"
-# The method the core logs and counts HTTP decodes under (vaed_requests_total{method="Decode"}).
+# The methods the core logs and counts HTTP calls under (vaed_requests_total{method="Decode"}), as gRPC's.
 METHOD = "Decode"
+ENCODE_METHOD = "Encode"
 
 # On 429 / 503 (a Status's value is its HTTP code): a session slot or a replica is usually free
 # within a decode.
@@ -117,6 +134,7 @@ class HfFront:
     def add_routes(self, app: web.Application) -> None:
         for path in DECODE_PATHS:
             app.router.add_post(path, self.decode, expect_handler=_defer_continue)
+        app.router.add_post(ENCODE_PATH, self.encode, expect_handler=_defer_continue)
         app.router.add_get(HEALTH_PATH, self.health, allow_head=False)
 
     # -- GET /health -----------------------------------------------------------------------
@@ -131,11 +149,27 @@ class HfFront:
 
     # -- POST / and /decode ------------------------------------------------------------------
 
-    def _refuse(self, code: str, status: int, message: str, **headers: str) -> web.Response:
+    def _refuse(self, code: str, status: int, message: str, method: str = METHOD, **headers: str) -> web.Response:
         """A request refused before the core saw it, counted as a refused call (`code`: a gRPC
         status name, as the metrics take it)."""
-        self._on_refused(METHOD, code)
+        self._on_refused(method, code)
         return _json_error(status, message, **headers)
+
+    def _refused_head(self, request: web.Request, method: str) -> web.Response | None:
+        """The checks of a POST's head that need no query: the token, then Content-Length."""
+        if (problem := self._unauthorised(request)) is not None:
+            return self._refuse("UNAUTHENTICATED", 401, problem, method, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+        length = request.content_length
+        what, verb = ("latents'", "decode") if method == METHOD else ("frames'", "encode")
+        if length is None:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 411,
+                                f"Content-Length is required: send the {what} bytes as one body of known size", method)
+        limit = self.core.config.max_message_bytes
+        if length > limit:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 413,
+                                f"the body is {length} bytes and this server takes at most {limit} "
+                                f"(--max-message-bytes); {verb} a long video in parts", method)
+        return None
 
     def _unauthorised(self, request: web.Request) -> str | None:
         """None when the request may go on, else why not."""
@@ -161,17 +195,10 @@ class HfFront:
             return _json_error(500, "internal error in the HTTP front; see the server log")
 
     async def _decode(self, request: web.Request) -> web.StreamResponse:
-        if (problem := self._unauthorised(request)) is not None:
-            return self._refuse("UNAUTHENTICATED", 401, problem, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+        if (refused := self._refused_head(request, METHOD)) is not None:
+            return refused
         length = request.content_length
-        if length is None:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 411,
-                                "Content-Length is required: send the latents' bytes as one body of known size")
-        limit = self.core.config.max_message_bytes
-        if length > limit:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 413,
-                                f"the body is {length} bytes and this server takes at most {limit} "
-                                "(--max-message-bytes); decode a long video in parts")
+        assert length is not None  # _refused_head checked it
         try:
             query = parse_query(request.query, request.query.getall("shape", []),
                                 request.headers.get(hdrs.ACCEPT, ""), self._default_fps())
@@ -188,6 +215,74 @@ class HfFront:
             return _status_answer(exc.status, exc.message)
         finally:
             await call.aclose()
+
+    # -- POST /encode ------------------------------------------------------------------------
+
+    async def encode(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._encode(request)
+        except Exception:
+            log.exception("HTTP front: internal error on %s %s", request.method, request.path)
+            return _json_error(500, "internal error in the HTTP front; see the server log")
+
+    async def _encode(self, request: web.Request) -> web.StreamResponse:
+        """diffusers' `remote_encode`: the head checked as a decode's, the call run by the core's
+        Encode (admission, limits, the session, the log line), the latent frames joined into the
+        answer `hf_protocol` describes."""
+        if (refused := self._refused_head(request, ENCODE_METHOD)) is not None:
+            return refused
+        length = request.content_length
+        assert length is not None  # _refused_head checked it
+        try:
+            query = parse_encode_query(request.query, request.query.getall("shape", []))
+        except InvalidInput as exc:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc), ENCODE_METHOD)
+        if query.body_bytes is not None and length != query.body_bytes:
+            assert query.shape is not None and query.dtype is not None
+            return self._refuse(Status.INVALID_ARGUMENT.name, 400,
+                                f"the body is {length} bytes, and frames of shape {list(query.shape)} in "
+                                f"{str(query.dtype).removeprefix('torch.')} are {query.body_bytes}", ENCODE_METHOD)
+        call = self.core.encode(self._encode_input(request, query, length), lambda item: item, lambda: False)
+        pieces: list[torch.Tensor] = []
+        request_id = ""
+        try:
+            async for item in call:
+                if isinstance(item, LatentFrameOut):
+                    pieces.append(item.latents if query.normalised else item.moments)  # type: ignore[arg-type]
+                else:
+                    request_id = item.request_id
+        except CallFailed as exc:
+            return _status_answer(exc.status, exc.message)
+        finally:
+            await call.aclose()
+        latents = torch.cat(pieces, dim=2)
+        if not query.normalised:  # the moments' first half: the mean, the posterior's mode
+            latents = latents[:, : latents.shape[1] // 2]
+        if query.image:
+            latents = latents[:, :, 0]
+        return web.Response(body=tensor_bytes(latents),
+                            headers={REQUEST_ID_HEADER: request_id, **tensor_headers(latents)})
+
+    def _encode_input(self, request: web.Request, query: EncodeQuery, length: int) -> CallInput[bytearray]:
+        """The core's view of an encode request: one message (the body: a tensor, or an image
+        file decoded once it is read), then the end."""
+        read = False
+
+        async def receive() -> bytearray | None:
+            nonlocal read
+            if read:
+                return None
+            read = True
+            return await self._read_body(request, length)
+
+        def parse(body: bytearray) -> VideoMessage:
+            frames = (DecodedImage(body, self.core.config.max_pixels) if query.shape is None
+                      else RawLatents(body, query.video_shape, query.dtype))  # type: ignore[arg-type]
+            requested = RequestedEncode(latents=query.normalised, precision=query.precision)
+            return VideoMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""), frames=frames,
+                                options=lambda: requested)
+
+        return CallInput(receive=receive, parse=parse)
 
     def _default_fps(self) -> int:
         engine = self.core.pool.engine

@@ -1,4 +1,4 @@
-"""Hugging Face's remote-VAE protocol, as diffusers' `remote_decode` speaks it: the request's
+"""Hugging Face's remote-VAE protocol, as diffusers' `remote_decode` and `remote_encode` speak it: the request's
 query, its raw tensor body, and the answers (pure functions; `vaed.http.front` serves them).
 
 What diffusers' client sends (`diffusers.utils.remote_utils.prepare_decode`): a POST whose body is
@@ -41,6 +41,33 @@ So:
 * `scaling_factor` and `shift_factor` are refused (400): one number cannot express a per-channel
   normalisation, and silently ignoring them would decode wrong colours.
 
+Encode (POST /encode), as diffusers' `remote_encode(endpoint, image)` speaks it
+(`remote_utils.prepare_encode` / `postprocess_encode`): a PIL image arrives as a PNG file body with
+no parameters; a tensor as its C-order bytes with `shape` and `dtype`. The answer is raw bytes with
+`shape` and `dtype` headers, as for `pt`. What vaed takes and gives:
+
+=====================================  ===============================================
+body                                   a PNG / JPEG image (RGB, 0..255 mapped to [-1, 1]
+                                       as diffusers' image processor does), or a tensor:
+                                       float `[B, 3, H, W]` / `[B, 3, T, H, W]` in [-1, 1],
+                                       uint8 `[B, H, W, 3]` / `[B, T, H, W, 3]`; an image
+                                       is a 1-frame video, T = 1 + 4k
+answer (no factors, the default)       the posterior's mode, `vae.encode(x).latent_dist
+                                       .mode()`: VAE-space latents, what
+                                       `remote_decode(..., do_scaling=False)` takes back
+answer with `do_scaling=true` (vaed's) `(mode - latents_mean) / latents_std` as the Wan
+                                       pipelines normalise, what `remote_decode`'s default
+                                       (do_scaling=True) takes back
+shape                                  `[B, z_dim, h, w]` for an image (remote_encode's
+                                       rank), `[B, z_dim, T_lat, h, w]` for a video; in
+                                       the encode's compute dtype
+=====================================  ===============================================
+
+The mode, not a sample: the Wan pipelines condition on `retrieve_latents(..., sample_mode="argmax")`,
+and a sample would differ on every call. `scaling_factor` / `shift_factor` (Flux's and SD's one
+number each, `(latent - shift) * scaling`) are refused as for decode. The frames go through the
+same call core as gRPC Encode (`vaed.calls.CallCore.encode`): the answer is the gRPC encode's bits.
+
 `height` / `width` are for packed (Flux) latents; Wan's are 5-D, so they are accepted only when they
 equal the decoded size.
 
@@ -58,6 +85,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..choices import Precision
@@ -251,6 +279,106 @@ class RawLatents:
 
     def to_tensor(self) -> torch.Tensor:
         return torch.frombuffer(self._body, dtype=self._dtype).reshape(self._shape)
+
+
+# -- encode: what `remote_encode` sends -----------------------------------------------------
+
+IMAGE_DIMS, VIDEO_DIMS = 4, 5
+
+
+@dataclass(frozen=True)
+class EncodeQuery:
+    """One encode request's parameters, checked before the body is read (see `parse_encode_query`)."""
+
+    shape: tuple[int, ...] | None   # None: the body is an image file (PNG, as remote_encode sends PIL)
+    dtype: torch.dtype | None
+    normalised: bool                # do_scaling=true: (mean - latents_mean) / latents_std
+    precision: Precision | None = None
+
+    @property
+    def body_bytes(self) -> int | None:
+        """The byte count a tensor body must have (None for an image file)."""
+        if self.shape is None or self.dtype is None:
+            return None
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def image(self) -> bool:
+        """An image in (a PIL image, or a 4-D tensor): the answer drops the time axis, as
+        remote_encode's `[B, C, h, w]` of an image."""
+        return self.shape is None or len(self.shape) == IMAGE_DIMS
+
+    @property
+    def video_shape(self) -> tuple[int, ...]:
+        """The tensor's shape as the encoder's 5-D frames: an image is a 1-frame video (float
+        `[B, 3, H, W]` -> `[B, 3, 1, H, W]`, uint8 `[B, H, W, 3]` -> `[B, 1, H, W, 3]`)."""
+        assert self.shape is not None
+        if len(self.shape) == VIDEO_DIMS:
+            return self.shape
+        at = 1 if self.dtype == torch.uint8 else 2
+        return (*self.shape[:at], 1, *self.shape[at:])
+
+
+def parse_encode_query(query: Mapping[str, str], shape_values: Sequence[str]) -> EncodeQuery:
+    """`remote_encode`'s parameters: `shape` (one per dimension) and `dtype` for a tensor body, none
+    for an image file; `scaling_factor` / `shift_factor` are refused (see the module docstring:
+    Wan normalises per channel), `do_scaling` and `precision` are vaed's own."""
+    for name in ("scaling_factor", "shift_factor"):
+        if name in query:
+            raise InvalidInput(
+                f"{name} is not used by Wan: its latents are normalised per channel (latents_mean / latents_std). "
+                "Send no factor for the VAE-space latents (the posterior's mode, what remote_decode takes with "
+                "do_scaling=False), or do_scaling=true for the normalised ones WanPipeline computes")
+    normalised = _flag(query, "do_scaling", False)
+    try:
+        precision = Precision.parse(query["precision"], "precision") if "precision" in query else None
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    if not shape_values:
+        if "dtype" in query:
+            raise InvalidInput("dtype without shape: send shape= per dimension with a tensor body, "
+                               "or neither with an image file")
+        return EncodeQuery(shape=None, dtype=None, normalised=normalised, precision=precision)
+    try:
+        shape = tuple(int(v) for v in shape_values)
+    except ValueError:
+        raise InvalidInput(f"shape must be integers, got {list(shape_values)}") from None
+    if len(shape) not in (IMAGE_DIMS, VIDEO_DIMS) or any(d < 1 for d in shape):
+        raise InvalidInput(
+            f"shape must be 4 or 5 positive sizes (an image [B, 3, H, W] or video [B, 3, T, H, W] in [-1, 1]; "
+            f"uint8 [B, H, W, 3] / [B, T, H, W, 3]), got {list(shape)}")
+    dtype_name = query.get("dtype")
+    if dtype_name is None:
+        raise InvalidInput(f"dtype is required with shape: one of {', '.join(DTYPE_NAMES)}")
+    if dtype_name not in DTYPE_NAMES:
+        raise InvalidInput(f"dtype {dtype_name!r} is not a frame dtype; use one of {', '.join(DTYPE_NAMES)}")
+    return EncodeQuery(shape=shape, dtype=DTYPE_NAMES[dtype_name], normalised=normalised, precision=precision)
+
+
+class DecodedImage:
+    """An image file body as the call core's frames: uint8 `[1, 1, H, W, 3]` RGB (an image is a
+    1-frame video; the server maps 0..255 to [-1, 1] as diffusers' image processor does). The
+    size is read from the file's header and checked against `max_pixels` before the pixels are
+    decoded (a small file may hold a huge image)."""
+
+    def __init__(self, body: bytearray, max_pixels: int) -> None:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            image = Image.open(io.BytesIO(body))
+            w, h = image.size
+            if max_pixels and w * h > max_pixels:
+                raise InvalidInput(f"image {h}x{w} ({h * w} pixels) is over the server limit of {max_pixels} pixels")
+            pixels = image.convert("RGB")
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+            raise InvalidInput(f"the body is not an image file this server reads (PNG, JPEG, ...): {exc}") from None
+        self._frames = torch.from_numpy(np.asarray(pixels).copy())[None, None]
+
+    def header(self) -> tuple[tuple[int, ...], torch.dtype]:
+        return tuple(self._frames.shape), self._frames.dtype
+
+    def to_tensor(self) -> torch.Tensor:
+        return self._frames
 
 
 # -- answers -------------------------------------------------------------------------------
