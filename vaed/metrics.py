@@ -100,7 +100,7 @@ class LoadSource(Protocol):
     def device_loads(self) -> list[DeviceLoad]: ...
 
 
-def _cuda_memory(device: str) -> tuple[float, float]:
+def cuda_memory(device: str) -> tuple[float, float]:
     """(allocated, peak) bytes of torch's CUDA allocator on ``device``; zeros when unreadable.
 
     Never imports torch and never initialises CUDA from the scrape thread:
@@ -158,7 +158,7 @@ class _LoadCollector(Collector):
             families["pending"].add_metric([d.device], d.pending_latent_frames)
             families["healthy"].add_metric([d.device], 1.0 if d.healthy else 0.0)
             # A CPU device reports 0, so dashboards and alerts see a value, not a gap.
-            allocated, peak = _cuda_memory(d.device) if d.device.startswith("cuda") else (0.0, 0.0)
+            allocated, peak = cuda_memory(d.device) if d.device.startswith("cuda") else (0.0, 0.0)
             families["allocated"].add_metric([d.device], allocated)
             families["peak"].add_metric([d.device], peak)
         yield from families.values()

@@ -29,6 +29,7 @@ from .engine_protocol import Engine, EngineFactory
 from .heap import freeze_startup_heap, unfreeze_heap
 from .http import HttpServer
 from .http.front import HfFront
+from .http.page import PageRoutes
 from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
 from .logs import installed as installed_log_handler
@@ -221,14 +222,15 @@ class VaedServer:
         self.packaging: PackagingPool | None = None
         if config.http_port is not None:
             self.packaging = PackagingPool(encode_threads())
-            self.front = HfFront(self.core, self.packaging,
-                                 token=read_token(config.auth_token_file, wire.AUTH_TOKEN_ENV),
-                                 on_refused=self._refused)
+            token = read_token(config.auth_token_file, wire.AUTH_TOKEN_ENV)
+            self.front = HfFront(self.core, self.packaging, token=token, on_refused=self._refused)
             if self.http is not None and http_front_shares_metrics(config):
                 self.front_http = self.http
             else:
                 self.front_http = HttpServer(name="HTTP front")
             self.front.add_routes(self.front_http.app)
+            # the page at GET / (vaed.http.page), over the front's core and token
+            PageRoutes(self.core, self.front, auth_required=token is not None).add_routes(self.front_http.app)
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None

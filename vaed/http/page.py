@@ -1,0 +1,217 @@
+"""The page at `GET /` of the HTTP front: the served model, its live load, and a player that decodes
+latents through the streaming fMP4 route and plays the video while it decodes.
+
+Routes (on the front's listener, beside the protocol's `POST /` and `POST /decode`):
+
+    GET  /                  the page (static HTML, `vaed/http/static/`)
+    GET  /page.js, /page.css  its script and style: plain files, no build step, nothing fetched
+                            from elsewhere (the server may have no network, and neither may its users)
+    GET  /v1/status         JSON: serving or not, the device load, the model's facts (polled by the page)
+    POST /v1/convert/pt     a `torch.save`d tensor in, its raw bytes out (`shape` / `dtype` headers,
+                            as a `pt` answer): the page's upload of a .pt file
+
+The player reads .npy and .safetensors files itself (both are a small header and raw C-order bytes),
+generates random latents itself, and POSTs the bytes to the protocol's own streaming route
+(`output_type=mp4&stream=true`); it appends each chunk to a Media Source Extensions buffer as it
+arrives, with the codec string (`avc1.PPCCLL`) read from the init segment's `avcC` box. The video is
+the route's, byte for byte: the page adds no decode path of its own.
+
+Why .pt goes through the server: a .pt file is a zip holding a pickle, and only torch's own loader
+reads it faithfully (tensor subclasses, storages shared between tensors, byte orders); a pickle
+interpreter in JavaScript would be a second, partial copy of it. `torch.load(weights_only=True)`
+refuses anything but tensors and plain containers, so a hostile file cannot run code. The route
+has the decode route's guards: the bearer token and Content-Length (<= --max-message-bytes) from
+the head, the body read only then, and one conversion at a time (another gets 429), so its memory
+is one body at most.
+
+Auth: the page and its files are static and need no token (they hold no data). `/v1/status` follows
+the server's two open doors: the load (sessions, pending latent frames, device health, GPU memory) is
+what `/metrics` serves, and, like `/metrics` and `/health`, needs no token; the model's facts are
+what gRPC's GetModelInfo answers, which needs the token, so with a token configured they are in the
+answer only when the request carries it (`"authorised": false` otherwise). The page asks for the token
+and sends it with every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from aiohttp import hdrs, web
+
+from ..calls import CallCore
+from ..errors import InvalidInput, NotReady
+from ..metrics import cuda_memory
+from .front import HfFront, _defer_continue, default_fps
+from .hf_protocol import LATENT_DTYPE_NAMES, error_body, tensor_bytes, tensor_headers
+
+PAGE_PATH = "/"
+STATUS_PATH = "/v1/status"
+CONVERT_PT_PATH = "/v1/convert/pt"
+
+# The page's files: served path -> (file in vaed/http/static, content type).
+_FILES = {
+    PAGE_PATH: ("index.html", "text/html"),
+    "/page.js": ("page.js", "text/javascript"),
+    "/page.css": ("page.css", "text/css"),
+}
+
+# Everything the page needs comes from this server; the video is a MediaSource's blob: URL.
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; media-src 'self' blob:; img-src 'self' data:; "
+                               "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    hdrs.CACHE_CONTROL: "no-cache",  # a restarted (upgraded) server serves its own page
+}
+
+
+@dataclass(frozen=True)
+class StaticFile:
+    body: bytes
+    content_type: str
+
+
+def load_files() -> dict[str, StaticFile]:
+    """The page's files, read once (they are package data; a few tens of KB)."""
+    static = importlib.resources.files("vaed.http") / "static"
+    return {path: StaticFile((static / name).read_bytes(), kind) for path, (name, kind) in _FILES.items()}
+
+
+def status_body(core: CallCore, authorised: bool, auth_required: bool) -> dict[str, Any]:
+    """What `/v1/status` answers (see the module docstring for which part needs the token)."""
+    try:
+        core.check_serving()
+        state, error = "SERVING", None
+    except NotReady as exc:
+        state, error = "NOT_SERVING", str(exc)
+    loads = []
+    for load in core.pool.device_loads():
+        allocated, peak = cuda_memory(load.device) if load.device.startswith("cuda") else (0.0, 0.0)
+        loads.append({
+            "device": load.device, "healthy": load.healthy, "active_sessions": load.active_sessions,
+            "pending_latent_frames": load.pending_latent_frames,
+            "gpu_memory_allocated_bytes": int(allocated), "gpu_memory_peak_bytes": int(peak),
+        })
+    body: dict[str, Any] = {
+        "status": state, "auth_required": auth_required, "authorised": authorised,
+        "max_sessions": core.pool.max_sessions, "devices": loads,
+    }
+    if error is not None:
+        body["error"] = error
+    if authorised and state == "SERVING":
+        try:
+            facts = core.model_facts()
+        except NotReady:  # the last device failed between the two reads
+            return body
+        engine = core.pool.engine
+        body["model"] = {
+            "name": facts.model, "random_weights": facts.random_weights, "device": facts.device,
+            "devices": facts.devices, "parallel": facts.parallel,
+            "compute_dtype": str(facts.compute_dtype).removeprefix("torch."), "kernels": facts.kernels,
+            "precisions": [str(p) for p in facts.precisions], "z_dim": facts.z_dim,
+            "scale_factor_temporal": facts.scale_factor_temporal,
+            "scale_factor_spatial": facts.scale_factor_spatial,
+            "default_fps": default_fps(engine.patch_size if engine is not None else None),
+            "max_latent_frames": facts.max_latent_frames, "max_pixels": facts.max_pixels,
+            "max_message_bytes": facts.max_message_bytes, "encodes": facts.encodes,
+        }
+    return body
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.Response(status=status, body=error_body(message), content_type="application/json", headers=headers)
+
+
+def latents_of(loaded: Any) -> torch.Tensor:
+    """The latents in what `torch.load` returned: a tensor, or a dict / list / tuple holding one
+    (a dict's "latents" entry when it has several)."""
+    if isinstance(loaded, torch.Tensor):
+        tensor = loaded
+    else:
+        values = list(loaded.values()) if isinstance(loaded, dict) else list(loaded) \
+            if isinstance(loaded, (list, tuple)) else []
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if isinstance(loaded, dict) and isinstance(loaded.get("latents"), torch.Tensor):
+            tensor = loaded["latents"]
+        elif len(tensors) == 1:
+            tensor = tensors[0]
+        else:
+            raise InvalidInput(f"the file holds {len(tensors)} tensors in a {type(loaded).__name__}; save one "
+                               "tensor, or a dict with a 'latents' entry")
+    if tensor.dtype == torch.float64:  # numpy's default; the protocol's latent dtypes stop at float32
+        tensor = tensor.float()
+    if str(tensor.dtype).removeprefix("torch.") not in LATENT_DTYPE_NAMES:
+        raise InvalidInput(f"the tensor is {tensor.dtype}; latents are {', '.join(LATENT_DTYPE_NAMES)}")
+    if tensor.dim() == 4:  # [z, T, h, w]: one video
+        tensor = tensor.unsqueeze(0)
+    if tensor.dim() != 5:
+        raise InvalidInput(f"the tensor has shape {list(tensor.shape)}; latents are [B, z, T, h, w]")
+    return tensor.contiguous()
+
+
+def _load_pt(body: bytearray) -> torch.Tensor:
+    try:
+        loaded = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a bad zip, a refused pickle global, a truncated file: all the caller's
+        raise InvalidInput(f"not a torch.save file torch.load(weights_only=True) reads: {exc}") from None
+    return latents_of(loaded)
+
+
+class PageRoutes:
+    """The page, its status and its .pt conversion, over the front's core and auth.
+
+    The token check, the body read and the deferred `100 Continue` are the front's own (its
+    `_unauthorised`, `_read_body`, `_defer_continue`), used here rather than copied: one way to
+    check a request, whichever route it is for."""
+
+    def __init__(self, core: CallCore, front: HfFront, auth_required: bool) -> None:
+        self.core = core
+        self.front = front
+        self.auth_required = auth_required
+        self.files = load_files()
+        self._converting = asyncio.Lock()  # one .pt body in memory at a time
+
+    def add_routes(self, app: web.Application) -> None:
+        for path in self.files:
+            app.router.add_get(path, self.static)
+        app.router.add_get(STATUS_PATH, self.status, allow_head=False)
+        app.router.add_post(CONVERT_PT_PATH, self.convert_pt, expect_handler=_defer_continue)
+
+    async def static(self, request: web.Request) -> web.Response:
+        file = self.files[request.path]
+        return web.Response(body=file.body, content_type=file.content_type, charset="utf-8", headers=_PAGE_HEADERS)
+
+    async def status(self, request: web.Request) -> web.Response:
+        authorised = self.front._unauthorised(request) is None
+        return web.json_response(status_body(self.core, authorised, self.auth_required),
+                                 headers={hdrs.CACHE_CONTROL: "no-store"})
+
+    async def convert_pt(self, request: web.Request) -> web.Response:
+        if (problem := self.front._unauthorised(request)) is not None:
+            return _error(401, problem, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+        length = request.content_length
+        limit = self.core.config.max_message_bytes
+        if length is None:
+            return _error(411, "Content-Length is required: send the .pt file as one body of known size")
+        if length > limit:
+            return _error(413, f"the file is {length} bytes and this server takes at most {limit} "
+                               "(--max-message-bytes)")
+        if self._converting.locked():
+            return _error(429, "another .pt file is being read; retry shortly", **{hdrs.RETRY_AFTER: "1"})
+        async with self._converting:
+            try:
+                body = await self.front._read_body(request, length)
+                # torch.load unzips and copies: off the loop, which serves every other call
+                tensor = await asyncio.get_running_loop().run_in_executor(None, _load_pt, body)
+            except InvalidInput as exc:
+                return _error(400, str(exc))
+            del body
+            if tensor.numel() * tensor.element_size() > limit:  # float64 halved, never grown; a last guard
+                return _error(413, f"the latents are {math.prod(tensor.shape) * tensor.element_size()} bytes, "
+                                   f"over --max-message-bytes {limit}")
+            return web.Response(body=tensor_bytes(tensor), headers=tensor_headers(tensor))
