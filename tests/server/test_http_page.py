@@ -1,0 +1,383 @@
+"""The HTTP front's page at GET / in a real headless browser (Debian's chromium + chromium-driver,
+driven by selenium): it shows the model and the live load, decodes random and uploaded latents
+(.npy, .safetensors, .pt) through the streaming fMP4 route, and plays the video through Media
+Source Extensions while the decode is still running. Without a browser: the status route's and the
+.pt conversion route's auth, limits and bad input.
+
+The browser is part of the default run (CI installs it, see .ci/run): a missing chromium fails these
+tests with the command that installs it, because a skip would hide that the page went untested.
+VAED_SKIP_BROWSER_TESTS=1 opts out explicitly (a machine without the browser). The screenshot of a
+played decode goes to $VAED_TEST_ARTIFACTS when set (else the test's tmp_path); its path is printed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+import requests
+import torch
+from diffusers.utils.remote_utils import remote_decode
+from safetensors.torch import save_file
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from harness import RunningServer, make_config, serve_in_thread, start_cli_server
+from vaed.server import engine_factory
+from vaed.video import Fmp4Packager, VideoOptions
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+MODEL = "random:wan2.1-tiny"
+Z, SCALE_T, SCALE_S = 4, 4, 8  # the tiny Wan2.1's z_dim and scale factors
+WAIT_S = 120  # every browser wait: conditions, never a machine-speed guess
+TOKEN = "page-token"
+
+# What the page's player exposes (window.vaedPage) and the video element's state, in one read.
+PLAYER_STATE = """
+const p = window.vaedPage, v = document.getElementById('video');
+return {state: p.state, error: p.error, mime: p.mime, firstFrameMs: p.firstFrameMs, doneMs: p.doneMs,
+        framesShown: p.framesShown, expected: p.expected, currentTime: v.currentTime, readyState: v.readyState,
+        width: v.videoWidth, height: v.videoHeight, ended: v.ended,
+        decodedFrames: v.getVideoPlaybackQuality().totalVideoFrames};
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the browser ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
+    if os.environ.get("VAED_SKIP_BROWSER_TESTS") == "1":
+        pytest.skip("VAED_SKIP_BROWSER_TESTS=1: the page's browser tests were opted out")
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if shutil.which(path) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} missing: install the browser with `apt-get install -y chromium "
+                    "chromium-driver` (Debian), or opt out with VAED_SKIP_BROWSER_TESTS=1", pytrace=False)
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    # --disable-background-networking & co.: no connection leaves the machine (they are refused here)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required", "--window-size=1200,1000",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.set_script_timeout(WAIT_S)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(driver: webdriver.Chrome, condition: Callable[[], Any], what: str) -> Any:
+    """`condition()`'s first truthy value; a page error or WAIT_S seconds fail with the player's state."""
+    def check(_: Any) -> Any:
+        state = driver.execute_script(PLAYER_STATE)
+        if state["state"] == "error":
+            raise AssertionError(f"the page reports an error: {state['error']}")
+        return condition()
+
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(check)
+    except TimeoutException:
+        raise AssertionError(f"{what}: not within {WAIT_S} s; player: {driver.execute_script(PLAYER_STATE)}") from None
+
+
+def player(driver: webdriver.Chrome) -> dict[str, Any]:
+    return driver.execute_script(PLAYER_STATE)
+
+
+def open_page(driver: webdriver.Chrome, port: int) -> None:
+    driver.get(f"http://127.0.0.1:{port}/")
+    wait_for(driver, lambda: MODEL in driver.find_element(By.ID, "model-name").text, "the page shows the model")
+
+
+def set_random_shape(driver: webdriver.Chrome, t: int, h: int, w: int) -> None:
+    driver.find_element(By.CSS_SELECTOR, "input[name=source][value=random]").click()
+    for field, value in (("lat-t", t), ("lat-h", h), ("lat-w", w)):
+        element = driver.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(str(value))
+
+
+def played_to_the_end(driver: webdriver.Chrome) -> dict[str, Any]:
+    return wait_for(driver, lambda: (s := player(driver))["state"] == "done" and s["ended"] and s, "played to the end")
+
+
+def page_mp4(driver: webdriver.Chrome) -> bytes:
+    """The bytes the page received (its Blob), read back through a data: URL."""
+    data_url = driver.execute_async_script("""
+        const done = arguments[arguments.length - 1], reader = new FileReader();
+        reader.onload = () => done(reader.result);
+        reader.readAsDataURL(window.vaedPage.mp4);""")
+    return base64.b64decode(data_url.split(",", 1)[1])
+
+
+def frames_of_mp4(data: bytes) -> np.ndarray:
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])])
+
+
+def mime_for(height: int, width: int) -> str:
+    """The MediaSource type vaed's encoder gives a video of this size (its SPS's profile and level)."""
+    packager = Fmp4Packager(VideoOptions(fps=16))
+    packager.add(np.zeros((1, height, width, 3), np.uint8))
+    assert packager.mime_type is not None
+    return packager.mime_type
+
+
+# -- vaed serve, the page, a random decode -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[int]:
+    """A `vaed serve --http-port` subprocess; yields the HTTP port."""
+    port = _free_port()
+    proc, _ = start_cli_server("--http-port", str(port))
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_the_page_plays_a_random_decode(browser: webdriver.Chrome, served: int, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    t, h, w = 5, 16, 16
+    height, width, frames = h * SCALE_S, w * SCALE_S, 1 + SCALE_T * (t - 1)
+    open_page(browser, served)
+    assert browser.find_element(By.ID, "serving").text == "SERVING"
+    # H.264 through MSE first: a browser built without it must fail here, loudly
+    mime = mime_for(height, width)
+    assert browser.execute_script("return MediaSource.isTypeSupported(arguments[0])", mime), \
+        f"this chromium's Media Source Extensions do not play {mime} (a build without H.264?)"
+    set_random_shape(browser, t, h, w)
+    browser.find_element(By.ID, "decode").click()
+    state = played_to_the_end(browser)
+    assert state["mime"] == mime  # the page read the codec from the init segment as the encoder wrote it
+    assert (state["width"], state["height"]) == (width, height)
+    assert state["expected"] == {"frames": frames, "width": width, "height": height}
+    assert state["decodedFrames"] == frames and state["framesShown"] >= 1
+    assert state["currentTime"] > 0 and state["readyState"] >= 2  # HAVE_CURRENT_DATA
+    assert state["firstFrameMs"] is not None and state["firstFrameMs"] > 0
+    assert browser.find_element(By.ID, "first-frame").text.endswith(" ms")
+    assert frames_of_mp4(page_mp4(browser)).shape == (frames, height, width, 3)
+    artifacts = Path(os.environ.get("VAED_TEST_ARTIFACTS") or tmp_path)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shot = artifacts / "http_page.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 0
+    with capsys.disabled():
+        print(f"\npage screenshot: {shot} (first frame {state['firstFrameMs']:.0f} ms, "
+              f"stream done {state['doneMs']:.0f} ms)")
+
+
+def _upload(driver: webdriver.Chrome, path: Path) -> None:
+    driver.find_element(By.ID, "file").send_keys(str(path))  # its change event selects "file"
+    assert driver.find_element(By.CSS_SELECTOR, "input[name=source][value=file]").is_selected()
+    driver.find_element(By.ID, "decode").click()
+
+
+def _save_npy(path: Path, x: torch.Tensor) -> None:
+    np.save(path, x.numpy())
+
+
+def _save_safetensors(path: Path, x: torch.Tensor) -> None:
+    save_file({"latents": x, "other": torch.zeros(2)}, str(path))  # two tensors: the page takes "latents"
+
+
+def _save_pt(path: Path, x: torch.Tensor) -> None:
+    torch.save({"latents": x, "step": 50}, path)
+
+
+@pytest.mark.parametrize(("suffix", "dtype", "save"), [
+    (".npy", torch.float32, _save_npy),
+    (".npy", torch.float64, _save_npy),  # the page converts numpy's default to float32
+    (".safetensors", torch.bfloat16, _save_safetensors),
+    (".pt", torch.float16, _save_pt),  # read by the server's torch.load (POST /v1/convert/pt)
+])
+def test_an_uploaded_file_decodes_as_remote_decode_does(
+    browser: webdriver.Chrome, served: int, tmp_path: Path, suffix: str, dtype: torch.dtype,
+    save: Callable[[Path, torch.Tensor], None],
+) -> None:
+    """The page's video of an uploaded file has exactly the frames of diffusers' remote_decode of the
+    same tensor: a wrong byte, shape or dtype in the page's reading would decode other frames."""
+    x = torch.randn(1, Z, 3, 4, 6, generator=torch.Generator().manual_seed(11)).to(dtype)
+    path = tmp_path / f"latents{suffix}"
+    save(path, x[0] if suffix == ".pt" else x)  # a 4-D [z, T, h, w] is one video too
+    open_page(browser, served)
+    _upload(browser, path)
+    state = played_to_the_end(browser)
+    sent = x.float() if dtype == torch.float64 else x
+    want = remote_decode(endpoint=f"http://127.0.0.1:{served}/", tensor=sent, output_type="mp4", return_type="mp4")
+    assert (state["width"], state["height"]) == (6 * SCALE_S, 4 * SCALE_S)
+    assert np.array_equal(frames_of_mp4(page_mp4(browser)), frames_of_mp4(want))
+
+
+def test_a_bad_file_is_reported_on_the_page(browser: webdriver.Chrome, served: int, tmp_path: Path) -> None:
+    path = tmp_path / "latents.npy"
+    path.write_bytes(b"not numpy at all")
+    open_page(browser, served)
+    _upload(browser, path)
+    WebDriverWait(browser, WAIT_S).until(lambda d: player(d)["state"] == "error")
+    assert "not a .npy file" in browser.find_element(By.ID, "player-error").text
+    matrix = tmp_path / "matrix.pt"
+    torch.save(torch.zeros(2, 3), matrix)
+    _upload(browser, matrix)
+    WebDriverWait(browser, WAIT_S).until(lambda d: "latents are [B, z, T, h, w]" in
+                                         d.find_element(By.ID, "player-error").text)
+
+
+# -- playing while the decode runs -------------------------------------------------------------------
+
+
+def test_the_page_plays_while_the_decode_runs(browser: webdriver.Chrome) -> None:
+    """The server's decode of latent frame 3 is held until the page has played past its first frame
+    and shows the held call's session and pending latent frames: the playback can only have started
+    before the call ended."""
+    config = make_config(MODEL, http_port=0, warmup=False)
+    release = threading.Event()
+    held = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_at_frame_3(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 3:
+                held.set()
+                assert release.wait(WAIT_S), "the page never played the first frames"
+            return group
+
+        engine.decode_frame = held_at_frame_3
+        return engine
+
+    with serve_in_thread(config, build_engine=build) as running:
+        try:
+            open_page(browser, running.server.http_port)
+            set_random_shape(browser, 6, 8, 8)
+            browser.find_element(By.ID, "decode").click()
+            wait_for(browser, lambda: (s := player(browser))["currentTime"] > 0 and s["framesShown"] >= 2,
+                     "the video plays")
+            assert not release.is_set()  # latent frame 3 cannot have decoded: the call is not over
+            assert player(browser)["doneMs"] is None  # nor has its answer ended
+            assert held.wait(WAIT_S)
+            load = running.server.pool.device_loads()[0]  # fixed while the decode is held
+            assert load.active_sessions == 1
+            wait_for(browser, lambda: [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#load tbody td")][:4]
+                     == ["cpu", "yes", "1", str(load.pending_latent_frames)], "the page shows the held call's load")
+        except BaseException:
+            browser.get("about:blank")  # the page's stream closes: the server can stop without waiting on it
+            raise
+        finally:
+            release.set()
+        state = played_to_the_end(browser)
+        assert state["firstFrameMs"] < state["doneMs"]
+        assert state["decodedFrames"] == 1 + SCALE_T * 5 and (state["width"], state["height"]) == (64, 64)
+        wait_for(browser, lambda: browser.find_element(By.ID, "sessions-total").text == "0", "the load is back to 0")
+
+
+# -- status and .pt conversion over plain HTTP -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file.write_text(TOKEN + "\n")
+    config = make_config(MODEL, http_port=0, auth_token_file=str(token_file), max_message_bytes=1 << 20)
+    with serve_in_thread(config) as running:
+        yield running
+
+
+def _url(running: RunningServer, path: str) -> str:
+    return f"http://127.0.0.1:{running.server.http_port}{path}"
+
+
+def test_the_page_and_the_load_need_no_token_and_the_model_does(guarded: RunningServer) -> None:
+    for path, kind in (("/", "text/html"), ("/page.js", "text/javascript"), ("/page.css", "text/css")):
+        answer = requests.get(_url(guarded, path), timeout=30)
+        assert answer.status_code == 200 and answer.headers["Content-Type"].startswith(kind)
+        assert "default-src 'self'" in answer.headers["Content-Security-Policy"]
+    assert "/page.js" in requests.get(_url(guarded, "/"), timeout=30).text
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status = requests.get(_url(guarded, "/v1/status"), headers=headers, timeout=30).json()
+        assert status["status"] == "SERVING" and status["auth_required"] and not status["authorised"]
+        assert "model" not in status  # GetModelInfo's facts need the token
+        assert [d["device"] for d in status["devices"]] == ["cpu"] and status["devices"][0]["active_sessions"] == 0
+    status = requests.get(_url(guarded, "/v1/status"), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    assert status["authorised"] and status["model"]["name"] == MODEL
+    assert status["model"]["z_dim"] == Z and status["model"]["scale_factor_spatial"] == SCALE_S
+    assert status["model"]["default_fps"] == 16 and status["max_sessions"] == 16
+    guarded.server.lifecycle.draining = True
+    try:
+        status = requests.get(_url(guarded, "/v1/status"), headers={"Authorization": f"Bearer {TOKEN}"},
+                              timeout=30).json()
+        assert status["status"] == "NOT_SERVING" and "draining" in status["error"] and "model" not in status
+    finally:
+        guarded.server.lifecycle.draining = False
+
+
+def _pt_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_convert_pt(guarded: RunningServer) -> None:
+    """A .pt file's tensor comes back as its raw bytes with shape and dtype headers; refusals are
+    401 / 411 / 413 from the head (the body unread) and 400 with a JSON error for a bad file."""
+    url = _url(guarded, "/v1/convert/pt")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    x = torch.randn(1, Z, 2, 4, 6, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    front = guarded.server.front
+    assert front is not None
+    before = front.bodies_read
+    refused = requests.post(url, data=_pt_bytes(x), timeout=30)
+    assert refused.status_code == 401 and "missing credentials" in refused.json()["error"]
+    too_big = requests.post(url, data=b"\0" * ((1 << 20) + 1), headers=auth, timeout=30)
+    assert too_big.status_code == 413 and "--max-message-bytes" in too_big.json()["error"]
+    chunked = requests.post(url, data=iter([_pt_bytes(x)]), headers=auth, timeout=30)
+    assert chunked.status_code == 411
+    assert front.bodies_read == before
+    for obj in (x, {"latents": x, "step": 3}, [x], x[0]):
+        answer = requests.post(url, data=_pt_bytes(obj), headers=auth, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["shape"] == "[1, 4, 2, 4, 6]" and answer.headers["dtype"] == "bfloat16"
+        back = torch.frombuffer(bytearray(answer.content), dtype=torch.bfloat16).reshape(1, Z, 2, 4, 6)
+        assert torch.equal(back, x)
+    answer = requests.post(url, data=_pt_bytes(x.double()), headers=auth, timeout=30)
+    assert answer.headers["dtype"] == "float32"
+    assert torch.equal(torch.frombuffer(bytearray(answer.content), dtype=torch.float32).reshape(x.shape),
+                       x.double().float())
+    for data, pattern in [
+        (b"not a zip", "torch.load"),
+        (_pt_bytes(torch.zeros(3, 3)), r"shape \[3, 3\]"),
+        (_pt_bytes(torch.zeros(1, 4, 2, 4, 6, dtype=torch.int32)), "torch.int32"),
+        (_pt_bytes({"a": x, "b": x}), "2 tensors"),
+        (_pt_bytes(threading.Event), "weights_only"),  # a class: refused by the weights-only unpickler
+    ]:
+        answer = requests.post(url, data=data, headers=auth, timeout=30)
+        assert answer.status_code == 400 and re.search(pattern, answer.json()["error"]), (pattern, answer.text)
+        assert "Traceback" not in answer.text
+    assert requests.get(_url(guarded, "/health"), timeout=30).status_code == 200
