@@ -366,6 +366,10 @@ def test_convert_pt(guarded: RunningServer) -> None:
         assert answer.headers["shape"] == "[1, 4, 2, 4, 6]" and answer.headers["dtype"] == "bfloat16"
         back = torch.frombuffer(bytearray(answer.content), dtype=torch.bfloat16).reshape(1, Z, 2, 4, 6)
         assert torch.equal(back, x)
+    # a tensor whose file is small and whose copy would not be: refused before the copy is made
+    expanded = torch.zeros(1, 1, 1, 1, 1).expand(1, Z, 64, 64, 64)
+    answer = requests.post(url, data=_pt_bytes(expanded), headers=auth, timeout=30)
+    assert answer.status_code == 413 and "over --max-message-bytes 1048576" in answer.json()["error"], answer.text
     answer = requests.post(url, data=_pt_bytes(x.double()), headers=auth, timeout=30)
     assert answer.headers["dtype"] == "float32"
     assert torch.equal(torch.frombuffer(bytearray(answer.content), dtype=torch.float32).reshape(x.shape),
@@ -375,6 +379,7 @@ def test_convert_pt(guarded: RunningServer) -> None:
         (_pt_bytes(torch.zeros(3, 3)), r"shape \[3, 3\]"),
         (_pt_bytes(torch.zeros(1, 4, 2, 4, 6, dtype=torch.int32)), "torch.int32"),
         (_pt_bytes({"a": x, "b": x}), "2 tensors"),
+        (_pt_bytes(torch.zeros(1, 4, 2, 4, 6).to_sparse()), "torch.sparse_coo"),
         (_pt_bytes(threading.Event), "weights_only"),  # a class: refused by the weights-only unpickler
     ]:
         answer = requests.post(url, data=data, headers=auth, timeout=30)

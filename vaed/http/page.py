@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import io
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,14 +126,19 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.Response(status=status, body=error_body(message), content_type="application/json", headers=headers)
 
 
-def latents_of(loaded: Any) -> torch.Tensor:
+class TooLarge(InvalidInput):
+    """Latents over --max-message-bytes (413)."""
+
+
+def latents_of(loaded: Any, limit: int) -> torch.Tensor:
     """The latents in what `torch.load` returned: a tensor, or a dict / list / tuple holding one
-    (a dict's "latents" entry when it has several)."""
+    (a dict's "latents" entry when it has several), as a contiguous tensor of at most `limit` bytes
+    (checked before it is made: an expanded tensor's file is small and its copy need not be)."""
     if isinstance(loaded, torch.Tensor):
         tensor = loaded
     else:
-        values = list(loaded.values()) if isinstance(loaded, dict) else list(loaded) \
-            if isinstance(loaded, (list, tuple)) else []
+        values = list(loaded.values()) if isinstance(loaded, dict) else \
+            list(loaded) if isinstance(loaded, (list, tuple)) else []
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         if isinstance(loaded, dict) and isinstance(loaded.get("latents"), torch.Tensor):
             tensor = loaded["latents"]
@@ -143,23 +147,29 @@ def latents_of(loaded: Any) -> torch.Tensor:
         else:
             raise InvalidInput(f"the file holds {len(tensors)} tensors in a {type(loaded).__name__}; save one "
                                "tensor, or a dict with a 'latents' entry")
-    if tensor.dtype == torch.float64:  # numpy's default; the protocol's latent dtypes stop at float32
-        tensor = tensor.float()
-    if str(tensor.dtype).removeprefix("torch.") not in LATENT_DTYPE_NAMES:
+    if tensor.layout != torch.strided:
+        raise InvalidInput(f"the tensor is {tensor.layout}; save a dense tensor (.to_dense())")
+    # float64 is numpy's default; the protocol's latent dtypes stop at float32
+    dtype = torch.float32 if tensor.dtype == torch.float64 else tensor.dtype
+    if str(dtype).removeprefix("torch.") not in LATENT_DTYPE_NAMES:
         raise InvalidInput(f"the tensor is {tensor.dtype}; latents are {', '.join(LATENT_DTYPE_NAMES)}")
     if tensor.dim() == 4:  # [z, T, h, w]: one video
         tensor = tensor.unsqueeze(0)
     if tensor.dim() != 5:
         raise InvalidInput(f"the tensor has shape {list(tensor.shape)}; latents are [B, z, T, h, w]")
-    return tensor.contiguous()
+    size = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+    if size > limit:
+        raise TooLarge(f"the latents {list(tensor.shape)} in {str(dtype).removeprefix('torch.')} are {size} bytes, "
+                       f"over --max-message-bytes {limit}")
+    return tensor.to(dtype).contiguous()
 
 
-def _load_pt(body: bytearray) -> torch.Tensor:
+def _load_pt(body: bytearray, limit: int) -> torch.Tensor:
     try:
         loaded = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as exc:  # a bad zip, a refused pickle global, a truncated file: all the caller's
         raise InvalidInput(f"not a torch.save file torch.load(weights_only=True) reads: {exc}") from None
-    return latents_of(loaded)
+    return latents_of(loaded, limit)
 
 
 class PageRoutes:
@@ -207,11 +217,10 @@ class PageRoutes:
             try:
                 body = await self.front._read_body(request, length)
                 # torch.load unzips and copies: off the loop, which serves every other call
-                tensor = await asyncio.get_running_loop().run_in_executor(None, _load_pt, body)
+                tensor = await asyncio.get_running_loop().run_in_executor(None, _load_pt, body, limit)
+            except TooLarge as exc:
+                return _error(413, str(exc))
             except InvalidInput as exc:
                 return _error(400, str(exc))
             del body
-            if tensor.numel() * tensor.element_size() > limit:  # float64 halved, never grown; a last guard
-                return _error(413, f"the latents are {math.prod(tensor.shape) * tensor.element_size()} bytes, "
-                                   f"over --max-message-bytes {limit}")
             return web.Response(body=tensor_bytes(tensor), headers=tensor_headers(tensor))
