@@ -285,8 +285,10 @@ def test_the_page_plays_while_the_decode_runs(browser: webdriver.Chrome) -> None
             assert held.wait(WAIT_S)
             load = running.server.pool.device_loads()[0]  # fixed while the decode is held
             assert load.active_sessions == 1
-            wait_for(browser, lambda: [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#load tbody td")][:4]
-                     == ["cpu", "yes", "1", str(load.pending_latent_frames)], "the page shows the held call's load")
+            # read in one script: the page replaces the table's rows at every poll (a found cell goes stale)
+            cells = "return [...document.querySelectorAll('#load tbody td')].map((td) => td.textContent)"
+            wait_for(browser, lambda: browser.execute_script(cells)[:4] == ["cpu", "yes", "1", str(load.pending_latent_frames)],
+                     "the page shows the held call's load")
         except BaseException:
             browser.get("about:blank")  # the page's stream closes: the server can stop without waiting on it
             raise
