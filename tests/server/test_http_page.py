@@ -56,6 +56,10 @@ return {state: p.state, error: p.error, mime: p.mime, firstFrameMs: p.firstFrame
         decodedFrames: v.getVideoPlaybackQuality().totalVideoFrames};
 """
 
+# The load table's cells, read in one script: the page replaces its rows at every poll, so a cell
+# found by selenium could go stale before its text is read.
+LOAD_CELLS = "return [...document.querySelectorAll('#load tbody td')].map((td) => td.textContent)"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -285,10 +289,8 @@ def test_the_page_plays_while_the_decode_runs(browser: webdriver.Chrome) -> None
             assert held.wait(WAIT_S)
             load = running.server.pool.device_loads()[0]  # fixed while the decode is held
             assert load.active_sessions == 1
-            # read in one script: the page replaces the table's rows at every poll (a found cell goes stale)
-            cells = "return [...document.querySelectorAll('#load tbody td')].map((td) => td.textContent)"
-            wait_for(browser, lambda: browser.execute_script(cells)[:4] == ["cpu", "yes", "1", str(load.pending_latent_frames)],
-                     "the page shows the held call's load")
+            wait_for(browser, lambda: browser.execute_script(LOAD_CELLS)[:4]
+                     == ["cpu", "yes", "1", str(load.pending_latent_frames)], "the page shows the held call's load")
         except BaseException:
             browser.get("about:blank")  # the page's stream closes: the server can stop without waiting on it
             raise
@@ -388,3 +390,23 @@ def test_convert_pt(guarded: RunningServer) -> None:
         assert answer.status_code == 400 and re.search(pattern, answer.json()["error"]), (pattern, answer.text)
         assert "Traceback" not in answer.text
     assert requests.get(_url(guarded, "/health"), timeout=30).status_code == 200
+
+
+def test_the_page_asks_for_the_token_and_decodes_with_it(browser: webdriver.Chrome, guarded: RunningServer) -> None:
+    """Against a server with a token the page shows the load but not the model until the token is
+    entered; with it, the status, the decode and its video come through."""
+    browser.get(_url(guarded, "/"))
+    try:
+        wait_for(browser, lambda: "requires a bearer token" in browser.find_element(By.ID, "status-error").text,
+                 "the page asks for the token")
+        assert browser.find_element(By.ID, "model-name").text == "–"
+        assert browser.execute_script(LOAD_CELLS)[:3] == ["cpu", "yes", "0"]  # the load needs no token
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        wait_for(browser, lambda: MODEL in browser.find_element(By.ID, "model-name").text, "the model, with the token")
+        assert browser.find_element(By.ID, "status-error").text == ""
+        set_random_shape(browser, 2, 4, 6)
+        browser.find_element(By.ID, "decode").click()
+        state = played_to_the_end(browser)
+        assert (state["width"], state["height"]) == (6 * SCALE_S, 4 * SCALE_S) and state["decodedFrames"] == 5
+    finally:
+        browser.execute_script("sessionStorage.clear()")  # the next page load starts without a token
