@@ -410,3 +410,26 @@ def test_the_page_asks_for_the_token_and_decodes_with_it(browser: webdriver.Chro
         assert (state["width"], state["height"]) == (6 * SCALE_S, 4 * SCALE_S) and state["decodedFrames"] == 5
     finally:
         browser.execute_script("sessionStorage.clear()")  # the next page load starts without a token
+
+
+def test_the_page_decodes_wan22_at_its_own_scale_and_rate(browser: webdriver.Chrome) -> None:
+    """The page takes z, the scale factors and the frame rate from /v1/status: Wan2.2 decodes x16
+    pixels (2x2 patches on its x8 VAE) at 24 fps."""
+    with serve_in_thread(make_config("random:wan2.2-tiny", http_port=0)) as running:
+        status = requests.get(_url(running, "/v1/status"), timeout=30).json()["model"]
+        browser.get(_url(running, "/"))
+        try:
+            wait_for(browser, lambda: "wan2.2-tiny" in browser.find_element(By.ID, "model-name").text, "the model")
+            set_random_shape(browser, 3, 4, 4)
+            browser.find_element(By.ID, "decode").click()
+            state = played_to_the_end(browser)
+        except BaseException:
+            browser.get("about:blank")
+            raise
+        scale = status["scale_factor_spatial"]
+        assert scale == 16 and status["default_fps"] == 24
+        assert (state["width"], state["height"]) == (4 * scale, 4 * scale)
+        assert state["decodedFrames"] == 1 + status["scale_factor_temporal"] * 2
+        with av.open(io.BytesIO(page_mp4(browser))) as container:
+            assert container.streams.video[0].average_rate == 24
+        assert browser.execute_script("return window.vaedPage.input.shape")[1] == status["z_dim"]
