@@ -279,11 +279,17 @@ class Appender {
   }
 
   append(data) {
+    const buffer = this.sourceBuffer;
     this.idle = this.idle.then(() => new Promise((resolve, reject) => {
-      this.sourceBuffer.addEventListener("updateend", resolve, { once: true });
-      this.sourceBuffer.addEventListener("error", () => reject(new Error("the browser could not append the video")),
-        { once: true });
-      this.sourceBuffer.appendBuffer(data);
+      const settle = (event) => {
+        buffer.removeEventListener("updateend", settle);
+        buffer.removeEventListener("error", settle);
+        if (event.type === "error") reject(new Error("the browser could not append the video"));
+        else resolve();
+      };
+      buffer.addEventListener("updateend", settle);
+      buffer.addEventListener("error", settle);
+      buffer.appendBuffer(data);
     }));
     return this.idle;
   }
