@@ -38,6 +38,15 @@ its own open (its session, spec and limits) and output (one `LatentFrameOut`
 per encoder call) and reuses the rest. `model_info` is a call without a
 session.
 
+Server-side video (`RequestedOutput.video`): the core feeds each frame piece
+to the call's packager on the shared `PackagingPool` (`vaed.video`) and yields
+`VideoOut` bytes instead of `FramesOut`, so the gRPC format MP4 and the HTTP
+`output_type=mp4` are one implementation. A group's credit goes back once its
+bytes were sent, as for frames: a slow encoder or reader stalls only its own
+session. Video holds one video (batch 1) and is never resumed part-way
+(`skip_frames` is refused): x264's bytes depend on its thread count, so a
+resumed call cannot splice another host's fragments onto the ones sent.
+
 The log line (logger `vaed.service`, one per call, OK at INFO, others at
 WARNING) keeps the name the service had when it wrote it.
 """
@@ -67,6 +76,7 @@ from .errors import ClientIdle, InvalidInput, NotReady, Status, status_for
 from .limits import Limits
 from .parallel.pool import SessionSlot, WorkerPool
 from .session import CallRecord, HostGroup, Receive, Session, first_message
+from .video import PackagingPool, VideoError, VideoOptions, default_fps
 
 log = logging.getLogger("vaed.service")
 
@@ -96,6 +106,7 @@ class RequestedOutput:
     raw_latents: bool = False
     allow_non_finite: bool = False
     skip_frames: int = 0                   # a resumed call: frames the client has (decoded, not sent)
+    video: VideoOptions | None = None      # server-side MP4 (needs rgb8): VideoOut bytes instead of frames
 
 
 @dataclass(frozen=True)
@@ -172,6 +183,17 @@ class LatentFrameOut:
 
 
 @dataclass(frozen=True)
+class VideoOut:
+    """The next bytes of a call's MP4 file (`RequestedOutput.video`), released by encoding the
+    frames of group `chunk_index` from `first_frame` on."""
+
+    request_id: str
+    chunk_index: int
+    first_frame: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class CallEnd:
     """The call's last item: how many groups and frames it sent."""
 
@@ -180,7 +202,7 @@ class CallEnd:
     frames: int
 
 
-Out = FramesOut | CallEnd
+Out = FramesOut | VideoOut | CallEnd
 
 
 class CallFailed(Exception):
@@ -218,6 +240,7 @@ class ModelFacts:
     encodes: bool = False
     encode_precisions: tuple[Precision, ...] = ()
     encode_dtypes: tuple[torch.dtype, ...] = ()
+    video_fps: int = 0        # server-side video's default frame rate (the model's); 0: none offered
 
 
 def checked_request_id(request_id: str) -> str:
@@ -313,11 +336,15 @@ class Call(Generic[T]):
 class CallCore:
     """Model info, Decode and DecodeStream over a WorkerPool, for any front."""
 
-    def __init__(self, config: ServerConfig, pool: WorkerPool, lifecycle: Lifecycle, metrics: Any = None) -> None:
+    def __init__(
+        self, config: ServerConfig, pool: WorkerPool, lifecycle: Lifecycle, metrics: Any = None,
+        packaging: PackagingPool | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.packaging = packaging  # None: no server-side video (a call asking for it is refused)
 
     # -- operations: each returns a Call for the front to iterate -------------------------
 
@@ -394,6 +421,11 @@ class CallCore:
         default = self.config.precision
         return (default,) + tuple(p for p in Precision if p in offered and p != default)
 
+    def default_fps(self) -> int:
+        """The served model's frame rate: server-side video's fps when a call asks for none."""
+        engine = self.pool.engine
+        return default_fps(engine.patch_size if engine is not None else None)
+
     def model_facts(self) -> ModelFacts:
         engine = self.pool.engine
         if engine is None:
@@ -424,6 +456,7 @@ class CallCore:
             encodes=engine.encodes,
             encode_precisions=ENCODE_PRECISIONS if engine.encodes else (),
             encode_dtypes=engine.encode_dtypes,
+            video_fps=self.default_fps() if self.packaging is not None else 0,
         )
 
     def _limits(self) -> Limits:
@@ -461,11 +494,52 @@ class CallCore:
         """The session of a call's first message (request id, output spec, limits) and its options."""
         record.request_id = checked_request_id(message.request_id)
         requested = message.options() if message.options is not None else RequestedOutput()
+        if requested.video is not None:
+            self._check_video(requested, message.latents)
         session = Session(
             record, self.output_spec(requested), self._limits(), loop=asyncio.get_running_loop(),
             credits=self.config.queue_chunks, max_backlog_frames=self.config.max_backlog_frames,
         )
         return session, requested
+
+    def _check_video(self, requested: RequestedOutput, latents: LatentsIn) -> None:
+        """What server-side video cannot do, refused before the session opens."""
+        if self.packaging is None:
+            raise InvalidInput("this server does not package video; ask for RGB8 frames")
+        assert requested.rgb8  # a front asks video of the RGB8 frames
+        if requested.skip_frames:
+            raise InvalidInput(
+                f"skip_frames ({requested.skip_frames}) does not apply to MP4 output: a resumed MP4 call "
+                "asks for the whole video again (the encoder's bytes differ between hosts)")
+        batch = latents.header()[0][0]
+        if batch != 1:
+            raise InvalidInput(f"MP4 output holds one video: send batch 1, got {batch}")
+
+    async def _video(self, pieces: AsyncGenerator[Out, None], options: VideoOptions) -> AsyncGenerator[Out, None]:
+        """The call's frame pieces encoded, in order, on the packaging pool: `VideoOut` bytes as
+        each piece releases them (the init segment with the first), the rest at the CallEnd. A
+        piece's group credit goes back when the next piece is asked for: after its bytes went out."""
+        assert self.packaging is not None
+        packager = self.packaging.packager(options)
+        try:
+            async for item in pieces:
+                if isinstance(item, FramesOut):
+                    data = await packager.add(item.frames[0].numpy())
+                    if data:
+                        yield VideoOut(item.request_id, item.chunk_index, item.first_frame, data)
+                    continue
+                assert isinstance(item, CallEnd)
+                yield VideoOut(item.request_id, item.groups, item.frames, await packager.close())
+                yield item
+        except VideoError as exc:
+            raise InvalidInput(str(exc)) from None
+
+    def _output_of(self, session: Session, requested: RequestedOutput) -> AsyncGenerator[Out, None]:
+        """Frames, or their video when the call asked for it."""
+        pieces = self._output(session, requested.skip_frames)
+        if requested.video is None:
+            return pieces
+        return self._video(pieces, requested.video)
 
     @staticmethod
     def _accept(session: Session, latents: LatentsIn) -> None:
@@ -538,7 +612,7 @@ class CallCore:
             worker = self.pool.attach(session, slot)
             more = asyncio.create_task(self._refuse_a_second_message(input.receive, session, timeout))
             try:
-                async for item in self._output(session, requested.skip_frames):
+                async for item in self._output_of(session, requested):
                     if isinstance(item, CallEnd):
                         await more  # the call succeeds only once its one message was all it sent
                     yield item
@@ -563,7 +637,7 @@ class CallCore:
             worker = self.pool.attach(session, slot)
             reader = asyncio.create_task(self._read_rest(input, session, lambda chunk: chunk.latents))
             try:
-                async for item in self._output(session, requested.skip_frames):
+                async for item in self._output_of(session, requested):
                     yield item
             finally:
                 reader.cancel()

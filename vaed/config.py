@@ -9,6 +9,7 @@ is the field's), so the parser, `--help` and the config cannot disagree.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,11 @@ class ServerConfig:
     max_health_calls: int = option(
         8, "health requests read at once (they need no token and are at most 4096 bytes); "
         "more get RESOURCE_EXHAUSTED", parse=positive_int, metavar="N")
+    # Named for what it sizes, video: --encode is the VAE encoder's flag.
+    video_threads: int | None = option(
+        None, "threads that encode server-side video (gRPC format MP4, HTTP output_type=mp4) for every "
+        "session; a session uses one at a time", parse=positive_int, metavar="N",
+        no_default="half the host's cores per served device (--gpu count, 1 on CPU), 1 to 8")
     metrics_port: int | None = option(None, "serve Prometheus metrics at /metrics on this port", parse=int)
     metrics_host: str | None = option(None, "address the metrics endpoint binds", no_default="--host")
     http_port: int | None = option(
@@ -211,6 +217,15 @@ class ServerConfig:
         if self.cpu_threads is not None:
             return self.cpu_threads
         return GPU_SERVER_CPU_THREADS if self.is_cuda else None
+
+    @property
+    def packaging_threads(self) -> int:
+        """--video-threads, else half the host's cores per served device, 1 to 8 (`vaed.video.default_threads`)."""
+        if self.video_threads is not None:
+            return self.video_threads
+        from .video import default_threads
+
+        return default_threads(os.cpu_count(), len(self.devices))
 
     @property
     def rpc_limit(self) -> int:

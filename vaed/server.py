@@ -187,12 +187,6 @@ def http_front_shares_metrics(config: ServerConfig) -> bool:
             and http_host(config) == (config.metrics_host or config.host))
 
 
-def encode_threads() -> int:
-    """Threads of the HTTP front's MP4 packaging pool: half the cores, 1 to 8 (PyAV's libx264
-    releases the GIL; the other half is left to the event loop and the device threads)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
 class VaedServer:
     def __init__(self, config: ServerConfig, build_engine: EngineFactory | None = None):
         self.config = config
@@ -206,8 +200,10 @@ class VaedServer:
         self.metrics = ServerMetrics(load=self.pool) if config.metrics_port is not None else None
         if self.metrics is not None and (log_handler := installed_log_handler()) is not None:
             self.metrics.registry.register(DroppedLogCollector(log_handler))
+        # Server-side video for both fronts; its threads start with the first call that asks.
+        self.packaging = PackagingPool(config.packaging_threads)
         # every call's logic, below the fronts (the gRPC servicer translates for it)
-        self.core = CallCore(config, self.pool, self.lifecycle, self.metrics)
+        self.core = CallCore(config, self.pool, self.lifecycle, self.metrics, packaging=self.packaging)
         self.metrics_port: int | None = None
         # The one HTTP stack; /metrics is its first route.
         self.http: HttpServer | None = None
@@ -219,11 +215,9 @@ class VaedServer:
         self.front: HfFront | None = None
         self.front_http: HttpServer | None = None
         self.http_port: int | None = None
-        self.packaging: PackagingPool | None = None
         if config.http_port is not None:
-            self.packaging = PackagingPool(encode_threads())
             token = read_token(config.auth_token_file, wire.AUTH_TOKEN_ENV)
-            self.front = HfFront(self.core, self.packaging, token=token, on_refused=self._refused)
+            self.front = HfFront(self.core, token=token, on_refused=self._refused)
             if self.http is not None and http_front_shares_metrics(config):
                 self.front_http = self.http
             else:
@@ -378,8 +372,7 @@ class VaedServer:
             await self.front_http.stop()
         if self.http is not None:
             await self.http.stop()
-        if self.packaging is not None:
-            self.packaging.shutdown()
+        self.packaging.shutdown()
         self._stopped.set()
         unfreeze_heap()  # this process may go on (tests, an embedding app): its garbage is collectable again
         log.info("stopped")

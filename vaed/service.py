@@ -7,7 +7,8 @@ KServe's gRPC servicer does over its data plane:
 
 * in: the raw request bytes become `InputMessage`s (`parse`,
   `ProtoLatents`, `requested_output`), read only when the core asks;
-* out: `FramesOut` / `CallEnd` become FrameChunks, `ModelFacts` a ModelInfo;
+* out: `FramesOut` / `VideoOut` / `CallEnd` become FrameChunks (`VideoOut`'s
+  bytes in FrameChunk.video), `ModelFacts` a ModelInfo;
 * a `CallFailed` becomes its gRPC status (`grpc.StatusCode[status.name]`:
   the one table is `vaed.errors`), and the context's deadline tells a
   cancelled call from an expired one.
@@ -26,6 +27,7 @@ chunk_index = the number of groups and first_frame = the number of frames.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -49,11 +51,13 @@ from .calls import (
     RequestedEncode,
     RequestedOutput,
     VideoMessage,
+    VideoOut,
 )
 from .choices import Precision
 from .engine import DTYPES
 from .errors import InvalidInput
 from .interceptors import REFUSAL_LINGER_SECONDS
+from .video import DEFAULT_CRF, DEFAULT_PRESET, VideoError, VideoOptions
 
 pb = wire.pb
 _WIRE_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
@@ -71,11 +75,37 @@ def parse(kind: type[Message], raw: bytes) -> Any:
         raise InvalidInput(f"malformed {kind.__name__} message ({len(raw)} bytes): {exc}") from None
 
 
-def requested_output(options: Any) -> RequestedOutput:
-    """DecodeOptions -> RequestedOutput; values the wire cannot name are InvalidInput."""
+_VIDEO_FORMATS = (pb.MP4, pb.MP4_LOSSLESS)
+
+
+def video_options(options: Any, default_fps: Callable[[], int]) -> VideoOptions | None:
+    """DecodeOptions' video fields -> VideoOptions (None for frame output); a field that does
+    not apply, or a value out of range, is InvalidInput."""
     fmt = options.format
-    if fmt not in (pb.OUTPUT_FORMAT_UNSPECIFIED, pb.RGB8, pb.RAW):
-        raise InvalidInput(f"unknown output format {fmt}; use RGB8 or RAW")
+    given = [name for name, set_ in (("fps", options.fps != 0), ("crf", options.HasField("crf")),
+                                     ("preset", options.preset != "")) if set_]
+    if fmt not in _VIDEO_FORMATS:
+        if given:
+            raise InvalidInput(f"{', '.join(given)}: options of the MP4 and MP4_LOSSLESS formats, "
+                               f"not of {pb.OutputFormat.Name(fmt)}")
+        return None
+    if fmt == pb.MP4_LOSSLESS and options.HasField("crf"):
+        raise InvalidInput("crf is an option of MP4; MP4_LOSSLESS is always CRF 0")
+    try:
+        return VideoOptions(
+            fps=options.fps or default_fps(), crf=options.crf if options.HasField("crf") else DEFAULT_CRF,
+            preset=options.preset or DEFAULT_PRESET, lossless=fmt == pb.MP4_LOSSLESS)
+    except VideoError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def requested_output(options: Any, default_fps: Callable[[], int]) -> RequestedOutput:
+    """DecodeOptions -> RequestedOutput; values the wire cannot name are InvalidInput.
+    `default_fps`: the model's frame rate, for video that asks for none."""
+    fmt = options.format
+    if fmt not in (pb.OUTPUT_FORMAT_UNSPECIFIED, pb.RGB8, pb.RAW, *_VIDEO_FORMATS):
+        raise InvalidInput(f"unknown output format {fmt}; use RGB8, RAW, MP4 or MP4_LOSSLESS")
+    video = video_options(options, default_fps)
     raw_dtype = None
     if options.raw_dtype != pb.DATA_TYPE_UNSPECIFIED:
         name = wire.DTYPE_NAMES.get(options.raw_dtype)
@@ -93,7 +123,7 @@ def requested_output(options: Any) -> RequestedOutput:
         raise InvalidInput(f"unknown precision {options.precision}; use LOSSLESS or FAST")
     return RequestedOutput(
         rgb8=fmt != pb.RAW, raw_dtype=raw_dtype, precision=precision, raw_latents=options.raw_latents,
-        allow_non_finite=options.allow_non_finite, skip_frames=options.skip_frames,
+        allow_non_finite=options.allow_non_finite, skip_frames=options.skip_frames, video=video,
     )
 
 
@@ -142,22 +172,22 @@ class ProtoLatents:
         return wire.to_torch(self._message)
 
 
-def _input_message(request: Any) -> InputMessage:
+def _input_message(request: Any, default_fps: Callable[[], int]) -> InputMessage:
     """A DecodeRequest or LatentChunk; its options are translated when the core reads them."""
     options = request.options
     return InputMessage(
         request_id=options.request_id,
         latents=ProtoLatents(request.latents),
-        options=(lambda: requested_output(options)) if request.HasField("options") else None,
+        options=(lambda: requested_output(options, default_fps)) if request.HasField("options") else None,
     )
 
 
-def decode_request(raw: bytes) -> InputMessage:
-    return _input_message(parse(pb.DecodeRequest, raw))
+def decode_request(raw: bytes, default_fps: Callable[[], int]) -> InputMessage:
+    return _input_message(parse(pb.DecodeRequest, raw), default_fps)
 
 
-def latent_chunk(raw: bytes) -> InputMessage:
-    return _input_message(parse(pb.LatentChunk, raw))
+def latent_chunk(raw: bytes, default_fps: Callable[[], int]) -> InputMessage:
+    return _input_message(parse(pb.LatentChunk, raw), default_fps)
 
 
 def video_chunk(raw: bytes) -> VideoMessage:
@@ -176,6 +206,9 @@ def video_chunk(raw: bytes) -> VideoMessage:
 def frame_chunk(item: Out) -> Any:
     if isinstance(item, CallEnd):
         return pb.FrameChunk(request_id=item.request_id, chunk_index=item.groups, first_frame=item.frames, final=True)
+    if isinstance(item, VideoOut):
+        return pb.FrameChunk(request_id=item.request_id, chunk_index=item.chunk_index, first_frame=item.first_frame,
+                             video=item.data)
     assert isinstance(item, FramesOut)
     return pb.FrameChunk(
         request_id=item.request_id, chunk_index=item.chunk_index, first_frame=item.first_frame,
@@ -216,6 +249,8 @@ def model_info(facts: ModelFacts) -> Any:
         encodes=facts.encodes,
         encode_precisions=[_PRECISION_VALUES[p] for p in facts.encode_precisions],
         encode_dtypes=[_WIRE_DTYPE[d] for d in facts.encode_dtypes],
+        video_formats=list(_VIDEO_FORMATS) if facts.video_fps else [],
+        video_fps=facts.video_fps,
     )
 
 
@@ -279,14 +314,16 @@ class VaeDecoderService:
         return replies[0]
 
     def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        call = self.core.decode(_stream_input(requests, decode_request), frame_chunk, _deadline_passed(context))
+        parse_one = functools.partial(decode_request, default_fps=self.core.default_fps)
+        call = self.core.decode(_stream_input(requests, parse_one), frame_chunk, _deadline_passed(context))
         return self._streamed(context, call)
 
     def DecodeStream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         # A failing client-streaming call lingers briefly, reading nothing, before its status: a
         # grpc.aio client still writing otherwise sees INTERNAL instead of it (see vaed.interceptors).
+        parse_one = functools.partial(latent_chunk, default_fps=self.core.default_fps)
         call = self.core.decode_stream(
-            _stream_input(requests, latent_chunk), frame_chunk, _deadline_passed(context),
+            _stream_input(requests, parse_one), frame_chunk, _deadline_passed(context),
             linger=REFUSAL_LINGER_SECONDS)
         return self._streamed(context, call)
 

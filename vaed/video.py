@@ -18,9 +18,19 @@ Choices, and why:
   `moof` per frame, under 0.1 % of a 480p frame's H.264 bytes.
 - The lossless choice is libx264rgb at CRF 0 in rgb24: exact RGB (yuv444p at CRF 0 is not — the
   RGB -> YUV conversion itself rounds). Browsers do not play it; it is for files.
+- No fragment leaves with its own frame, and no option changes that: the mov muxer cuts a
+  fragment only when the next packet arrives (`frag_every_frame`, `frag_duration`,
+  `min_frag_duration` and `frag_keyframe` are all checked then), and the one explicit cut,
+  `movflags=frag_custom` with `av_write_frame(ctx, NULL)`, is not reachable from PyAV (its
+  `mux` calls only `av_interleaved_write_frame`, which never hands the muxer a NULL packet; a
+  `flush()` for it was proposed to PyAV and closed unmerged). So the first group's frame (one
+  frame) leaves with the second group, and every group's last frame with the next group;
+  `tests/server/test_video.py` pins this order, so a PyAV that can cut earlier shows up there.
 
 PyAV releases the GIL while it encodes, so packagers of several sessions run in parallel on a
-thread pool (`PackagingPool`) beside the asyncio loop and the device threads.
+thread pool (`PackagingPool`, `vaed serve --video-threads`) beside the asyncio loop and the
+device threads. Both fronts use it through the call core (`vaed.calls`): a gRPC Decode with
+format MP4 and an HTTP `output_type=mp4` are the same code from the decoded group to the bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ DEFAULT_CRF = 23
 DEFAULT_PRESET = "veryfast"  # ~2x faster than x264's "medium" for ~10 % more bytes
 # Wan's frame rates: Wan2.1 generates 16 fps, Wan2.2 (TI2V-5B) 24 fps.
 DEFAULT_FPS = {"wan2.1": 16, "wan2.2": 24}
+# Packaging threads per served device at most (see `default_threads`).
+MAX_DEFAULT_THREADS = 8
 _MOVFLAGS = "frag_every_frame+empty_moov+default_base_moof"
 
 
@@ -43,9 +55,24 @@ class VideoError(ValueError):
     """Frames or options that cannot be packaged (the caller's input)."""
 
 
+def default_fps(patch_size: int | None) -> int:
+    """Wan2.2's VAE patchifies its output (patch_size 2) and generates 24 fps; Wan2.1's does
+    neither and generates 16 fps."""
+    return DEFAULT_FPS["wan2.2" if patch_size else "wan2.1"]
+
+
+def default_threads(cpu_count: int | None, devices: int) -> int:
+    """`--video-threads`' default: half the host's cores per served device, 1 to 8. The other
+    half is left to the event loop, the device threads and x264's own slice threads. A session
+    takes one thread at a time (its steps run in order), so threads beyond the sessions that
+    ask for video at once buy nothing."""
+    per_device = (cpu_count or 2) // max(1, devices)
+    return max(1, min(MAX_DEFAULT_THREADS, per_device // 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class VideoOptions:
-    fps: int = 16
+    fps: int = 16                   # a front fills in the model's (`default_fps`) when none is asked
     crf: int = DEFAULT_CRF          # 0..51, lower is better; ignored when lossless
     preset: str = DEFAULT_PRESET    # an x264 preset name
     lossless: bool = False          # libx264rgb CRF 0 (exact RGB, not browser-playable)
@@ -166,7 +193,7 @@ class _Sink:
 
 
 class PackagingPool:
-    """A bounded pool of CPU threads that encode video for every session (`--encode-threads`).
+    """A bounded pool of CPU threads that encode video for every session (`--video-threads`).
 
     Each session's packager runs its steps in order (one step at a time per session); sessions
     run in parallel up to the pool's size. A session waiting for its encoder holds back only its

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -45,7 +46,8 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import CancelledError, ClientClosedError, VaedError, from_rpc_error
+from .errors import CancelledError, ClientClosedError, LocalInputError, VaedError, from_rpc_error
+from .mp4 import Mp4Output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
@@ -163,27 +165,45 @@ class AsyncVaeClient:
         raw_dtype: Any = None,
         request_id: str | None = None,
         report: CallReport | None = None,
+        fps: int | None = None,
+        crf: int | None = None,
+        preset: str | None = None,
+        lossless: bool = False,
+        mp4_path: str | os.PathLike[str] | None = None,
     ) -> Any:
-        """The whole video; see `VaeClient.decode`."""
+        """The whole video (or its MP4 file: output_type="mp4"); see `VaeClient.decode`."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
-                         raw_dtype=raw_dtype, request_id=request_id)
+                         raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
+                         lossless=lossless)
         prepared = prepare_latents(latents)
-        info = await self._cached_info()
-        assembly = Assembly(spec, prepared.as_torch, info.output_frames(prepared.latent_frames))
+        assembly: Assembly | Mp4Output
+        if spec.video:
+            assembly = Mp4Output(mp4_path)
+        elif mp4_path is not None:
+            raise LocalInputError("mp4_path is for output_type='mp4'")
+        else:
+            info = await self._cached_info()
+            assembly = Assembly(spec, prepared.as_torch, info.output_frames(prepared.latent_frames))
         progress = self._progress(report, spec.options.request_id)
-        while True:
-            request = decode_request(prepared, progress.options(spec.options))
-            call = self._stub_at(progress.target).Decode(request, timeout=progress.remaining(), metadata=self._metadata)
-            try:
-                async for reply in call:
-                    if (reply := progress.accept(reply, spec.wire_format)) is not None:
-                        assembly.add(reply)
-                return assembly.result()
-            except grpc.RpcError as e:
-                await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
-            except BaseException:
-                call.cancel()
-                raise
+        try:
+            while True:
+                request = decode_request(prepared, progress.options(spec.options))
+                call = self._stub_at(progress.target).Decode(
+                    request, timeout=progress.remaining(), metadata=self._metadata)
+                assembly.restart()
+                try:
+                    async for reply in call:
+                        if (reply := progress.accept(reply, spec.wire_format)) is not None:
+                            assembly.add(reply)
+                    return assembly.result()
+                except grpc.RpcError as e:
+                    await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+                except BaseException:
+                    call.cancel()
+                    raise
+        except BaseException:
+            assembly.discard()
+            raise
 
     async def encode(
         self,

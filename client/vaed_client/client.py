@@ -17,6 +17,7 @@ torch latents give torch results (CPU), numpy latents numpy results, for the
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +32,7 @@ from .core import (
     END,
     Assembly,
     CallSpec,
+    Latents,
     ModelInfo,
     SessionState,
     SessionView,
@@ -43,7 +45,8 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import ClientClosedError, VaedError, from_rpc_error
+from .errors import ClientClosedError, LocalInputError, VaedError, from_rpc_error
+from .mp4 import Mp4Output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
@@ -172,6 +175,11 @@ class VaeClient:
         raw_dtype: Any = None,
         request_id: str | None = None,
         report: CallReport | None = None,
+        fps: int | None = None,
+        crf: int | None = None,
+        preset: str | None = None,
+        lossless: bool = False,
+        mp4_path: str | os.PathLike[str] | None = None,
     ) -> Any:
         """Decode latents `[B, z_dim, T, h, w]` (or `[z_dim, T, h, w]`) to the whole video.
 
@@ -179,26 +187,43 @@ class VaeClient:
         `[B, 3, T_out, H, W]` in the server's compute dtype or `raw_dtype`
         (numpy gets bf16 as float32); "np" / "pt" / "pil": diffusers' outputs
         (`vaed_client.outputs`). `format="rgb8"|"raw"` is the wire format.
+        "mp4" (batch 1): the server's MP4 file as bytes, or written to `mp4_path` as
+        it arrives (the path is returned); `fps`, `crf`, `preset`, `lossless` are its
+        options, and a failed server makes it start over on the next (`vaed_client.mp4`).
         `report`: a `CallReport` filled with the call's resumes and why.
         """
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
-                         raw_dtype=raw_dtype, request_id=request_id)
+                         raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
+                         lossless=lossless)
         prepared = prepare_latents(latents)
-        assembly = Assembly(spec, prepared.as_torch, self._cached_info().output_frames(prepared.latent_frames))
+        assembly = self._assembly(spec, prepared, mp4_path)
         progress = self._progress(report, spec.options.request_id)
-        while True:
-            request = decode_request(prepared, progress.options(spec.options))
-            call = self._stub_at(progress.target).Decode(request, timeout=progress.remaining(), metadata=self._metadata)
-            try:
-                for reply in call:
-                    if (reply := progress.accept(reply, spec.wire_format)) is not None:
-                        assembly.add(reply)
-                return assembly.result()
-            except grpc.RpcError as e:
-                time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
-            except BaseException:
-                call.cancel()
-                raise
+        try:
+            while True:
+                request = decode_request(prepared, progress.options(spec.options))
+                call = self._stub_at(progress.target).Decode(
+                    request, timeout=progress.remaining(), metadata=self._metadata)
+                assembly.restart()
+                try:
+                    for reply in call:
+                        if (reply := progress.accept(reply, spec.wire_format)) is not None:
+                            assembly.add(reply)
+                    return assembly.result()
+                except grpc.RpcError as e:
+                    time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+                except BaseException:
+                    call.cancel()
+                    raise
+        except BaseException:
+            assembly.discard()
+            raise
+
+    def _assembly(self, spec: CallSpec, prepared: Latents, mp4_path: Any) -> Assembly | Mp4Output:
+        if spec.video:
+            return Mp4Output(mp4_path)
+        if mp4_path is not None:
+            raise LocalInputError("mp4_path is for output_type='mp4'")
+        return Assembly(spec, prepared.as_torch, self._cached_info().output_frames(prepared.latent_frames))
 
     def encode(
         self,

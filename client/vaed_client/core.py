@@ -22,6 +22,7 @@ import numpy as np
 
 from . import outputs, wire
 from .errors import CancelledError, InternalError, LocalInputError, VaedError
+from .mp4 import MP4, check_no_video_options, video_fields
 from .tensors import TensorFormatError, is_torch
 from .video import RAW, RGB8, DecodedChunk, VideoAssembler, has_frames, to_chunk
 
@@ -58,6 +59,8 @@ class ModelInfo:
     encodes: bool = False                                      # the server serves Encode
     encode_precisions: list[str] = field(default_factory=list)  # its Encode tiers, the default first
     encode_dtypes: list[str] = field(default_factory=list)      # its Encode compute dtypes
+    video_formats: list[str] = field(default_factory=list)      # server-side video: "mp4", "mp4_lossless"
+    video_fps: int = 0                                          # its default frame rate (the model's)
 
     @classmethod
     def from_proto(cls, message: Any) -> ModelInfo:
@@ -83,6 +86,8 @@ class ModelInfo:
             encodes=message.encodes,
             encode_precisions=[wire.pb.Precision.Name(p).lower() for p in message.encode_precisions],
             encode_dtypes=[wire.DTYPE_NAMES.get(d, "") for d in message.encode_dtypes],
+            video_formats=[wire.pb.OutputFormat.Name(f).lower() for f in message.video_formats],
+            video_fps=message.video_fps,
         )
 
     def output_frames(self, latent_frames: int) -> int:
@@ -116,9 +121,14 @@ def raw_dtype_value(dtype: Any) -> pb.DataType:
 class CallSpec:
     """One call's parsed options: what goes on the wire and what to return."""
 
-    wire_format: str  # RGB8 or RAW
+    wire_format: str  # RGB8 or RAW (RGB8 for mp4: the frames the server encodes)
     output_type: str  # one of outputs.OUTPUT_TYPES
     options: Any  # pb.DecodeOptions
+
+    @property
+    def video(self) -> bool:
+        """Server-side MP4: the replies carry file bytes, not frames (`vaed_client.mp4`)."""
+        return self.output_type == MP4
 
     def result(self, frames: Any) -> Any:
         return outputs.convert(frames, self.wire_format, self.output_type)
@@ -131,14 +141,27 @@ def call_spec(
     raw_latents: bool = False,
     raw_dtype: Any = None,
     request_id: str | None = None,
+    fps: int | None = None,
+    crf: int | None = None,
+    preset: str | None = None,
+    lossless: bool = False,
 ) -> CallSpec:
     """Parse decode options. `output_type` picks the result; `format` (the
     wire format, kept for compatibility) picks the light RGB8 transport for
-    np/pt/pil, whose default is exact RAW in the server's compute dtype."""
+    np/pt/pil, whose default is exact RAW in the server's compute dtype.
+    "mp4" asks for the server's MP4 file; `fps`, `crf`, `preset` and
+    `lossless` are its options (`vaed_client.mp4`)."""
     fmt = format_name(format) if format is not None else None
     if output_type is None:
         output_type = outputs.RAW_OUT if fmt == RAW else outputs.UINT8
     output_type = str(output_type).lower()
+    if output_type == MP4:
+        if format is not None or raw_dtype is not None:
+            raise LocalInputError("format and raw_dtype are options of frame output, not of output_type='mp4'")
+        spec = call_spec(raw_latents=raw_latents, request_id=request_id)
+        video_fields(spec.options, lossless=lossless, fps=fps, crf=crf, preset=preset)
+        return CallSpec(wire_format=RGB8, output_type=MP4, options=spec.options)
+    check_no_video_options(output_type, fps=fps, crf=crf, preset=preset, lossless=lossless)
     if output_type not in outputs.OUTPUT_TYPES:
         raise LocalInputError(f"unknown output_type {output_type!r}; use one of {', '.join(outputs.OUTPUT_TYPES)}")
     missing = outputs.missing_dependency(output_type)
@@ -293,6 +316,12 @@ class Assembly:
 
     def result(self) -> Any:
         return self.spec.result(self.assembler.result(self.as_torch))
+
+    def restart(self) -> None:
+        """A resumed attempt of a frame call sends only frames not placed yet: nothing to forget."""
+
+    def discard(self) -> None:
+        """The call failed: nothing to clean up (the frames are in memory)."""
 
 
 def _torch_available() -> bool:

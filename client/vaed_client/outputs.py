@@ -7,6 +7,7 @@
 | "np"    | RAW (exact) or RGB8 (light) | float32 numpy `[B, T, H, W, 3]` in [0, 1] |
 | "pt"    | RAW (exact) or RGB8 (light) | torch `[B, T, 3, H, W]` in [0, 1] |
 | "pil"   | RAW (exact) or RGB8 (light) | list (per batch item) of lists of PIL images |
+| "mp4"   | MP4 / MP4_LOSSLESS | the server's MP4 file: bytes, or the path given as `mp4_path` (`vaed_client.mp4`) |
 
 np / pt / pil follow diffusers' `VideoProcessor.postprocess_video` exactly:
 it takes the decoder output in the VAE's dtype, computes
@@ -37,7 +38,8 @@ RAW_OUT = "raw"
 NP = "np"
 PT = "pt"
 PIL = "pil"
-OUTPUT_TYPES: tuple[str, ...] = (UINT8, RAW_OUT, NP, PT, PIL)
+MP4 = "mp4"  # the server's MP4 file (bytes), not frames: `vaed_client.mp4`
+OUTPUT_TYPES: tuple[str, ...] = (UINT8, RAW_OUT, NP, PT, PIL, MP4)
 # output types postprocessed here from a wire format
 PIPELINE_TYPES: tuple[str, ...] = (NP, PT, PIL)
 

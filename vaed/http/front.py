@@ -53,9 +53,9 @@ from ..calls import (
     RequestedEncode,
     RequestedOutput,
     VideoMessage,
+    VideoOut,
 )
 from ..errors import InvalidInput, NotReady, Status
-from ..video import DEFAULT_FPS, PackagingPool
 from .hf_protocol import (
     Answer,
     DecodedImage,
@@ -112,21 +112,13 @@ async def _defer_continue(request: web.Request) -> None:
         raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get(hdrs.EXPECT)}")
 
 
-def default_fps(patch_size: int | None) -> int:
-    """Wan2.2's VAE patchifies its output (patch_size 2) and generates 24 fps; Wan2.1's does
-    neither and generates 16 fps."""
-    return DEFAULT_FPS["wan2.2" if patch_size else "wan2.1"]
-
-
 class HfFront:
     """The HTTP front's routes over one CallCore (see the module docstring)."""
 
     def __init__(
-        self, core: CallCore, packaging: PackagingPool, token: str | None = None,
-        on_refused: Callable[[str, str], None] | None = None,
+        self, core: CallCore, token: str | None = None, on_refused: Callable[[str, str], None] | None = None,
     ) -> None:
         self.core = core
-        self.packaging = packaging
         self._token = token.encode("utf-8") if token is not None else None
         self._on_refused = on_refused or (lambda method, code: None)
         self.bodies_read = 0  # request bodies the front started reading (tests: refusals read none)
@@ -201,7 +193,7 @@ class HfFront:
         assert length is not None  # _refused_head checked it
         try:
             query = parse_query(request.query, request.query.getall("shape", []),
-                                request.headers.get(hdrs.ACCEPT, ""), self._default_fps())
+                                request.headers.get(hdrs.ACCEPT, ""), self.core.default_fps())
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
         if length != query.body_bytes:
@@ -284,10 +276,6 @@ class HfFront:
 
         return CallInput(receive=receive, parse=parse)
 
-    def _default_fps(self) -> int:
-        engine = self.core.pool.engine
-        return default_fps(engine.patch_size if engine is not None else None)
-
     def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[bytearray]:
         """The core's view of the request: one message (the body), then the end."""
         read = False
@@ -303,7 +291,8 @@ class HfFront:
             engine = self.core.pool.engine
             if engine is not None:
                 check_size(query, engine.scale_spatial)
-            requested = RequestedOutput(rgb8=query.rgb8, raw_latents=query.raw_latents, precision=query.precision)
+            requested = RequestedOutput(rgb8=query.rgb8, raw_latents=query.raw_latents, precision=query.precision,
+                                        video=query.video)
             return InputMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""),
                                 latents=RawLatents(body, query.shape, query.dtype), options=lambda: requested)
 
@@ -332,14 +321,14 @@ class HfFront:
         return body
 
     @staticmethod
-    def _to_message(query: DecodeQuery) -> Callable[[FramesOut | CallEnd], Any]:
+    def _to_message(query: DecodeQuery) -> Callable[[FramesOut | VideoOut | CallEnd], Any]:
         # On CUDA a group's frames are in pinned host memory, which torch's host allocator keeps
         # cached once allocated: an answer that keeps the whole video (every answer but mp4,
-        # which encodes each piece before asking for the next) copies each piece to pageable
-        # memory, so pinned memory stays at the credit window's few groups per session.
+        # whose pieces the core encodes before asking for the next) copies each piece to
+        # pageable memory, so pinned memory stays at the credit window's few groups per session.
         if query.answer is Answer.MP4:
             return lambda item: item
-        return lambda item: item if isinstance(item, CallEnd) else FramesOut(
+        return lambda item: item if not isinstance(item, FramesOut) else FramesOut(
             item.request_id, item.chunk_index, item.first_frame, item.frames.clone())
 
     async def _answer(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
@@ -365,19 +354,17 @@ class HfFront:
         return web.Response(body=tensor_bytes(tensor), headers={**headers, **tensor_headers(tensor)})
 
     async def _mp4(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
-        """The video's MP4 bytes: each group is encoded as it arrives (on the packaging pool,
-        beside the decode); with stream=true each encoded part goes out at once (chunked)."""
-        assert query.video is not None
-        packager = self.packaging.packager(query.video)
+        """The video's MP4 bytes, encoded by the core as the groups decode (`VideoOut`); with
+        stream=true each part goes out at once (chunked)."""
         parts: list[bytes] = []
         response: web.StreamResponse | None = None
+        request_id = ""
         try:
             async for item in call:
-                if isinstance(item, FramesOut):
-                    data = await packager.add(item.frames[0].numpy())
-                else:
-                    data = await packager.close()
+                if isinstance(item, CallEnd):
                     request_id = item.request_id
+                    continue
+                data = item.data
                 if not query.stream:
                     parts.append(data)
                 elif data:

@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12vaed/v1/vaed.proto\x12\x07vaed.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xdb\x01\n\rDecodeOptions\x12%\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x15.vaed.v1.OutputFormat\x12$\n\traw_dtype\x18\x02 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\x13\n\x0braw_latents\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12%\n\tprecision\x18\x05 \x01(\x0e\x32\x12.vaed.v1.Precision\x12\x18\n\x10\x61llow_non_finite\x18\x06 \x01(\x08\x12\x13\n\x0bskip_frames\x18\x07 \x01(\r\"Z\n\rDecodeRequest\x12 \n\x07latents\x18\x01 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\'\n\x07options\x18\x02 \x01(\x0b\x32\x16.vaed.v1.DecodeOptions\"X\n\x0bLatentChunk\x12 \n\x07latents\x18\x01 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\'\n\x07options\x18\x02 \x01(\x0b\x32\x16.vaed.v1.DecodeOptions\"z\n\nFrameChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_frame\x18\x03 \x01(\r\x12\x1f\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\xe2\x01\n\rEncodeOptions\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\tprecision\x18\x02 \x01(\x0e\x32\x12.vaed.v1.Precision\x12$\n\tout_dtype\x18\x03 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\x0f\n\x07latents\x18\x04 \x01(\x08\x12\x18\n\x10\x61llow_non_finite\x18\x05 \x01(\x08\x12\x1c\n\x14trailing_zero_frames\x18\x06 \x01(\r\x12\'\n\x0c\x65ncode_dtype\x18\x07 \x01(\x0e\x32\x11.vaed.v1.DataType\"V\n\nVideoChunk\x12\x1f\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\'\n\x07options\x18\x02 \x01(\x0b\x32\x16.vaed.v1.EncodeOptions\"\x8f\x01\n\x10LatentFrameChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0clatent_frame\x18\x02 \x01(\r\x12 \n\x07moments\x18\x03 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12 \n\x07latents\x18\x04 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\x9c\x04\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05z_dim\x18\x02 \x01(\r\x12\x1d\n\x15scale_factor_temporal\x18\x03 \x01(\r\x12\x1c\n\x14scale_factor_spatial\x18\x04 \x01(\r\x12\x14\n\x0clatents_mean\x18\x05 \x03(\x02\x12\x13\n\x0blatents_std\x18\x06 \x03(\x02\x12(\n\rcompute_dtype\x18\x07 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0erandom_weights\x18\t \x01(\x08\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x19\n\x11max_latent_frames\x18\x0b \x01(\r\x12\x12\n\nmax_pixels\x18\x0c \x01(\x04\x12\x0f\n\x07kernels\x18\r \x01(\t\x12\x0e\n\x06layout\x18\x0e \x01(\t\x12\x17\n\x0f\x66\x61st_paths_note\x18\x0f \x01(\t\x12&\n\nprecisions\x18\x10 \x03(\x0e\x32\x12.vaed.v1.Precision\x12\x0f\n\x07\x64\x65vices\x18\x11 \x03(\t\x12\x10\n\x08parallel\x18\x12 \x01(\t\x12\x0f\n\x07\x65ncodes\x18\x13 \x01(\x08\x12-\n\x11\x65ncode_precisions\x18\x14 \x03(\x0e\x32\x12.vaed.v1.Precision\x12(\n\rencode_dtypes\x18\x15 \x03(\x0e\x32\x11.vaed.v1.DataType*X\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05UINT8\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT32\x10\x04*@\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\x08\n\x04RGB8\x10\x01\x12\x07\n\x03RAW\x10\x02*>\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x0c\n\x08LOSSLESS\x10\x01\x12\x08\n\x04\x46\x41ST\x10\x02\x32\x81\x02\n\nVaeDecoder\x12=\n\x0cGetModelInfo\x12\x19.vaed.v1.ModelInfoRequest\x1a\x12.vaed.v1.ModelInfo\x12\x37\n\x06\x44\x65\x63ode\x12\x16.vaed.v1.DecodeRequest\x1a\x13.vaed.v1.FrameChunk0\x01\x12=\n\x0c\x44\x65\x63odeStream\x12\x14.vaed.v1.LatentChunk\x1a\x13.vaed.v1.FrameChunk(\x01\x30\x01\x12<\n\x06\x45ncode\x12\x13.vaed.v1.VideoChunk\x1a\x19.vaed.v1.LatentFrameChunk(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12vaed/v1/vaed.proto\x12\x07vaed.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x92\x02\n\rDecodeOptions\x12%\n\x06\x66ormat\x18\x01 \x01(\x0e\x32\x15.vaed.v1.OutputFormat\x12$\n\traw_dtype\x18\x02 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\x13\n\x0braw_latents\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12%\n\tprecision\x18\x05 \x01(\x0e\x32\x12.vaed.v1.Precision\x12\x18\n\x10\x61llow_non_finite\x18\x06 \x01(\x08\x12\x13\n\x0bskip_frames\x18\x07 \x01(\r\x12\x0b\n\x03\x66ps\x18\x08 \x01(\r\x12\x10\n\x03\x63rf\x18\t \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06preset\x18\n \x01(\tB\x06\n\x04_crf\"Z\n\rDecodeRequest\x12 \n\x07latents\x18\x01 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\'\n\x07options\x18\x02 \x01(\x0b\x32\x16.vaed.v1.DecodeOptions\"X\n\x0bLatentChunk\x12 \n\x07latents\x18\x01 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\'\n\x07options\x18\x02 \x01(\x0b\x32\x16.vaed.v1.DecodeOptions\"\x89\x01\n\nFrameChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_frame\x18\x03 \x01(\r\x12\x1f\n\x06\x66rames\x18\x04 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\x12\r\n\x05video\x18\x06 \x01(\x0c\"\xe2\x01\n\rEncodeOptions\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\tprecision\x18\x02 \x01(\x0e\x32\x12.vaed.v1.Precision\x12$\n\tout_dtype\x18\x03 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\x0f\n\x07latents\x18\x04 \x01(\x08\x12\x18\n\x10\x61llow_non_finite\x18\x05 \x01(\x08\x12\x1c\n\x14trailing_zero_frames\x18\x06 \x01(\r\x12\'\n\x0c\x65ncode_dtype\x18\x07 \x01(\x0e\x32\x11.vaed.v1.DataType\"V\n\nVideoChunk\x12\x1f\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\'\n\x07options\x18\x02 \x01(\x0b\x32\x16.vaed.v1.EncodeOptions\"\x8f\x01\n\x10LatentFrameChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0clatent_frame\x18\x02 \x01(\r\x12 \n\x07moments\x18\x03 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12 \n\x07latents\x18\x04 \x01(\x0b\x32\x0f.vaed.v1.Tensor\x12\r\n\x05\x66inal\x18\x05 \x01(\x08\"\x12\n\x10ModelInfoRequest\"\xdd\x04\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05z_dim\x18\x02 \x01(\r\x12\x1d\n\x15scale_factor_temporal\x18\x03 \x01(\r\x12\x1c\n\x14scale_factor_spatial\x18\x04 \x01(\r\x12\x14\n\x0clatents_mean\x18\x05 \x03(\x02\x12\x13\n\x0blatents_std\x18\x06 \x03(\x02\x12(\n\rcompute_dtype\x18\x07 \x01(\x0e\x32\x11.vaed.v1.DataType\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x16\n\x0erandom_weights\x18\t \x01(\x08\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x19\n\x11max_latent_frames\x18\x0b \x01(\r\x12\x12\n\nmax_pixels\x18\x0c \x01(\x04\x12\x0f\n\x07kernels\x18\r \x01(\t\x12\x0e\n\x06layout\x18\x0e \x01(\t\x12\x17\n\x0f\x66\x61st_paths_note\x18\x0f \x01(\t\x12&\n\nprecisions\x18\x10 \x03(\x0e\x32\x12.vaed.v1.Precision\x12\x0f\n\x07\x64\x65vices\x18\x11 \x03(\t\x12\x10\n\x08parallel\x18\x12 \x01(\t\x12\x0f\n\x07\x65ncodes\x18\x13 \x01(\x08\x12-\n\x11\x65ncode_precisions\x18\x14 \x03(\x0e\x32\x12.vaed.v1.Precision\x12(\n\rencode_dtypes\x18\x15 \x03(\x0e\x32\x11.vaed.v1.DataType\x12,\n\rvideo_formats\x18\x16 \x03(\x0e\x32\x15.vaed.v1.OutputFormat\x12\x11\n\tvideo_fps\x18\x17 \x01(\r*X\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\t\n\x05UINT8\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT32\x10\x04*[\n\x0cOutputFormat\x12\x1d\n\x19OUTPUT_FORMAT_UNSPECIFIED\x10\x00\x12\x08\n\x04RGB8\x10\x01\x12\x07\n\x03RAW\x10\x02\x12\x07\n\x03MP4\x10\x03\x12\x10\n\x0cMP4_LOSSLESS\x10\x04*>\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x0c\n\x08LOSSLESS\x10\x01\x12\x08\n\x04\x46\x41ST\x10\x02\x32\x81\x02\n\nVaeDecoder\x12=\n\x0cGetModelInfo\x12\x19.vaed.v1.ModelInfoRequest\x1a\x12.vaed.v1.ModelInfo\x12\x37\n\x06\x44\x65\x63ode\x12\x16.vaed.v1.DecodeRequest\x1a\x13.vaed.v1.FrameChunk0\x01\x12=\n\x0c\x44\x65\x63odeStream\x12\x14.vaed.v1.LatentChunk\x1a\x13.vaed.v1.FrameChunk(\x01\x30\x01\x12<\n\x06\x45ncode\x12\x13.vaed.v1.VideoChunk\x1a\x19.vaed.v1.LatentFrameChunk(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vaed.v1.vaed_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATATYPE']._serialized_start=1658
-  _globals['_DATATYPE']._serialized_end=1746
-  _globals['_OUTPUTFORMAT']._serialized_start=1748
-  _globals['_OUTPUTFORMAT']._serialized_end=1812
-  _globals['_PRECISION']._serialized_start=1814
-  _globals['_PRECISION']._serialized_end=1876
+  _globals['_DATATYPE']._serialized_start=1794
+  _globals['_DATATYPE']._serialized_end=1882
+  _globals['_OUTPUTFORMAT']._serialized_start=1884
+  _globals['_OUTPUTFORMAT']._serialized_end=1975
+  _globals['_PRECISION']._serialized_start=1977
+  _globals['_PRECISION']._serialized_end=2039
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=102
   _globals['_DECODEOPTIONS']._serialized_start=105
-  _globals['_DECODEOPTIONS']._serialized_end=324
-  _globals['_DECODEREQUEST']._serialized_start=326
-  _globals['_DECODEREQUEST']._serialized_end=416
-  _globals['_LATENTCHUNK']._serialized_start=418
-  _globals['_LATENTCHUNK']._serialized_end=506
-  _globals['_FRAMECHUNK']._serialized_start=508
-  _globals['_FRAMECHUNK']._serialized_end=630
-  _globals['_ENCODEOPTIONS']._serialized_start=633
-  _globals['_ENCODEOPTIONS']._serialized_end=859
-  _globals['_VIDEOCHUNK']._serialized_start=861
-  _globals['_VIDEOCHUNK']._serialized_end=947
-  _globals['_LATENTFRAMECHUNK']._serialized_start=950
-  _globals['_LATENTFRAMECHUNK']._serialized_end=1093
-  _globals['_MODELINFOREQUEST']._serialized_start=1095
-  _globals['_MODELINFOREQUEST']._serialized_end=1113
-  _globals['_MODELINFO']._serialized_start=1116
-  _globals['_MODELINFO']._serialized_end=1656
-  _globals['_VAEDECODER']._serialized_start=1879
-  _globals['_VAEDECODER']._serialized_end=2136
+  _globals['_DECODEOPTIONS']._serialized_end=379
+  _globals['_DECODEREQUEST']._serialized_start=381
+  _globals['_DECODEREQUEST']._serialized_end=471
+  _globals['_LATENTCHUNK']._serialized_start=473
+  _globals['_LATENTCHUNK']._serialized_end=561
+  _globals['_FRAMECHUNK']._serialized_start=564
+  _globals['_FRAMECHUNK']._serialized_end=701
+  _globals['_ENCODEOPTIONS']._serialized_start=704
+  _globals['_ENCODEOPTIONS']._serialized_end=930
+  _globals['_VIDEOCHUNK']._serialized_start=932
+  _globals['_VIDEOCHUNK']._serialized_end=1018
+  _globals['_LATENTFRAMECHUNK']._serialized_start=1021
+  _globals['_LATENTFRAMECHUNK']._serialized_end=1164
+  _globals['_MODELINFOREQUEST']._serialized_start=1166
+  _globals['_MODELINFOREQUEST']._serialized_end=1184
+  _globals['_MODELINFO']._serialized_start=1187
+  _globals['_MODELINFO']._serialized_end=1792
+  _globals['_VAEDECODER']._serialized_start=2042
+  _globals['_VAEDECODER']._serialized_end=2299
 # @@protoc_insertion_point(module_scope)

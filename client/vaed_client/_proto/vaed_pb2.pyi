@@ -20,6 +20,8 @@ class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_FORMAT_UNSPECIFIED: _ClassVar[OutputFormat]
     RGB8: _ClassVar[OutputFormat]
     RAW: _ClassVar[OutputFormat]
+    MP4: _ClassVar[OutputFormat]
+    MP4_LOSSLESS: _ClassVar[OutputFormat]
 
 class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +36,8 @@ FLOAT32: DataType
 OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
 RGB8: OutputFormat
 RAW: OutputFormat
+MP4: OutputFormat
+MP4_LOSSLESS: OutputFormat
 PRECISION_UNSPECIFIED: Precision
 LOSSLESS: Precision
 FAST: Precision
@@ -49,7 +53,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("format", "raw_dtype", "raw_latents", "request_id", "precision", "allow_non_finite", "skip_frames")
+    __slots__ = ("format", "raw_dtype", "raw_latents", "request_id", "precision", "allow_non_finite", "skip_frames", "fps", "crf", "preset")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     RAW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RAW_LATENTS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +61,9 @@ class DecodeOptions(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     SKIP_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    CRF_FIELD_NUMBER: _ClassVar[int]
+    PRESET_FIELD_NUMBER: _ClassVar[int]
     format: OutputFormat
     raw_dtype: DataType
     raw_latents: bool
@@ -64,7 +71,10 @@ class DecodeOptions(_message.Message):
     precision: Precision
     allow_non_finite: bool
     skip_frames: int
-    def __init__(self, format: _Optional[_Union[OutputFormat, str]] = ..., raw_dtype: _Optional[_Union[DataType, str]] = ..., raw_latents: bool = ..., request_id: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., allow_non_finite: bool = ..., skip_frames: _Optional[int] = ...) -> None: ...
+    fps: int
+    crf: int
+    preset: str
+    def __init__(self, format: _Optional[_Union[OutputFormat, str]] = ..., raw_dtype: _Optional[_Union[DataType, str]] = ..., raw_latents: bool = ..., request_id: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ..., allow_non_finite: bool = ..., skip_frames: _Optional[int] = ..., fps: _Optional[int] = ..., crf: _Optional[int] = ..., preset: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("latents", "options")
@@ -83,18 +93,20 @@ class LatentChunk(_message.Message):
     def __init__(self, latents: _Optional[_Union[Tensor, _Mapping]] = ..., options: _Optional[_Union[DecodeOptions, _Mapping]] = ...) -> None: ...
 
 class FrameChunk(_message.Message):
-    __slots__ = ("request_id", "chunk_index", "first_frame", "frames", "final")
+    __slots__ = ("request_id", "chunk_index", "first_frame", "frames", "final", "video")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     FIRST_FRAME_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunk_index: int
     first_frame: int
     frames: Tensor
     final: bool
-    def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., first_frame: _Optional[int] = ..., frames: _Optional[_Union[Tensor, _Mapping]] = ..., final: bool = ...) -> None: ...
+    video: bytes
+    def __init__(self, request_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., first_frame: _Optional[int] = ..., frames: _Optional[_Union[Tensor, _Mapping]] = ..., final: bool = ..., video: _Optional[bytes] = ...) -> None: ...
 
 class EncodeOptions(_message.Message):
     __slots__ = ("request_id", "precision", "out_dtype", "latents", "allow_non_finite", "trailing_zero_frames", "encode_dtype")
@@ -141,7 +153,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel", "encodes", "encode_precisions", "encode_dtypes")
+    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel", "encodes", "encode_precisions", "encode_dtypes", "video_formats", "video_fps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     Z_DIM_FIELD_NUMBER: _ClassVar[int]
     SCALE_FACTOR_TEMPORAL_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +175,8 @@ class ModelInfo(_message.Message):
     ENCODES_FIELD_NUMBER: _ClassVar[int]
     ENCODE_PRECISIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_DTYPES_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     z_dim: int
     scale_factor_temporal: int
@@ -184,4 +198,6 @@ class ModelInfo(_message.Message):
     encodes: bool
     encode_precisions: _containers.RepeatedScalarFieldContainer[Precision]
     encode_dtypes: _containers.RepeatedScalarFieldContainer[DataType]
-    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ..., encodes: bool = ..., encode_precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., encode_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ...) -> None: ...
+    video_formats: _containers.RepeatedScalarFieldContainer[OutputFormat]
+    video_fps: int
+    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ..., encodes: bool = ..., encode_precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., encode_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., video_formats: _Optional[_Iterable[_Union[OutputFormat, str]]] = ..., video_fps: _Optional[int] = ...) -> None: ...

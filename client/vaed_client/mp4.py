@@ -1,0 +1,114 @@
+"""Server-side MP4: `decode(latents, output_type="mp4")` asks the server for the video file.
+
+The server encodes each decoded group as it comes (H.264 on its CPU threads, beside the GPU) and
+sends fragmented-MP4 bytes (an init segment, then fragments) in `FrameChunk.video`; their
+concatenation is one MP4 file. On an H200, a 480x832x81 video arrived as 4.58 MB of MP4 in
+1.127 s against 97 MB of RGB8 frames in 1.153 s: a file 21x smaller, sooner, and no encoder on the
+caller's machine. Options: `fps` (the model's by default: 16 Wan2.1, 24 Wan2.2), `crf` (0..51,
+x264's 23 by default), `preset` (x264's, "veryfast" by default), `lossless=True` (H.264 RGB at
+CRF 0: exactly the RGB8 frames, for files; browsers do not play it).
+
+`mp4_path=` writes the bytes to that file as they arrive (and returns the path) instead of
+holding the whole file in memory.
+
+Resuming (`vaed_client.resume`): a frame call resumes where it stopped (`skip_frames`), but MP4
+bytes cannot be spliced: x264's output depends on the host's thread count, so a second server's
+fragments do not continue the first one's file. An MP4 call whose server fails therefore asks
+the next server for the whole video again and drops what had arrived (the file at `mp4_path` is
+emptied first), under the same `ResumePolicy` as frame calls. A failed call leaves no file at
+`mp4_path`: a file there is always a whole video.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, BinaryIO
+
+from . import wire
+from .errors import LocalInputError
+from .outputs import MP4
+
+pb = wire.pb
+# What the server accepts (vaed.video.VideoOptions); checked here so a typo fails before the call.
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+
+
+def video_fields(
+    options: Any, *, lossless: bool, fps: int | None, crf: int | None, preset: str | None,
+) -> None:
+    """Set DecodeOptions' video fields (format MP4 / MP4_LOSSLESS, fps, crf, preset) in place."""
+    options.format = pb.MP4_LOSSLESS if lossless else pb.MP4
+    if fps is not None:
+        if not 1 <= int(fps) <= 240:
+            raise LocalInputError(f"fps must be in 1..240, got {fps}")
+        options.fps = int(fps)
+    if crf is not None:
+        if lossless:
+            raise LocalInputError("crf applies to lossy MP4; lossless=True is always CRF 0")
+        if not 0 <= int(crf) <= 51:
+            raise LocalInputError(f"crf must be in 0..51, got {crf}")
+        options.crf = int(crf)
+    if preset is not None:
+        if preset not in X264_PRESETS:
+            raise LocalInputError(f"preset must be one of {', '.join(X264_PRESETS)}, got {preset!r}")
+        options.preset = preset
+
+
+def check_no_video_options(output_type: str, **given: Any) -> None:
+    """Video options asked of a frame output type are a mistake, not something to ignore."""
+    named = [name for name, value in given.items() if value not in (None, False)]
+    if named:
+        raise LocalInputError(f"{', '.join(named)}: options of output_type='mp4', not of {output_type!r}")
+
+
+class Mp4Output:
+    """One MP4 call's bytes: held in memory, or written to `path` as they arrive."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = pathlib.Path(path) if path is not None else None
+        self._parts: list[bytes] = []
+        self._file: BinaryIO | None = None
+        self.bytes = 0
+
+    def restart(self) -> None:
+        """A new attempt sends the whole file again: forget what arrived."""
+        self._parts.clear()
+        self.bytes = 0
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()
+
+    def add(self, reply: Any) -> None:
+        data = reply.video
+        if not data:
+            return
+        self.bytes += len(data)
+        if self.path is None:
+            self._parts.append(data)
+            return
+        if self._file is None:
+            self._file = open(self.path, "wb")  # noqa: SIM115  (closed by result or discard)
+        self._file.write(data)
+
+    def result(self) -> bytes | pathlib.Path:
+        if self.path is None:
+            data = b"".join(self._parts)
+            self._parts.clear()
+            return data
+        if self._file is None:
+            self._file = open(self.path, "wb")  # noqa: SIM115
+        self._file.close()
+        return self.path
+
+    def discard(self) -> None:
+        """The call failed: no half file stays at `path`."""
+        self._parts.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)
+
+
+__all__ = ["MP4", "X264_PRESETS", "Mp4Output", "video_fields", "check_no_video_options"]

@@ -1,0 +1,265 @@
+"""Server-side MP4 over gRPC (DecodeOptions.format MP4 / MP4_LOSSLESS, FrameChunk.video) through
+the real client against in-process servers of the tiny Wan2.1 and Wan2.2 models: the file decodes
+back (PyAV) to the RGB8 frames within the codec's loss, the lossless choice exactly; the bytes
+reach the client while the call still decodes (ordered by a held server-side decode, not by
+time); bad options are INVALID_ARGUMENT and the server keeps serving; a failed server's MP4 call
+starts over on the next one, whole."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import pathlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import av
+import grpc
+import numpy as np
+import pytest
+import torch
+from harness import RunningServer, make_config, serve_in_thread
+
+from vaed.errors import NotReady
+from vaed.server import engine_factory
+from vaed.video import Fmp4Packager, VideoOptions
+from vaed_client import AsyncVaeClient, CallReport, VaeClient, wire
+from vaed_client.errors import LocalInputError, VaedError
+from vaed_client.mp4 import Mp4Output
+
+pb = wire.pb
+Z = {"random:wan2.1-tiny": 4, "random:wan2.2-tiny": 6}
+FPS = {"random:wan2.1-tiny": 16, "random:wan2.2-tiny": 24}
+
+
+def latents(model: str, t: int = 3, h: int = 4, w: int = 6, seed: int = 0, b: int = 1) -> torch.Tensor:
+    return torch.randn(b, Z[model], t, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+def frames_of_mp4(data: bytes) -> tuple[np.ndarray, Any]:
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
+        return frames, stream.average_rate
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def package(frames: np.ndarray, options: VideoOptions) -> bytes:
+    packager = Fmp4Packager(options)
+    return packager.add(frames) + packager.close()
+
+
+@pytest.fixture(scope="module", params=sorted(Z))
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    with serve_in_thread(make_config(request.param)) as running:
+        yield running
+
+
+def test_model_info_offers_video_at_the_models_rate(server: RunningServer) -> None:
+    with VaeClient(server.target, timeout=60) as client:
+        info = client.model_info()
+    assert info.video_formats == ["mp4", "mp4_lossless"]
+    assert info.video_fps == FPS[server.config.model]
+
+
+def test_mp4_decodes_back_to_the_frames(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """H.264 at the default CRF within the codec's loss, at the model's frame rate; the same
+    frames vaed.video makes of the RGB8 frames; the lossless choice exactly the RGB8 frames."""
+    model = server.config.model
+    x = latents(model, t=5, h=8, w=8, seed=6)
+    with VaeClient(server.target, timeout=120) as client:
+        rgb8 = client.decode(x)[0].numpy()
+        mp4 = client.decode(x, output_type="mp4")
+        lossless = client.decode(x, output_type="mp4", lossless=True, fps=8)
+        small = client.decode(x, output_type="mp4", crf=40, preset="ultrafast")
+    assert isinstance(mp4, bytes) and mp4[4:8] == b"ftyp"
+    frames, rate = frames_of_mp4(mp4)
+    assert frames.shape == rgb8.shape and rate == FPS[model]
+    quality = psnr(frames, rgb8)
+    with capsys.disabled():
+        print(f"\ngRPC {model} {list(x.shape)}: mp4 {len(mp4)} bytes (crf 40: {len(small)}) vs RGB8 "
+              f"{rgb8.nbytes}, PSNR {quality:.2f} dB; lossless {len(lossless)} bytes")
+    # Random weights decode to noise, H.264's hardest content (and 4:2:0 halves its colour): the
+    # loss is large, so the frames must also be what vaed.video makes of the same RGB8 frames.
+    assert quality > 12
+    assert np.array_equal(frames, frames_of_mp4(package(rgb8, VideoOptions(fps=int(rate))))[0])
+    assert len(small) < len(mp4)  # crf and preset reached the encoder
+    exact, rate = frames_of_mp4(lossless)
+    assert rate == 8 and np.array_equal(exact, rgb8)
+
+
+def test_mp4_path_is_written_as_it_arrives_and_async_gives_the_same(server: RunningServer,
+                                                                    tmp_path: pathlib.Path) -> None:
+    x = latents(server.config.model, t=3, seed=2)
+    path = tmp_path / "v.mp4"
+    with VaeClient(server.target, timeout=120) as client:
+        want = client.decode(x, output_type="mp4", lossless=True)
+        assert client.decode(x, output_type="mp4", lossless=True, mp4_path=path) == path
+    assert np.array_equal(frames_of_mp4(path.read_bytes())[0], frames_of_mp4(want)[0])
+
+    async def run() -> bytes:
+        async with AsyncVaeClient(server.target, timeout=120) as client:
+            return await client.decode(x, output_type="mp4", lossless=True)
+
+    assert np.array_equal(frames_of_mp4(asyncio.run(run()))[0], frames_of_mp4(want)[0])
+
+
+def test_fragments_arrive_before_the_call_ends() -> None:
+    """The server's decode of latent frame 2 is held until the client has read the init segment
+    and a fragment (frame 0's, released by group 1's first frame): those bytes can only have
+    come before the call ended. The replies' bytes are one valid MP4 of every frame."""
+    config = make_config("random:wan2.1-tiny", warmup=False)
+    release = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 2:
+                assert release.wait(60), "the client never read the first fragments"
+            return group
+
+        engine.decode_frame = held_at_frame_2
+        return engine
+
+    x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=7)
+    request = pb.DecodeRequest(latents=wire.to_message(x), options=pb.DecodeOptions(format=pb.MP4_LOSSLESS))
+    with serve_in_thread(config, build_engine=build) as running:
+        with grpc.insecure_channel(running.target) as channel:
+            replies = iter(wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=120))
+            early = b""
+            while b"moof" not in early:
+                reply = next(replies)
+                assert not reply.final and not reply.HasField("frames")
+                early += reply.video
+            assert early[4:8] == b"ftyp" and b"moov" in early
+            assert not release.is_set()  # latent frame 2 cannot have decoded: the call is not over
+            release.set()
+            rest = list(replies)
+        with VaeClient(running.target, timeout=120) as client:
+            rgb8 = client.decode(x)[0].numpy()
+    assert rest[-1].final and rest[-1].first_frame == rgb8.shape[0] and not rest[-1].video
+    data = early + b"".join(r.video for r in rest)
+    assert len(early) < len(data) and np.array_equal(frames_of_mp4(data)[0], rgb8)
+
+
+@pytest.mark.parametrize("options, b, message", [
+    (dict(format=pb.MP4, crf=52), 1, "crf must be in 0..51, got 52"),
+    (dict(format=pb.MP4, fps=241), 1, "fps must be in 1..240, got 241"),
+    (dict(format=pb.MP4, preset="warp"), 1, "preset must be one of ultrafast"),
+    (dict(format=pb.MP4_LOSSLESS, crf=18), 1, "MP4_LOSSLESS is always CRF 0"),
+    (dict(format=pb.RGB8, fps=16), 1, "fps: options of the MP4 and MP4_LOSSLESS formats, not of RGB8"),
+    (dict(format=pb.RAW, crf=0, preset="fast"), 1, "crf, preset: options of the MP4"),
+    (dict(format=pb.MP4), 2, "MP4 output holds one video: send batch 1, got 2"),
+    (dict(format=pb.MP4, skip_frames=1), 1, "skip_frames (1) does not apply to MP4 output"),
+    (dict(format=7), 1, "unknown output format 7; use RGB8, RAW, MP4 or MP4_LOSSLESS"),
+])
+def test_bad_video_options_are_invalid_argument(server: RunningServer, options: dict[str, Any], b: int,
+                                                message: str) -> None:
+    """Through the raw stub (the client checks these itself first): each is INVALID_ARGUMENT with
+    its reason, on Decode and DecodeStream, and the server keeps serving."""
+    x = latents(server.config.model, t=2, b=b)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = wire.pb_grpc.VaeDecoderStub(channel)
+        for call in (lambda o: stub.Decode(pb.DecodeRequest(latents=wire.to_message(x), options=o), timeout=60),
+                     lambda o: stub.DecodeStream(iter([pb.LatentChunk(latents=wire.to_message(x), options=o)]),
+                                                 timeout=60)):
+            with pytest.raises(grpc.RpcError) as caught:
+                list(call(pb.DecodeOptions(**options)))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in caught.value.details()
+    with VaeClient(server.target, timeout=60) as client:
+        assert frames_of_mp4(client.decode(latents(server.config.model, t=2), output_type="mp4"))[0].shape[0] == 5
+
+
+def test_the_client_checks_video_options_before_the_call() -> None:
+    """LocalInputError before a byte is sent (the target does not even exist)."""
+    x = latents("random:wan2.1-tiny")
+    with VaeClient("127.0.0.1:1", timeout=5) as client:
+        for kwargs, message in [
+            (dict(output_type="mp4", crf=60), "crf must be in 0..51"),
+            (dict(output_type="mp4", lossless=True, crf=10), "lossless=True is always CRF 0"),
+            (dict(output_type="mp4", preset="warp"), "preset must be one of"),
+            (dict(output_type="mp4", fps=0), "fps must be in 1..240"),
+            (dict(output_type="mp4", format="raw"), "format and raw_dtype are options of frame output"),
+            (dict(output_type="uint8", fps=16), "fps: options of output_type='mp4', not of 'uint8'"),
+            (dict(mp4_path="x.mp4"), "mp4_path is for output_type='mp4'"),
+        ]:
+            with pytest.raises(LocalInputError, match=message):
+                client.decode(x, **kwargs)
+
+
+def _fails_at_frame_2(config: Any, got_bytes: threading.Event) -> Any:
+    """An engine factory whose decode fails UNAVAILABLE (as a device failure does) at latent
+    frame 2, once the client has received bytes of the call."""
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def fails_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 2:
+                assert got_bytes.wait(60), "the client never received the call's first bytes"
+                raise NotReady("device cpu failed; retry on another device or replica")
+            return group
+
+        engine.decode_frame = fails_at_frame_2
+        return engine
+
+    return build
+
+
+@pytest.fixture()
+def got_bytes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once the client's Mp4Output has taken bytes (a spy: the real `add` runs)."""
+    event = threading.Event()
+    add = Mp4Output.add
+
+    def spied_add(self: Mp4Output, reply: Any) -> None:
+        add(self, reply)
+        if self.bytes:
+            event.set()
+
+    monkeypatch.setattr(Mp4Output, "add", spied_add)
+    return event
+
+
+def test_a_failed_servers_mp4_call_starts_over_whole_on_the_next(tmp_path: pathlib.Path,
+                                                                 got_bytes: threading.Event) -> None:
+    """Replica A fails at latent frame 2, after the client wrote A's first bytes to the file: the
+    call resumes on B from the start, the file is emptied first, and it ends as B's whole video
+    (one init segment, every frame)."""
+    model = "random:wan2.1-tiny"
+    config = make_config(model, warmup=False)
+    x = latents(model, t=4, h=8, w=8, seed=3)
+    path = tmp_path / "v.mp4"
+    with serve_in_thread(config, build_engine=_fails_at_frame_2(config, got_bytes)) as a, \
+            serve_in_thread(make_config(model)) as b:
+        with VaeClient(b.target, timeout=120) as client:
+            rgb8 = client.decode(x)[0].numpy()
+        report = CallReport()
+        with VaeClient([a.target, b.target], timeout=120) as client:
+            assert client.decode(x, output_type="mp4", lossless=True, mp4_path=path, report=report) == path
+    assert got_bytes.is_set() and report.resumes == 1 and report.targets == [a.target, b.target]
+    assert report.reasons[0].startswith("UNAVAILABLE: device cpu failed")
+    data = path.read_bytes()
+    assert data.count(b"ftyp") == 1 and np.array_equal(frames_of_mp4(data)[0], rgb8)
+
+
+def test_a_failed_mp4_call_leaves_no_file(tmp_path: pathlib.Path, got_bytes: threading.Event) -> None:
+    """One target and nothing delivered: the failure is the call's (as for frames), and the file
+    the client had begun is removed: a file at mp4_path is always a whole video."""
+    model = "random:wan2.1-tiny"
+    config = make_config(model, warmup=False)
+    path = tmp_path / "v.mp4"
+    with serve_in_thread(config, build_engine=_fails_at_frame_2(config, got_bytes)) as a:
+        with VaeClient(a.target, timeout=120) as client, pytest.raises(VaedError, match="device cpu failed"):
+            client.decode(latents(model, t=4, h=8, w=8), output_type="mp4", mp4_path=path)
+    assert got_bytes.is_set() and not path.exists()
