@@ -115,13 +115,14 @@ class AvWriter:
     """One video file per batch item (PyAV). Takes `[B, t, H, W, 3]` uint8
     groups; groups may arrive out of order (they wait in a reorder buffer)."""
 
-    def __init__(self, out: pathlib.Path, fps: int, *, lossless: bool = False) -> None:
+    def __init__(self, out: pathlib.Path, fps: int, *, lossless: bool = False, crf: int = int(X264_CRF)) -> None:
         import importlib.util
 
         if importlib.util.find_spec("av") is None:
             raise ExportError("writing video needs PyAV: pip install 'vaed-client[video]'")
         self.out = out
         self.fps = fps
+        self.crf = crf
         self.mkv = out.suffix.lower() == ".mkv"
         self.lossless = lossless or self.mkv
         self._containers: list[Any] = []
@@ -144,7 +145,7 @@ class AvWriter:
             codec, pix_fmt, options = "libx264rgb", "rgb24", {"crf": "0"}
         else:
             codec = "libx264" if _x264_available() else "mpeg4"
-            pix_fmt, options = "yuv420p", ({"crf": X264_CRF} if codec == "libx264" else {})
+            pix_fmt, options = "yuv420p", ({"crf": str(self.crf)} if codec == "libx264" else {})
         crop_h, crop_w = height, width
         if pix_fmt == "yuv420p":
             # yuv420p subsamples chroma 2x2, so both sides must be even; Wan
@@ -247,18 +248,26 @@ def remove_png_frames(folder: pathlib.Path) -> None:
         frame.unlink()
 
 
-def make_writer(out: str | os.PathLike[str], fps: int, *, lossless: bool = False) -> FrameWriter:
+def check_output(out: str | os.PathLike[str]) -> None:
+    """ExportError, listing what is supported, unless `out` is .mp4, .mkv or a PNG folder."""
+    text = os.fspath(out)
+    if not _is_png_folder(text) and pathlib.Path(text).suffix.lower() not in (".mp4", ".mkv"):
+        raise ExportError(f"{text}: unsupported output {pathlib.Path(text).suffix!r}; use {SUPPORTED_OUTPUTS}")
+
+
+def make_writer(out: str | os.PathLike[str], fps: int, *, lossless: bool = False,
+                crf: int = int(X264_CRF)) -> FrameWriter:
     """.mp4 / .mkv -> video writer; no suffix or a trailing '/' -> PNG folder;
     any other suffix -> ExportError listing what is supported."""
     text = os.fspath(out)
-    path = pathlib.Path(text)
     if fps < 1:
         raise ExportError(f"fps must be >= 1, got {fps}")
+    check_output(text)
     if _is_png_folder(text):
-        return PngWriter(path)
-    if path.suffix.lower() in (".mp4", ".mkv"):
-        return AvWriter(path, fps, lossless=lossless)
-    raise ExportError(f"{text}: unsupported output {path.suffix!r}; use {SUPPORTED_OUTPUTS}")
+        return PngWriter(pathlib.Path(text))
+    if not 0 <= crf <= 51:
+        raise ExportError(f"crf must be in 0..51, got {crf}")
+    return AvWriter(pathlib.Path(text), fps, lossless=lossless, crf=crf)
 
 
 def export_video(frames: Any, path: str | os.PathLike[str], fps: int = 16, lossless: bool = False) -> pathlib.Path:
