@@ -1,12 +1,13 @@
-"""The HTTP front end to end: diffusers' `remote_decode` (mp4, pt + partial_postprocess) and the
-streamed fMP4 route against the gRPC RGB8 decode of the same latents, through a real `vaed serve`.
+"""Server-side video end to end: diffusers' `remote_decode` (mp4, pt + partial_postprocess), the
+streamed fMP4 route, and gRPC's MP4 formats (`VaeClient.decode(output_type="mp4")`, lossy and
+lossless) against the gRPC RGB8 decode of the same latents, through a real `vaed serve`.
 
     python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
     python benchmarks/bench_http.py --device cpu --model random:wan2.1-tiny --shape 1,4,21,60,104
 
 Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
 wire, and for mp4 the PSNR of its frames against the RGB8 frames; for the stream, seconds until
-the first fMP4 fragment (`moof`) is at the client.
+the first fMP4 fragment (`moof`) is at the client, over HTTP and over gRPC.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def first_fragment_s(endpoint: str, sent: dict[str, Any]) -> tuple[float, float,
     return first or float("nan"), time.perf_counter() - started, len(data)
 
 
+def grpc_first_fragment_s(target: str, latents: torch.Tensor) -> tuple[float, float, int]:
+    """As `first_fragment_s`, for a gRPC Decode with format MP4 (the replies' `video` bytes)."""
+    from vaed_client import wire
+    from vaed_client.channel import create_channel
+
+    channel, metadata = create_channel(target)
+    request = wire.pb.DecodeRequest(latents=wire.to_message(latents), options=wire.pb.DecodeOptions(format=wire.pb.MP4))
+    started = time.perf_counter()
+    first, data = None, b""
+    with channel:
+        for reply in wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=600, metadata=metadata):
+            data += reply.video
+            if first is None and b"moof" in data:
+                first = time.perf_counter() - started
+    return first or float("nan"), time.perf_counter() - started, len(data)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:wan2.1")
@@ -92,7 +110,13 @@ def main() -> int:
         with VaeClient(target) as client:
             client.decode(latents[:, :, :2])  # connection and first-use warm-up
             grpc_s, rgb8 = timed(args.reps, lambda: client.decode(latents))
+            client.decode(latents[:, :, :2], output_type="mp4")  # the packaging pool's first use
+            grpc_mp4_s, grpc_mp4 = timed(args.reps, lambda: client.decode(latents, output_type="mp4"))
+            grpc_lossless_s, grpc_lossless = timed(
+                args.reps, lambda: client.decode(latents, output_type="mp4", lossless=True))
         rgb8 = np.asarray(rgb8)[0]
+        assert np.array_equal(mp4_frames(grpc_lossless), rgb8), "gRPC MP4_LOSSLESS differs from gRPC RGB8"
+        grpc_streams = [grpc_first_fragment_s(target, latents) for _ in range(args.reps)]
         remote_decode(endpoint=endpoint, tensor=latents[:, :, :2], output_type="mp4", return_type="mp4")
         mp4_s, mp4 = timed(args.reps, lambda: remote_decode(
             endpoint=endpoint, tensor=latents, output_type="mp4", return_type="mp4"))
@@ -112,6 +136,10 @@ def main() -> int:
         "mp4_psnr_db": psnr(mp4_frames(mp4), rgb8), "http_mp4_over_grpc_rgb8": mp4_s / grpc_s,
         "stream_first_fragment_ms": statistics.median(s[0] for s in streams) * 1e3,
         "stream_total_s": statistics.median(s[1] for s in streams),
+        "grpc_mp4_s": grpc_mp4_s, "grpc_mp4_bytes": len(grpc_mp4), "grpc_mp4_over_grpc_rgb8": grpc_mp4_s / grpc_s,
+        "grpc_mp4_psnr_db": psnr(mp4_frames(grpc_mp4), rgb8),
+        "grpc_lossless_s": grpc_lossless_s, "grpc_lossless_bytes": len(grpc_lossless),
+        "grpc_first_fragment_ms": statistics.median(s[0] for s in grpc_streams) * 1e3,
     }
     print(json.dumps(result, indent=2))
     if args.json:

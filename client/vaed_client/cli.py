@@ -54,6 +54,7 @@ from .core import normalize_latents
 from .encode_cli import add_encode_arguments, run_encode
 from .errors import LocalInputError, VaedError
 from .export import X264_CRF, ExportError, FrameWriter, check_output, existing_outputs, make_writer, remove_png_frames
+from .resume import CallReport
 from .tensors import widen_bf16_bits
 
 log = logging.getLogger(__name__)
@@ -327,12 +328,14 @@ def _decode_server_side(client: Any, info: Any, latents: Any, fps: int, args: ar
     _, _, latent_frames, h, w = (int(d) for d in latents.shape)
     lossless = getattr(args, "lossless", False)
     start = time.perf_counter()
+    report = CallReport()
     path = client.decode(latents, output_type="mp4", raw_latents=args.raw_latents, fps=fps, lossless=lossless,
-                         crf=None if lossless else args.crf, mp4_path=args.output)
+                         crf=None if lossless else args.crf, mp4_path=args.output, report=report)
     scale = info.scale_factor_spatial
     return {
         "batch": 1, "frames": info.output_frames(latent_frames), "height": h * scale, "width": w * scale,
-        "first_frame_s": None, "total_s": time.perf_counter() - start, "bytes": path.stat().st_size,
+        "first_bytes_s": report.first_data_seconds or 0.0, "total_s": time.perf_counter() - start,
+        "bytes": path.stat().st_size,
         "paths": [path], "encoded": "on the server, " + ("lossless" if lossless else f"CRF {args.crf}"),
     }
 
@@ -372,7 +375,9 @@ def _print_summary(stats: dict[str, Any]) -> None:
     total_s = stats["total_s"]
     rows = [
         ("video", f"{stats['frames']} frames, batch {stats['batch']}, {stats['height']}x{stats['width']} (H x W)"),
-        *([("first frame", f"{stats['first_frame_s'] * 1000:.0f} ms")] if stats["first_frame_s"] is not None else []),
+        # the server's MP4 (`first bytes`): the init segment, then frame 0's fragment with group 1
+        ("first bytes", f"{stats['first_bytes_s'] * 1000:.0f} ms") if "first_bytes_s" in stats
+        else ("first frame", f"{stats['first_frame_s'] * 1000:.0f} ms"),
         ("total", f"{total_s:.2f} s ({stats['frames'] * stats['batch'] / max(total_s, 1e-9):.1f} frames/s)"),
         ("received", f"{stats['bytes'] / 1e6:.1f} MB ({stats['bytes'] / 1e6 / max(total_s, 1e-9):.1f} MB/s)"),
         ("encoded", stats["encoded"]),

@@ -114,12 +114,14 @@ class CallReport:
     `resumes`: times the call was opened again; `reasons`: why (status and
     message of each failure); `recovery_seconds`: from each failure to the
     first frame after it (or the call's end when nothing was left to send);
-    `targets`: the target of each attempt."""
+    `targets`: the target of each attempt; `first_data_seconds`: from the call's
+    start to its first frames (or MP4 bytes) received, None until then."""
 
     resumes: int = 0
     reasons: list[str] = field(default_factory=list)
     recovery_seconds: list[float] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)
+    first_data_seconds: float | None = None
 
 
 class Targets:
@@ -171,7 +173,8 @@ class Progress:
         self.policy = policy
         self.targets = targets
         self.report = report if report is not None else CallReport()
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
         self.request_id = request_id
         self.delivered = 0        # frames handed to the application
         self.target = targets.first()
@@ -208,6 +211,8 @@ class Progress:
         delivered. Replies without frames (the final marker) pass as they are."""
         if self._failed_at is not None and (reply.final or reply.HasField("frames")):
             self._recovered()
+        if self.report.first_data_seconds is None and (reply.HasField("frames") or reply.video):
+            self.report.first_data_seconds = time.monotonic() - self.started
         if not reply.HasField("frames") or not len(reply.frames.shape):
             return reply
         axis = TIME_AXIS[wire_format]

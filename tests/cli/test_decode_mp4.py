@@ -67,7 +67,7 @@ def test_server_side_is_the_default_for_one_mp4(served: str, latents_file: Any, 
     assert main(["decode", str(path), "--server", served, "-o", str(out), "--quiet"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert rows["encoded"] == "on the server, CRF 18" and rows["video"] == "13 frames, batch 1, 48x64 (H x W)"
-    assert "first frame" not in rows and rows["wrote"] == str(out)
+    assert "first frame" not in rows and rows["first bytes"].endswith(" ms") and rows["wrote"] == str(out)
     frames, rate = _frames(out)
     assert rate == 16  # the model's (ModelInfo.video_fps)
     assert np.array_equal(frames, _packaged(rgb8, VideoOptions(fps=16, crf=18)))  # the server's encoder at CRF 18
