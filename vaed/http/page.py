@@ -46,7 +46,7 @@ from aiohttp import hdrs, web
 from ..calls import CallCore
 from ..errors import InvalidInput, NotReady
 from ..metrics import cuda_memory
-from .front import HfFront, _defer_continue, default_fps
+from .front import HfFront, _defer_continue
 from .hf_protocol import LATENT_DTYPE_NAMES, error_body, tensor_bytes, tensor_headers
 
 PAGE_PATH = "/"
@@ -107,7 +107,6 @@ def status_body(core: CallCore, authorised: bool, auth_required: bool) -> dict[s
             facts = core.model_facts()
         except NotReady:  # the last device failed between the two reads
             return body
-        engine = core.pool.engine
         body["model"] = {
             "name": facts.model, "random_weights": facts.random_weights, "device": facts.device,
             "devices": facts.devices, "parallel": facts.parallel,
@@ -115,7 +114,7 @@ def status_body(core: CallCore, authorised: bool, auth_required: bool) -> dict[s
             "precisions": [str(p) for p in facts.precisions], "z_dim": facts.z_dim,
             "scale_factor_temporal": facts.scale_factor_temporal,
             "scale_factor_spatial": facts.scale_factor_spatial,
-            "default_fps": default_fps(engine.patch_size if engine is not None else None),
+            "default_fps": core.default_fps(),
             "max_latent_frames": facts.max_latent_frames, "max_pixels": facts.max_pixels,
             "max_message_bytes": facts.max_message_bytes, "encodes": facts.encodes,
         }
