@@ -3,7 +3,7 @@ the real client against in-process servers of the tiny Wan2.1 and Wan2.2 models:
 back (PyAV) to the RGB8 frames within the codec's loss, the lossless choice exactly; the bytes
 reach the client while the call still decodes (ordered by a held server-side decode, not by
 time); bad options are INVALID_ARGUMENT and the server keeps serving; a failed server's MP4 call
-starts over on the next one, whole."""
+starts over on the next one, whole; gRPC and HTTP give the same bytes (one implementation)."""
 
 from __future__ import annotations
 
@@ -263,3 +263,38 @@ def test_a_failed_mp4_call_leaves_no_file(tmp_path: pathlib.Path, got_bytes: thr
         with VaeClient(a.target, timeout=120) as client, pytest.raises(VaedError, match="device cpu failed"):
             client.decode(latents(model, t=4, h=8, w=8), output_type="mp4", mp4_path=path)
     assert got_bytes.is_set() and not path.exists()
+
+
+def test_grpc_and_http_mp4_are_one_implementation() -> None:
+    """The same latents give the same MP4 bytes through gRPC (format MP4) and the HTTP front
+    (`remote_decode(output_type="mp4")`): both are the call core's packaging, same options."""
+    from diffusers.utils.remote_utils import remote_decode
+
+    model = "random:wan2.2-tiny"
+    x = latents(model, t=3, h=4, w=6, seed=5)
+    with serve_in_thread(make_config(model, http_port=0)) as running:
+        with VaeClient(running.target, timeout=120) as client:
+            grpc_mp4 = client.decode(x, output_type="mp4")
+        http_mp4 = remote_decode(endpoint=f"http://127.0.0.1:{running.server.http_port}/", tensor=x,
+                                 output_type="mp4", return_type="mp4")
+    assert grpc_mp4 == http_mp4 and frames_of_mp4(grpc_mp4)[1] == 24
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("h, w", [(60, 104), (90, 160)])  # 480x832 and 720x1280
+def test_mp4_from_a_gpu_server(h: int, w: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """On CUDA a group's frames are in pinned host memory when the packager reads them: the
+    lossless MP4 is exactly the RGB8 frames, and the lossy one within the codec's loss."""
+    config = make_config("random:wan2.1", device="cuda:0", warmup=False)
+    x = torch.randn(1, 16, 5, h, w, generator=torch.Generator().manual_seed(1))
+    with serve_in_thread(config) as running, VaeClient(running.target, timeout=600) as client:
+        rgb8 = client.decode(x)[0].numpy()
+        exact = client.decode(x, output_type="mp4", lossless=True)
+        mp4 = client.decode(x, output_type="mp4")
+    assert np.array_equal(frames_of_mp4(exact)[0], rgb8)
+    frames, rate = frames_of_mp4(mp4)
+    quality = psnr(frames, rgb8)
+    with capsys.disabled():
+        print(f"\nGPU {list(x.shape)}: mp4 {len(mp4)} bytes vs RGB8 {rgb8.nbytes} (1/{rgb8.nbytes / len(mp4):.0f}), "
+              f"PSNR {quality:.2f} dB; lossless {len(exact)} bytes")
+    assert rate == 16 and frames.shape == rgb8.shape and quality > 12
