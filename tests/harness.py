@@ -88,15 +88,28 @@ def make_config(model: str = "random:wan2.1-tiny", **overrides: Any) -> ServerCo
 
 def start_cli_server(*extra: str) -> tuple[subprocess.Popen, str]:
     """`vaed serve` in a subprocess on the CPU (tiny model, port 0); returns (process, target) once SERVING."""
+    proc, target, _ = start_serve(*extra)
+    return proc, target
+
+
+def serve_argv(*extra: str, device: tuple[str, ...] = ("--device", "cpu")) -> list[str]:
+    """The command line of a test's `vaed serve` (random:wan2.1-tiny unless `extra` names another, port 0)."""
+    return [sys.executable, "-m", "vaed.cli", "serve", *device, "--host", "127.0.0.1", "--port", "0",
+            "--model", "random:wan2.1-tiny", *extra]
+
+
+def start_serve(*extra: str, device: tuple[str, ...] = ("--device", "cpu"), until: str = "SERVING",
+                timeout: float = 120) -> tuple[subprocess.Popen, str, list[str]]:
+    """`vaed serve` in a subprocess (random:wan2.1-tiny unless `extra` names another --model,
+    port 0); returns (process, target, its log lines so far) once a line holds `until` and the
+    port is known. A process that ends or takes longer than `timeout` s fails the test."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
-         "--model", "random:wan2.1-tiny", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    proc = subprocess.Popen(serve_argv(*extra, device=device), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    assert proc.stdout is not None
     port = None
     lines = []
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -105,8 +118,8 @@ def start_cli_server(*extra: str) -> tuple[subprocess.Popen, str]:
         match = re.search(r"\(port (\d+),", line)
         if match:
             port = match.group(1)
-        if "SERVING" in line and port:
-            return proc, f"127.0.0.1:{port}"
+        if until in line and port:
+            return proc, f"127.0.0.1:{port}", lines
     proc.kill()
     raise AssertionError("server did not start:\n" + "".join(lines))
 

@@ -78,12 +78,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     from .logs import install
     from .server import serve
+    from .startup import StartupTimes, process_started
 
     # Never blocks the caller: a stalled reader of stderr must not stop the server (vaed.logs).
     handler = install(args.log_level)
     try:
-        config = config_from_args(args)
-        return asyncio.run(serve(config))
+        config = config_from_args(args)  # imports torch
+        # the start-up clock (vaed.startup) runs from the process's start: the imports are its first phase
+        return asyncio.run(serve(config, StartupTimes(process_started())))
     finally:
         handler.close()
 

@@ -136,6 +136,10 @@ class ServerConfig:
     cuda_graphs: CudaGraphs = option(
         CudaGraphs.OFF, "replay each decoder call signature from a captured CUDA graph (bit-identical; "
         "more GPU memory for the graphs' buffers)", choices=CudaGraphs)
+    kernel_cache: str | None = option(
+        None, "directory Triton keeps its compiled kernels in (TRITON_CACHE_DIR of this process): a "
+        "restart that finds them there skips the compiles; mount it on a volume that outlives the pod",
+        metavar="DIR", no_default="$TRITON_CACHE_DIR, else Triton's ~/.triton/cache")
     cpu_threads: int | None = option(
         None, "threads of torch's CPU ops in this process", parse=positive_int, metavar="N",
         no_default="1 with --gpu, whose CPU work is small and was slowed by waking a pool per op; with "

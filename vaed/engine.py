@@ -59,6 +59,7 @@ from .engine_protocol import (
 )
 from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
 from .models import LoadedModel, load_model
+from .startup import phase
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +108,22 @@ class DecodeEngine(Engine):
         self.latent_output = LatentOutput(self.facts, self.device)
         # Both tiers are prepared on the one copy of the weights; each decoder call
         # picks its session's op set (`patches.using`). Off CUDA only lossless is usable.
-        self.fast_paths = patches.prepare_decoder(
-            self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
-            tiers=tuple(Precision),
-        )
-        # Encode dtypes: the weights' own, and one encoder-only copy per other dtype loaded
-        # (LoadedModel.encoder_copies), each prepared like the decoder; the default first.
-        self.encoders: dict[torch.dtype, tuple[Any, patches.FastPathReport]] = {}
-        if self.vae.encoder is not None:
-            self.encoders[self.dtype] = (self.vae, self.fast_paths)
-            for dt, copy in loaded.encoder_copies.items():
-                self.encoders[dt] = (copy, patches.prepare_decoder(
-                    copy, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
-                    tiers=(Precision.LOSSLESS,)))
+        # A start-up phase: the layout, the forwards and every fused op's bit-identity check
+        # (the first Triton compiles).
+        with phase("fast paths"):
+            self.fast_paths = patches.prepare_decoder(
+                self.vae, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
+                tiers=tuple(Precision),
+            )
+            # Encode dtypes: the weights' own, and one encoder-only copy per other dtype loaded
+            # (LoadedModel.encoder_copies), each prepared like the decoder; the default first.
+            self.encoders: dict[torch.dtype, tuple[Any, patches.FastPathReport]] = {}
+            if self.vae.encoder is not None:
+                self.encoders[self.dtype] = (self.vae, self.fast_paths)
+                for dt, copy in loaded.encoder_copies.items():
+                    self.encoders[dt] = (copy, patches.prepare_decoder(
+                        copy, kernels=kernels, layout=layout, disabled_ops=frozenset(disabled_ops),
+                        tiers=(Precision.LOSSLESS,)))
         default = encode_dtype if encode_dtype in self.encoders else self.dtype
         self._encode_dtypes = tuple(sorted(self.encoders, key=lambda d: d != default))
         # Captured decoder calls (vaed.graphs): CUDA only; the sharded path never uses them.
@@ -140,7 +144,8 @@ class DecodeEngine(Engine):
         torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         enc_dtype = DTYPES[encode_dtype] if isinstance(encode_dtype, str) else encode_dtype
         extra = (enc_dtype,) if encoder and enc_dtype is not None else ()
-        loaded = load_model(model, device, torch_dtype, decoder_only=not encoder, encoder_dtypes=extra)
+        with phase("model load"):
+            loaded = load_model(model, device, torch_dtype, decoder_only=not encoder, encoder_dtypes=extra)
         return cls(loaded, encode_dtype=enc_dtype, **options)
 
     @property

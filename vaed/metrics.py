@@ -28,6 +28,9 @@ Exported names (all prefixed ``vaed_``):
 * ``vaed_device_healthy{device}``                  gauge, scrape time (1/0)
 * ``vaed_gpu_memory_allocated_bytes{device}``      gauge, scrape time, CUDA devices only
 * ``vaed_gpu_memory_peak_bytes{device}``           gauge, scrape time, CUDA devices only
+* ``vaed_startup_seconds``                         gauge: seconds from `vaed serve`'s start to SERVING
+* ``vaed_startup_phase_seconds{phase,device}``     gauge: each start-up phase (``vaed.startup``);
+  ``device`` is empty for the process's own phases (import, gc freeze)
 
 Label values are bounded whatever callers pass: a method outside
 ``RPC_METHODS`` is counted as ``other`` and a code that is not a gRPC status
@@ -48,16 +51,19 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .startup import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +212,13 @@ class ServerMetrics:
             "vaed_skipped_frames",
             "Output frames a resumed call decoded again but did not send (the client had them).", registry=r,
         )
+        # Set once, at SERVING: the label values are the start-up's phases (a handful, plus one per
+        # warm-up shape and device), never a client's.
+        self._startup = Gauge("vaed_startup_seconds", "Seconds from the start of vaed serve to SERVING.", registry=r)
+        self._startup_phases = Gauge(
+            "vaed_startup_phase_seconds", "Seconds each start-up phase took (device empty: the process's own).",
+            ["phase", "device"], registry=r,
+        )
         r.register(_LoadCollector(load))
 
     def _method(self, method: str) -> str:
@@ -239,6 +252,12 @@ class ServerMetrics:
     def frames_decoded(self, frames: int, latent_frames: int) -> None:
         self._frames.inc(frames)
         self._latent_frames.inc(latent_frames)
+
+    def started(self, phases: Iterable[Phase], total: float) -> None:
+        """The server reached SERVING after `total` seconds, through `phases` (vaed.startup)."""
+        self._startup.set(total)
+        for p in phases:
+            self._startup_phases.labels(phase=p.name, device=p.device).set(p.seconds)
 
     def frames_skipped(self, frames: int, latent_frames: int) -> None:
         """Frames a resumed call decoded for its causal cache only; their latent frames count as decoded."""

@@ -37,6 +37,7 @@ from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
 from .service import VaeDecoderService
+from .startup import StartupTimes, kernel_cache_dir, kernel_cache_entries, phase, use_kernel_cache
 from .video import PackagingPool
 from .worker import DeviceWorker
 
@@ -66,7 +67,8 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
             layout=config.layout, axis=config.spatial_axis, min_pixels=config.spatial_min_pixels,
             engine_options={"disabled_ops": config.disabled_ops},
         )
-        sharded = start_sharded_engine(group, base=engine)
+        with phase("spatial group"):
+            sharded = start_sharded_engine(group, base=engine)
         log.info("sharded decode ready: %s", sharded.describe())
         return sharded
 
@@ -188,12 +190,16 @@ def http_front_shares_metrics(config: ServerConfig) -> bool:
 
 
 class VaedServer:
-    def __init__(self, config: ServerConfig, build_engine: EngineFactory | None = None):
+    def __init__(self, config: ServerConfig, build_engine: EngineFactory | None = None,
+                 startup: StartupTimes | None = None):
         self.config = config
         self.lifecycle = Lifecycle()
+        # the start-up's phases (vaed.startup); `vaed serve` passes its clock, started before the imports
+        self.startup = startup or StartupTimes()
         build = build_engine or engine_factory(config)
         self.pool = WorkerPool(
-            [DeviceWorker(device, build, warmup=config.warmup, warmup_shapes=config.warmup_shapes)
+            [DeviceWorker(device, build, warmup=config.warmup, warmup_shapes=config.warmup_shapes,
+                          startup=self.startup)
              for device in worker_devices(config)],
             max_sessions=config.max_sessions,
         )
@@ -308,13 +314,18 @@ class VaedServer:
     def _on_pool_ready(self) -> None:
         self._ready.set()
         if self.pool.ready and not self.lifecycle.draining:
-            frozen, seconds = freeze_startup_heap()
+            with self.startup.timed("gc freeze"):
+                frozen, seconds = freeze_startup_heap()
             log.info("froze %d start-up objects out of the cyclic GC (a full collection took %.0f ms)",
                      frozen, seconds * 1e3)
             asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.SERVING))
             down = [w.device for w in self.pool.workers if not w.healthy]
+            total = self.startup.elapsed()
             log.info("SERVING on %s%s", ", ".join(w.device for w in self.pool.healthy_workers),
                      f" ({', '.join(down)} failed to start)" if down else "")
+            log.info("%s", self.startup.summary(total))
+            if self.metrics is not None:
+                self.metrics.started(self.startup.phases, total)
 
     def _on_pool_change(self) -> None:
         """A device left rotation: its health entry turns NOT_SERVING (the server's stays
@@ -411,14 +422,26 @@ def set_cpu_threads(config: ServerConfig) -> int | None:
     return threads
 
 
-async def serve(config: ServerConfig) -> int:
+async def serve(config: ServerConfig, startup: StartupTimes | None = None) -> int:
     """`vaed serve`: run until SIGTERM/SIGINT, then drain; a second signal exits at once. Returns the exit code.
     SIGHUP (a closed terminal, a log-rotation hook) is logged and ignored: its default kills the
-    process mid-call, and the server has no log file to reopen (it writes stderr)."""
+    process mid-call, and the server has no log file to reopen (it writes stderr). `startup` is
+    the start-up clock `vaed serve` started before its imports (their time is its first phase)."""
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGHUP, lambda: log.info("SIGHUP received and ignored; SIGTERM drains and stops"))
+    if startup is not None:
+        startup.add("import", startup.elapsed())
     set_cpu_threads(config)
-    server = VaedServer(config)
+    try:
+        use_kernel_cache(config.kernel_cache)  # before any worker can compile a kernel
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    kernel_cache = kernel_cache_dir(ask_triton=config.is_cuda)
+    kernels_found = kernel_cache_entries(kernel_cache)
+    if kernel_cache is not None:
+        log.info("Triton kernel cache: %s (%d compiled kernels found)", kernel_cache, kernels_found)
+    server = VaedServer(config, startup=startup)
     try:
         await server.start()
     except (StartupError, ValueError) as exc:
@@ -445,6 +468,10 @@ async def serve(config: ServerConfig) -> int:
         stop_wait.cancel()
         await server.stop(0)
         return 3
+    if ready.done() and kernel_cache is not None:
+        # the same count at start and now: every kernel came from the cache, none was compiled
+        log.info("Triton kernel cache %s: %d compiled kernels at start, %d now",
+                 kernel_cache, kernels_found, kernel_cache_entries(kernel_cache))
     await stop_wait
     ready.cancel()
     log.info("signal received; shutting down")

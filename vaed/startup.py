@@ -9,8 +9,8 @@ summary line lists them all with the total; the metrics endpoint exports them
 
 The phases, in the order a start goes through them:
 
-* ``import``: torch, gRPC and vaed imported, from `vaed serve`'s entry (the
-  interpreter's own start, before it, is not counted);
+* ``import``: from the process's start (the interpreter's own start included)
+  until torch, gRPC and vaed are imported and the flags read;
 * per device: ``cuda init`` (the device's context and copy stream),
   ``model load`` (weights built or read, moved to the device), ``fast paths``
   (weight layout, the fused forwards installed and every fused op's start-up
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -102,6 +103,20 @@ class StartupTimes:
         return f"start-up took {total:.2f} s to SERVING: " + ", ".join(parts)
 
 
+def process_started() -> float:
+    """The `time.perf_counter()` reading at which this process started: its start time in
+    /proc/self/stat (clock ticks since boot, 10 ms here) against CLOCK_BOOTTIME, which runs with
+    the monotonic clock perf_counter reads on a machine that does not suspend. Off Linux: now."""
+    try:
+        with open("/proc/self/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        start_ticks = int(fields[19])  # field 22, starttime; fields[0] is field 3
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter()
+    return time.perf_counter() - max(0.0, age)
+
+
 _current = threading.local()
 
 
@@ -127,3 +142,50 @@ def phase(name: str) -> Iterator[None]:
     times, device = target
     with times.timed(name, device):
         yield
+
+
+# -- Triton's kernel cache ------------------------------------------------------------------------
+
+# Triton reads this variable whenever it looks for a compiled kernel (triton.knobs.cache.dir),
+# so setting it before the first compile moves the whole cache.
+TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def use_kernel_cache(directory: str | None) -> None:
+    """Point Triton's cache at `directory` (--kernel-cache) for this process and the processes it
+    starts (a sharded group's followers); None leaves $TRITON_CACHE_DIR or Triton's default.
+    Raises ValueError when the directory cannot be made or written: Triton would otherwise
+    fail at its first compile, inside a worker's start."""
+    if directory is None:
+        return
+    path = os.path.abspath(directory)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--kernel-cache {directory}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--kernel-cache {directory} is not writable by this process")
+    os.environ[TRITON_CACHE_ENV] = path
+
+
+def kernel_cache_dir(ask_triton: bool = True) -> str | None:
+    """The directory Triton reads and writes compiled kernels in: $TRITON_CACHE_DIR when set
+    (what Triton reads), else Triton's default when `ask_triton` (importing Triton takes ~0.6 s,
+    not worth it for a CPU server, which compiles nothing); None otherwise or without Triton."""
+    if os.environ.get(TRITON_CACHE_ENV):
+        return os.environ[TRITON_CACHE_ENV]
+    if not ask_triton:
+        return None
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return str(knobs.cache.dir)
+
+
+def kernel_cache_entries(directory: str | None) -> int:
+    """Compiled kernels in Triton's cache: one directory per kernel (and per launcher), named
+    by the hash of its source, signature, GPU target and Triton version; 0 when absent."""
+    if directory is None or not os.path.isdir(directory):
+        return 0
+    return sum(1 for entry in os.scandir(directory) if entry.is_dir())

@@ -40,6 +40,7 @@ from .engine_protocol import Engine, EngineFactory
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
 from .session import DeviceGroup, HostGroup, Placement, Session
+from .startup import StartupTimes, phase, recording
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class DeviceWorker:
         *,
         warmup: bool = True,
         warmup_shapes: tuple[tuple[int, int], ...] | None = None,
+        startup: StartupTimes | None = None,
     ) -> None:
         self.device = device
         self._build_engine = build_engine
@@ -81,6 +83,7 @@ class DeviceWorker:
         self.startup_error: BaseException | None = None
         self.fault: BaseException | None = None   # set when the device failed after start
         self.warmup_seconds: dict[str, float] = {}
+        self.startup = startup or StartupTimes()  # this device's start-up phases go here (vaed.startup)
         self._lock = threading.Condition()
         self._sessions: collections.deque[Session] = collections.deque()
         self._stopping = False
@@ -167,12 +170,8 @@ class DeviceWorker:
 
     def _run(self) -> None:
         try:
-            if self.is_cuda:
-                torch.cuda.set_device(torch.device(self.device))
-                self._copy_stream = torch.cuda.Stream()
-            self.engine = self._build_engine(self.device)
-            if self._warmup:
-                self._warm_up(self.engine)
+            with recording(self.startup, self.device):  # the engine's phases (model load, ...) are this device's
+                self._start()
         except BaseException as exc:  # reported by the pool / server
             if isinstance(exc, VaedServerError):
                 log.error("worker on %s failed to start: %s", self.device, exc)
@@ -193,6 +192,18 @@ class DeviceWorker:
                 return
             if session is not _IDLE:
                 self._step(session)
+
+    def _start(self) -> None:
+        """Device context, engine, warm-up: each a start-up phase of this device."""
+        if self.is_cuda:
+            with phase("cuda init"):
+                torch.cuda.set_device(torch.device(self.device))
+                self._copy_stream = torch.cuda.Stream()
+        self.engine = self._build_engine(self.device)
+        if self._warmup:
+            self._warm_up(self.engine)
+            for name, seconds in self.warmup_seconds.items():  # each already has its log line
+                self.startup.add(f"warm-up {name}", seconds, self.device, logged=False)
 
     def _keep_group_alive(self) -> None:
         """`engine.keepalive()` on every pass, idle or not: a sharded engine sends its followers
