@@ -225,6 +225,58 @@ def test_writable_paths_are_emptydirs(overlay: str, name: str) -> None:
         assert env[var] == "/cache" or env[var].startswith("/cache/"), var
 
 
+def _triton_cache_dir(dep: Obj) -> str:
+    """Where the decoder's Triton keeps compiled kernels: --kernel-cache, else the container's
+    TRITON_CACHE_DIR, else the image's (the Dockerfile's ENV)."""
+    flag = serve_args(dep).kernel_cache
+    env = {e["name"]: e.get("value") for e in container(dep).get("env", [])}
+    image = dict(re.findall(r"\b([A-Z_]+)=(/\S*)", (ROOT / "Dockerfile").read_text()))
+    return flag or env.get("TRITON_CACHE_DIR") or image["TRITON_CACHE_DIR"]
+
+
+def _volume_at(dep: Obj, path: str) -> tuple[Obj, Obj]:
+    """(mount, volume) of the container's mount that holds `path`."""
+    mounts = [m for m in container(dep)["volumeMounts"]
+              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mounts, f"{path} is on no volume (the root filesystem is read-only)"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    volumes = {v["name"]: v for v in pod_spec(dep)["volumes"]}
+    return mount, volumes[mount["name"]]
+
+
+@pytest.mark.parametrize("overlay", PROD_OVERLAYS)
+def test_triton_kernels_are_kept_on_a_volume_that_outlives_the_pod(overlay: str) -> None:
+    """A new pod of a model (restart, rollout, scale-up) finds the kernels the earlier ones
+    compiled: Triton's cache directory is on a writable ReadWriteMany PVC of this build, one per
+    model, not on the /cache emptyDir."""
+    objs = rendered(overlay)
+    claims = {c["metadata"]["name"]: c for c in by_kind(objs, "PersistentVolumeClaim")}
+    used = []
+    for dep in decoders(objs):
+        cache = _triton_cache_dir(dep)
+        mount, volume = _volume_at(dep, cache)
+        assert not mount.get("readOnly"), mount
+        pvc = volume["persistentVolumeClaim"]
+        assert not pvc.get("readOnly")
+        claim = claims[pvc["claimName"]]  # part of the build, renamed with its model
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert claim["metadata"]["labels"]["app.kubernetes.io/component"] == "kernel-cache"
+        used.append(pvc["claimName"])
+    assert len(used) == len(set(used)) == len(decoders(objs))  # one cache per model
+
+
+@pytest.mark.parametrize("overlay", ["dev", "cpu"])
+def test_single_pod_overlays_keep_kernels_on_the_cache_emptydir(overlay: str) -> None:
+    """dev (one GPU pod, restarted in place) and cpu (no Triton) need no RWX storage: Triton's
+    cache stays on the /cache emptyDir, which a container restart keeps."""
+    objs = rendered(overlay)
+    (dep,) = decoders(objs)
+    mount, volume = _volume_at(dep, _triton_cache_dir(dep))
+    assert mount["mountPath"] == "/cache" and "emptyDir" in volume
+    assert not [c for c in by_kind(objs, "PersistentVolumeClaim")
+                if c["metadata"]["labels"].get("app.kubernetes.io/component") == "kernel-cache"]
+
+
 @pytest.mark.parametrize("overlay,name", DECODERS)
 def test_graceful_termination_matches_grace(overlay: str, name: str) -> None:
     dep = decoder(overlay, name)

@@ -186,7 +186,11 @@ def test_weights_job_and_pvc(overlay: str) -> None:
         # The decoders' NetworkPolicy (DNS-only egress) must not select the Job.
         np = one(objs, "NetworkPolicy", "vaed")["spec"]["podSelector"]["matchLabels"]
         assert not np.items() <= job["spec"]["template"]["metadata"]["labels"].items()
-    for pvc in by_kind(objs, "PersistentVolumeClaim"):
+    claims = by_kind(objs, "PersistentVolumeClaim")
+    # the weights' and Triton's kernel cache (test_deploy_k8s checks the latter); no other
+    components = [c["metadata"]["labels"]["app.kubernetes.io/component"] for c in claims]
+    assert set(components) <= {"weights", "kernel-cache"} and "weights" in components
+    for pvc in (c for c, component in zip(claims, components, strict=True) if component == "weights"):
         # Written once by the Job, read by decoder pods on any node.
         assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
         size = pvc["spec"]["resources"]["requests"]["storage"]
