@@ -7,7 +7,8 @@ lossless) against the gRPC RGB8 decode of the same latents, through a real `vaed
 
 Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
 wire, and for mp4 the PSNR of its frames against the RGB8 frames; for the stream, seconds until
-the first fMP4 fragment (`moof`) is at the client, over HTTP and over gRPC.
+the first fMP4 fragment (`moof`) is at the client, over HTTP and over gRPC; and the server
+process's CPU cores in use (CPU seconds / wall seconds) during the gRPC RGB8 and MP4 decodes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import socket
 import statistics
 import sys
@@ -42,6 +44,20 @@ def timed(reps: int, call: Callable[[], Any]) -> tuple[float, Any]:
         result = call()
         times.append(time.perf_counter() - started)
     return statistics.median(times), result
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (from /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def timed_cores(pid: int, reps: int, call: Callable[[], Any]) -> tuple[float, Any, float]:
+    """`timed`, and the server's CPU cores in use over those calls."""
+    cpu, wall = cpu_seconds(pid), time.perf_counter()
+    median, result = timed(reps, call)
+    return median, result, (cpu_seconds(pid) - cpu) / (time.perf_counter() - wall)
 
 
 def mp4_frames(data: bytes) -> np.ndarray:
@@ -109,9 +125,10 @@ def main() -> int:
     try:
         with VaeClient(target) as client:
             client.decode(latents[:, :, :2])  # connection and first-use warm-up
-            grpc_s, rgb8 = timed(args.reps, lambda: client.decode(latents))
+            grpc_s, rgb8, rgb8_cores = timed_cores(proc.pid, args.reps, lambda: client.decode(latents))
             client.decode(latents[:, :, :2], output_type="mp4")  # the packaging pool's first use
-            grpc_mp4_s, grpc_mp4 = timed(args.reps, lambda: client.decode(latents, output_type="mp4"))
+            grpc_mp4_s, grpc_mp4, mp4_cores = timed_cores(
+                proc.pid, args.reps, lambda: client.decode(latents, output_type="mp4"))
             grpc_lossless_s, grpc_lossless = timed(
                 args.reps, lambda: client.decode(latents, output_type="mp4", lossless=True))
         rgb8 = np.asarray(rgb8)[0]
@@ -138,6 +155,7 @@ def main() -> int:
         "stream_total_s": statistics.median(s[1] for s in streams),
         "grpc_mp4_s": grpc_mp4_s, "grpc_mp4_bytes": len(grpc_mp4), "grpc_mp4_over_grpc_rgb8": grpc_mp4_s / grpc_s,
         "grpc_mp4_psnr_db": psnr(mp4_frames(grpc_mp4), rgb8),
+        "server_cores_grpc_rgb8": rgb8_cores, "server_cores_grpc_mp4": mp4_cores,
         "grpc_lossless_s": grpc_lossless_s, "grpc_lossless_bytes": len(grpc_lossless),
         "grpc_first_fragment_ms": statistics.median(s[0] for s in grpc_streams) * 1e3,
     }

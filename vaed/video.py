@@ -63,9 +63,11 @@ def default_fps(patch_size: int | None) -> int:
 
 def default_threads(cpu_count: int | None, devices: int) -> int:
     """`--video-threads`' default: half the host's cores per served device, 1 to 8. The other
-    half is left to the event loop, the device threads and x264's own slice threads. A session
-    takes one thread at a time (its steps run in order), so threads beyond the sessions that
-    ask for video at once buy nothing."""
+    half is left to the event loop and the device threads. A session takes one thread at a time
+    (its steps run in order), so threads beyond the sessions that ask for video at once buy
+    nothing. The pool bounds encodes at once, not cores: x264 keeps its automatic thread count
+    (PyAV's thread_count 0), slicing each frame over several of the host's cores
+    (benchmarks/bench_http.py reports the server's cores in use)."""
     per_device = (cpu_count or 2) // max(1, devices)
     return max(1, min(MAX_DEFAULT_THREADS, per_device // 2))
 
