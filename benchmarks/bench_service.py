@@ -2,6 +2,12 @@
 of a real `vaed serve` process, against AutoencoderKLWan.decode in one process.
 
     python benchmarks/bench_service.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
+    python benchmarks/bench_service.py --op encode --model random:wan2.1 --shape 1,3,81,480,832 --reps 3
+
+`--op encode` times `VaeClient.encode` of seeded bf16 frames (`--shape` B,3,T,H,W) against a
+`vaed serve --encode` (bf16), then the same engine in this process (`engine_factory` of the same
+config: weights, layout, kernels) encoding the frames already on the GPU; it reports the ratio
+served / in-process and whether the served moments equal the in-process ones (torch.equal).
 
 Runs the server as a subprocess on --gpu, measures through VaeClient over
 loopback, reads the server's peak GPU memory from its Prometheus endpoint,
@@ -18,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import torch
 
@@ -81,10 +88,71 @@ def measure_in_process(model: str, latents: torch.Tensor, reps: int, device: str
     return {"seconds": min(times), "peak_bytes": torch.cuda.max_memory_allocated()}
 
 
+def measure_encode_service(target: str, frames: torch.Tensor, reps: int, pause: float) -> tuple[list[float], Any]:
+    from vaed_client import VaeClient
+
+    times = []
+    with VaeClient(target, timeout=600) as client:
+        client.encode(frames[:, :, :5])  # connection + first-use warm-up
+        for _ in range(reps):
+            time.sleep(pause)
+            started = time.perf_counter()
+            moments = client.encode(frames)
+            times.append(time.perf_counter() - started)
+            print(f"service encode: {times[-1]:.3f} s", flush=True)
+    return times, moments
+
+
+def measure_encode_in_process(model: str, frames: torch.Tensor, reps: int, gpu: int) -> tuple[float, Any]:
+    from vaed.config import ServerConfig
+    from vaed.engine_protocol import EncodeSpec
+    from vaed.server import engine_factory
+
+    device = f"cuda:{gpu}"
+    engine = engine_factory(ServerConfig(model=model, devices=(device,), dtype="bfloat16", encode=True))(device)
+    x = frames.to(device)
+    times = []
+    with torch.inference_mode():
+        engine.encode_video(x[:, :, :5], EncodeSpec())
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            moments = engine.encode_video(x, EncodeSpec())[0]
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+            print(f"in-process engine encode: {times[-1]:.3f} s", flush=True)
+    return min(times), moments.cpu()
+
+
+def run_encode(args: argparse.Namespace, shape: list[int]) -> int:
+    frames = (torch.rand(*shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(torch.bfloat16)
+    args.server_args = ["--encode", "--dtype", "bfloat16", *args.server_args]
+    proc, target, metrics_port = start_server(args)
+    try:
+        times, served = measure_encode_service(target, frames, args.reps, args.pause)
+        peak = scrape(metrics_port, "vaed_gpu_memory_peak_bytes")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    result: dict[str, Any] = {"model": args.model, "op": "encode", "shape": shape, "frames_bytes": frames.nbytes,
+                              "service_s": min(times), "service_peak_gib": peak / 2**30 if peak is not None else None}
+    if not args.skip_in_process:
+        seconds, local = measure_encode_in_process(args.model, frames, args.reps, args.gpu)
+        result.update(in_process_s=seconds, ratio_service_over_in_process=min(times) / seconds,
+                      bit_identical=bool(torch.equal(served, local)))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:wan2.1")
-    parser.add_argument("--shape", default="1,16,21,60,104", help="latent shape B,z,T,h,w")
+    parser.add_argument("--op", choices=("decode", "encode"), default="decode")
+    parser.add_argument("--shape", default=None,
+                        help="decode: latent shape B,z,T,h,w (1,16,21,60,104); encode: frames B,3,T,H,W (1,3,81,480,832)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--pause", type=float, default=0.0,
@@ -93,7 +161,10 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("server_args", nargs="*", help="extra `vaed serve` flags after --")
     args = parser.parse_args()
-    shape = [int(s) for s in args.shape.split(",")]
+    default_shape = "1,3,81,480,832" if args.op == "encode" else "1,16,21,60,104"
+    shape = [int(s) for s in (args.shape or default_shape).split(",")]
+    if args.op == "encode":
+        return run_encode(args, shape)
     latents = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
     proc, target, metrics_port = start_server(args)

@@ -6,8 +6,10 @@ and the reply's assembly; the two clients only differ in how they wait.
 Input rule: float frames `[B, 3, T, H, W]` (or `[3, T, H, W]`, taken as B=1)
 in [-1, 1], float32 / float16 / bfloat16 (torch; numpy float64 is cast to
 float32), or uint8 frames `[B, T, H, W, 3]` (or `[T, H, W, 3]`). T must be
-1 + 4k. Frames are sent in chunks of at most `FRAME_MESSAGE_BYTES`, so the
-server starts encoding while the rest uploads.
+1 + 4k. Frames are sent along the encoder's calls (frame 0 alone, then 4 a
+message, each at most `FRAME_MESSAGE_BYTES`), made one message at a time, so
+the server runs its first call once one frame has arrived and encodes while
+the rest uploads.
 
 Trailing zeros: frames at the end whose every value is +0.0 (bit for bit, so
 a -0.0 is sent) are not sent; the request's `trailing_zero_frames` tells the
@@ -50,22 +52,28 @@ class Video:
 
 
 def _trailing_zero_frames(frames: Any, time_dim: int, as_torch: bool) -> int:
-    """How many frames at the end are all +0.0 (float frames only; bitwise, so -0.0 is not)."""
+    """How many frames at the end are all +0.0 (float frames only; bitwise, so -0.0 is not).
+    Scanned from the last frame back, stopping at the first that is not: an ordinary video
+    costs one frame's look before its upload starts, not a pass over the whole video."""
     t = frames.shape[time_dim]
     if as_torch:
         import torch
 
         bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[frames.dtype]
-        nonzero = (frames.view(bits) != 0).movedim(time_dim, 0).reshape(t, -1).any(dim=1)
-        idx = torch.nonzero(nonzero).flatten()
-        last = int(idx[-1]) if idx.numel() else -1
+
+        def nonzero(i: int) -> bool:
+            return bool(frames.select(time_dim, i).view(bits).any())
     else:
-        bits_np = frames.view({np.dtype(np.float32): np.int32, np.dtype(np.float16): np.int16}[frames.dtype])
-        nonzero_np = np.moveaxis(bits_np != 0, time_dim, 0).reshape(t, -1).any(axis=1)
-        idx_np = np.flatnonzero(nonzero_np)
-        last = int(idx_np[-1]) if idx_np.size else -1
+        bits_np = {np.dtype(np.float32): np.int32, np.dtype(np.float16): np.int16}[frames.dtype]
+
+        def nonzero(i: int) -> bool:
+            return bool(np.take(frames, i, axis=time_dim).view(bits_np).any())
+
     # at least frame 0 travels: the server needs one chunk for the call's shape and dtype
-    return t - max(last + 1, 1)
+    for i in range(t - 1, 0, -1):
+        if nonzero(i):
+            return t - 1 - i
+    return t - 1
 
 
 def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
@@ -123,13 +131,29 @@ def encode_options(
     return options
 
 
+def call_slices(count: int, frame_bytes: int, cap_bytes: int,
+                temporal: int = wire.DEFAULT_TEMPORAL_FACTOR) -> list[tuple[int, int]]:
+    """(start, length) of the messages of `count` frames: cut where the causal encoder's calls
+    are (frame 0 alone, then `temporal` frames), each call's frames in pieces of at most
+    `cap_bytes` (`wire.frame_slices`). The first message is one frame, so the server's first
+    encoder call starts once one frame has arrived, and every later message completes a call."""
+    slices: list[tuple[int, int]] = []
+    start = 0
+    while start < count:
+        length = min(1 if start == 0 else temporal, count - start)
+        slices += [(start + s, n) for s, n in wire.frame_slices(length, frame_bytes, cap_bytes)]
+        start += length
+    return slices
+
+
 def video_chunks(video: Video, options: Any, cap_bytes: int = wire.FRAME_MESSAGE_BYTES) -> Iterator[Any]:
-    """VideoChunks of at most `cap_bytes` of frames each (whole frames), options on the first."""
+    """VideoChunks along the encoder's calls (`call_slices`), each made only when the previous one
+    was taken, options on the first."""
     frames = video.frames
     count = frames.shape[video.time_dim]
     frame_bytes = int(np.prod(frames.shape)) * frames.element_size() // count if video.as_torch else \
         frames.nbytes // count
-    for i, (start, length) in enumerate(wire.frame_slices(count, frame_bytes, cap_bytes)):
+    for i, (start, length) in enumerate(call_slices(count, frame_bytes, cap_bytes)):
         part = frames[:, :, start : start + length] if video.time_dim == 2 else frames[:, start : start + length]
         chunk = pb.VideoChunk(frames=wire.to_message(part))
         if i == 0:

@@ -103,6 +103,41 @@ def test_chunks_that_split_encoder_calls_equal_one_shot(served: tuple[Any, Any],
     assert torch.equal(torch.cat([wire.to_torch(r.moments) for r in replies[:-1]], 2), want)
 
 
+def test_messages_follow_the_encoder_calls() -> None:
+    """Frame 0 alone, then one message per 4-frame call, split further only past the byte cap."""
+    from vaed_client.encoding import call_slices
+
+    assert call_slices(13, frame_bytes=10, cap_bytes=100) == [(0, 1), (1, 4), (5, 4), (9, 4)]
+    assert call_slices(7, frame_bytes=10, cap_bytes=25) == [(0, 1), (1, 2), (3, 2), (5, 2)]
+    assert call_slices(2, frame_bytes=10, cap_bytes=100) == [(0, 1), (1, 1)]  # zeros follow as a count
+    video = prepare_video(_video(1, 9))
+    sizes = [c.frames.shape[2] for c in video_chunks(video, encode_options(output_type="moments"))]
+    assert sizes == [1, 4, 4]
+
+
+def test_the_first_latent_frame_comes_back_before_the_rest_is_sent(served: tuple[Any, Any], stub: Any) -> None:
+    """The encode starts on the first message: the request stream sends its second chunk only
+    once latent frame 0 (of the first chunk's one frame) is back. A server that waited for the
+    whole upload would never answer (the call would hit its timeout)."""
+    import threading
+
+    running, stock = served
+    x = _video(1, 5, seed=11)
+    first_back = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        yield _chunk(x[:, :, :1], vaed_pb2.EncodeOptions(request_id="early"))
+        assert first_back.wait(60), "latent frame 0 did not come back before the rest of the video was sent"
+        yield _chunk(x[:, :, 1:])
+
+    replies = []
+    for reply in stub.Encode(requests(), timeout=90):
+        replies.append(reply)
+        first_back.set()
+    assert [r.latent_frame for r in replies] == [0, 1, 2] and replies[-1].final
+    assert torch.equal(torch.cat([wire.to_torch(r.moments) for r in replies[:-1]], 2), _stock(stock, x))
+
+
 def test_uint8_frames_are_diffusers_video_processor_frames(served: tuple[Any, Any]) -> None:
     """uint8 [B, T, H, W, 3] -> the float32 frames VideoProcessor.preprocess_video makes of them."""
     from diffusers.video_processor import VideoProcessor
