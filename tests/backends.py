@@ -8,11 +8,14 @@ A kernel test takes a ``backend`` parameter (``kernel_cases`` builds its cases):
   so CPU CI runs the same test functions. Triton picks the interpreter when a
   kernel is first decorated, so it must be set before triton is imported and
   must not leak into the process that runs the CUDA and server tests: the
-  main pytest process runs no interpreter case itself. Before its test loop
-  it runs all selected interpreter cases in one child pytest with
+  main pytest process runs no interpreter case itself. At the start of its
+  test loop it starts all selected interpreter cases in one child pytest with
   ``TRITON_INTERPRET=1`` set from the start (one torch import, one
-  interpreter), and each case then reports the child's outcome (pass, skip
-  reason, or the child's failure text) under its own id. These cases carry
+  interpreter), in the background: the other tests run meanwhile, and the
+  interpreter cases, sorted last, each wait for the child and report its
+  outcome (pass, skip reason, or the child's failure text) under their own
+  ids. With pytest-xdist the first worker starts the child and every worker
+  reads its results from a folder the main process made. These cases carry
   ``slow``.
 
 The interpreter copies bytes exactly, so data movement is held bit-exact on
@@ -30,14 +33,16 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -114,8 +119,11 @@ def runs_under_interpreter(item: pytest.Item) -> bool:
 
 # --- the child run (hooks; tests/conftest.py exposes them) -------------------------------------
 
-_RESULTS = pytest.StashKey[dict[str, dict[str, str]]]()
-_CHILD_LOG = pytest.StashKey[str]()
+_RESULTS = pytest.StashKey[tuple[dict[str, dict[str, str]], str]]()
+_OWNED_DIR = pytest.StashKey[str]()
+# Set by the main pytest for itself and its xdist workers: where the child's files go.
+SHARED_DIR_ENV = "VAED_INTERPRETER_DIR"
+_RESULTS_FILE, _LOG_FILE, _DONE_FILE = "results.jsonl", "child.log", "done.json"
 
 
 def _merge(results: dict[str, dict[str, str]], report: dict[str, str]) -> None:
@@ -134,50 +142,139 @@ def _skip_reason(longrepr: Any) -> str:
     return str(longrepr)
 
 
-def run_interpreter_child(session: pytest.Session) -> None:
-    """Run the session's interpreter cases in one child pytest under TRITON_INTERPRET=1."""
-    if IN_CHILD or session.config.option.collectonly:
+def _interpreter_items(items: Iterable[pytest.Item]) -> list[pytest.Item]:
+    return [item for item in items if runs_under_interpreter(item)]
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _launches_child(config: pytest.Config) -> bool:
+    """One process starts the child: the main pytest, or with pytest-xdist its first worker
+    (every worker collects the same items, so the child's run is the same whoever starts it)."""
+    if not _is_xdist_worker(config):
+        return True
+    return config.workerinput["workerid"] == "gw0"  # type: ignore[attr-defined]
+
+
+def make_shared_dir(config: pytest.Config) -> None:
+    """In the main pytest (before any xdist worker starts, so they inherit it): the folder the
+    child writes its results to, which every worker reads."""
+    if IN_CHILD or _is_xdist_worker(config) or SHARED_DIR_ENV in os.environ:
         return
-    items = [item for item in session.items if runs_under_interpreter(item)]
+    folder = tempfile.mkdtemp(prefix="vaed-interpreter-")
+    os.environ[SHARED_DIR_ENV] = folder
+    config.stash[_OWNED_DIR] = folder
+
+
+def remove_shared_dir(config: pytest.Config) -> None:
+    folder = config.stash.get(_OWNED_DIR, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(SHARED_DIR_ENV, None)
+
+
+def put_interpreter_cases_last(items: list[pytest.Item]) -> None:
+    """The child runs from the start of the session beside the other tests; its cases wait for
+    it, so they come last (a stable sort: the other tests keep their order)."""
+    if IN_CHILD:
+        return
+    items.sort(key=runs_under_interpreter)
+    for item in _interpreter_items(items):
+        # Here a case only waits for the child and reports its outcome (each case is under
+        # pytest-timeout's own limit inside the child).
+        item.add_marker(pytest.mark.timeout(CHILD_TIMEOUT_S))
+
+
+def start_interpreter_child(session: pytest.Session) -> None:
+    """Start the session's interpreter cases in one child pytest under TRITON_INTERPRET=1, in the
+    background: the child takes one core for ~2.5 minutes on CI, which the rest of the suite
+    (mostly waiting on servers it started) overlaps instead of following."""
+    if IN_CHILD or session.config.option.collectonly or not _launches_child(session.config):
+        return
+    items = _interpreter_items(session.items)
     if not items:
         return
-    results: dict[str, dict[str, str]] = {}
-    session.config.stash[_RESULTS] = results
+    folder = Path(os.environ[SHARED_DIR_ENV])
     if importlib.util.find_spec("triton") is None:
-        for item in items:
-            results[item.nodeid] = {"outcome": "skipped", "text": "triton is not installed"}
+        with open(folder / _RESULTS_FILE, "w") as f:
+            for item in items:
+                f.write(json.dumps({"nodeid": item.nodeid, "when": "setup", "outcome": "skipped",
+                                    "text": "triton is not installed"}) + "\n")
+        (folder / _DONE_FILE).write_text(json.dumps({"elapsed": 0.0, "log": ""}))
         return
-    root = Path(session.config.rootpath)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.jsonl"
-        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", **{RESULTS_ENV: str(out)})
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(item.nodeid for item in items)]
-        started = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-            log = proc.stdout[-6000:] + proc.stderr[-3000:]
-        except subprocess.TimeoutExpired as e:
-            log = f"the interpreter run exceeded {CHILD_TIMEOUT_S} s\n{e.stdout!s:.3000}"
-        elapsed = time.monotonic() - started
-        if out.exists():
-            for line in out.read_text().splitlines():
-                _merge(results, json.loads(line))
-    session.config.stash[_CHILD_LOG] = log
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               **{RESULTS_ENV: str(folder / _RESULTS_FILE)})
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_XDIST_TESTRUNUID", None)
+    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+    # -p no:xdist: the child runs its cases itself, one torch import and one interpreter.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+           *(item.nodeid for item in items)]
+    log = open(folder / _LOG_FILE, "w")  # closed by the watcher when the child ends
+    proc = subprocess.Popen(cmd, cwd=session.config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
+    # A watcher thread marks the run done the moment the child ends, so a case waiting in any
+    # xdist worker goes on without this process's help.
+    threading.Thread(target=_watch_child, args=(proc, log, folder), daemon=True, name="interpreter-child").start()
+
+
+def _watch_child(proc: subprocess.Popen[str], log: IO[str], folder: Path) -> None:
+    started = time.monotonic()
+    try:
+        proc.wait(timeout=CHILD_TIMEOUT_S)
+        note = ""
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        note = f"the interpreter run exceeded {CHILD_TIMEOUT_S} s\n"
+    log.close()
+    text = note + (folder / _LOG_FILE).read_text()[-9000:]
+    (folder / (_DONE_FILE + ".tmp")).write_text(json.dumps({"elapsed": time.monotonic() - started, "log": text}))
+    (folder / (_DONE_FILE + ".tmp")).rename(folder / _DONE_FILE)  # whole, or not there
+
+
+def report_child_time(config: pytest.Config) -> None:
+    """At the end of the main pytest: how long the child ran."""
+    folder = os.environ.get(SHARED_DIR_ENV)
+    if folder is None or _is_xdist_worker(config) or not (Path(folder) / _DONE_FILE).exists():
+        return
+    elapsed = json.loads((Path(folder) / _DONE_FILE).read_text())["elapsed"]
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"interpreter: {len(items)} kernel cases in a TRITON_INTERPRET=1 child pytest, "
-                            f"{elapsed:.0f} s")
+        reporter.write_line(f"interpreter: the kernel cases' TRITON_INTERPRET=1 child pytest ran {elapsed:.0f} s "
+                            "beside the other tests")
+
+
+def _child_results(config: pytest.Config) -> tuple[dict[str, dict[str, str]], str]:
+    """The child's outcomes by node id, once it is done (read once per process)."""
+    cached = config.stash.get(_RESULTS, None)
+    if cached is not None:
+        return cached
+    folder = Path(os.environ[SHARED_DIR_ENV])
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while not (folder / _DONE_FILE).exists():  # another xdist worker runs the child
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    done = json.loads((folder / _DONE_FILE).read_text()) if (folder / _DONE_FILE).exists() else {"log": ""}
+    results: dict[str, dict[str, str]] = {}
+    if (folder / _RESULTS_FILE).exists():
+        for line in (folder / _RESULTS_FILE).read_text().splitlines():
+            _merge(results, json.loads(line))
+    config.stash[_RESULTS] = (results, done["log"])
+    return results, done["log"]
 
 
 def report_child_outcome(item: pytest.Function) -> bool | None:
     """In the main process an interpreter case reports what the child's run of it gave."""
     if IN_CHILD or not runs_under_interpreter(item):
         return None
-    results = item.config.stash.get(_RESULTS, {})
+    results, log = _child_results(item.config)
     outcome = results.get(item.nodeid)
     if outcome is None:
-        pytest.fail(f"the interpreter run gave no result for this case:\n{item.config.stash.get(_CHILD_LOG, '')}",
-                    pytrace=False)
+        pytest.fail(f"the interpreter run gave no result for this case:\n{log}", pytrace=False)
     if outcome["outcome"] == "skipped":
         pytest.skip(outcome["text"])
     if outcome["outcome"] == "failed":

@@ -4,12 +4,19 @@ kernel tests' two backends in `backends.py` (its hooks are registered here)."""
 
 from __future__ import annotations
 
-from typing import Iterator
-
-import pytest
+from collections.abc import Iterator
 
 import backends
+import pytest
 from harness import CUDA, RunningServer, make_config, serve_in_thread
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    backends.make_shared_dir(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    backends.remove_shared_dir(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -17,11 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not CUDA:
             item.add_marker(skip)
+    backends.put_interpreter_cases_last(items)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> None:
-    backends.run_interpreter_child(session)  # returns None: the normal test loop follows
+    backends.start_interpreter_child(session)  # returns None: the normal test loop follows
+
+
+def pytest_terminal_summary(config: pytest.Config) -> None:
+    backends.report_child_time(config)
 
 
 @pytest.hookimpl(tryfirst=True)
