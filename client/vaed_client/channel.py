@@ -15,7 +15,11 @@
   that sends nothing for minutes keeps its connection). The vaed server
   permits client pings every >= 30 s, so 60 s never trips its
   too_many_pings GOAWAY; a dead peer behind a NAT or load balancer is found
-  within ~80 s instead of at the next write.
+  within ~80 s instead of at the next write. gRPC core times an unanswered
+  ping out after `http2.ping_timeout_ms` (60 s by default), whatever
+  `keepalive_timeout_ms` says, so the channel sets that one to the keepalive
+  timeout too (also when `options=` changes the keepalive timeout): without
+  it a stalled peer took 60 s to be found with a 1 s keepalive timeout.
 - Auth: `token=` sends `authorization: Bearer <token>` on every call — as call
   credentials over TLS, or as plain per-call metadata on an insecure channel
   (gRPC refuses call credentials there; loopback tests still need tokens).
@@ -69,6 +73,8 @@ RETRY_BUFFER_BYTES = 64 * 1024 * 1024
 # Client keepalive (see module doc): 2x the server's 30 s minimum ping interval.
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
+# The ack deadline of every ping gRPC core sends, keepalive pings included (module doc).
+PING_TIMEOUT_OPTION = "grpc.http2.ping_timeout_ms"
 
 TlsSpec = Union[bool, bytes, str, "os.PathLike[str]", grpc.ChannelCredentials, None]
 PemSpec = Union[bytes, str, "os.PathLike[str]", None]  # PEM contents, or the path of a PEM file
@@ -131,6 +137,9 @@ def channel_options(
     if extra:
         overridden = {key for key, _ in extra}
         options = [(k, v) for k, v in options if k not in overridden] + list(extra)
+    if not any(key == PING_TIMEOUT_OPTION for key, _ in options):
+        keepalive_timeout = dict(options)["grpc.keepalive_timeout_ms"]
+        options.append((PING_TIMEOUT_OPTION, keepalive_timeout))
     return options
 
 

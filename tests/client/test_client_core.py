@@ -198,6 +198,11 @@ def test_keepalive_options() -> None:
     assert opts["grpc.keepalive_permit_without_calls"] == 0 and opts["grpc.http2.max_pings_without_data"] == 0
     assert "grpc.ssl_target_name_override" not in opts
     assert dict(vchannel.channel_options(tls_server_name="a.b"))["grpc.ssl_target_name_override"] == "a.b"
+    # gRPC core's own ping-ack deadline follows the keepalive timeout, also an overridden one
+    assert opts["grpc.http2.ping_timeout_ms"] == 20_000
+    fast = dict(vchannel.channel_options([("grpc.keepalive_timeout_ms", 1000)]))
+    assert fast["grpc.http2.ping_timeout_ms"] == 1000
+    assert dict(vchannel.channel_options([("grpc.http2.ping_timeout_ms", 7)]))["grpc.http2.ping_timeout_ms"] == 7
 
 
 def test_tls_server_name_override() -> None:
