@@ -2,7 +2,7 @@
 the real client against in-process servers of the tiny Wan2.1 and Wan2.2 models: the file decodes
 back (PyAV) to the RGB8 frames within the codec's loss, the lossless choice exactly; the bytes
 reach the client while the call still decodes (ordered by a held server-side decode, not by
-time); bad options are INVALID_ARGUMENT and the server keeps serving; a failed server's MP4 call
+time: frame 0's fragment leaves before latent frame 1 decodes); bad options are INVALID_ARGUMENT and the server keeps serving; a failed server's MP4 call
 starts over on the next one, whole; gRPC and HTTP give the same bytes (one implementation)."""
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ def test_mp4_path_is_written_as_it_arrives_and_async_gives_the_same(server: Runn
 
 
 def test_fragments_arrive_before_the_call_ends() -> None:
-    """The server's decode of latent frame 2 is held until the client has read the init segment
-    and a fragment (frame 0's, released by group 1's first frame): those bytes can only have
-    come before the call ended. The replies' bytes are one valid MP4 of every frame."""
+    """The server's decode of latent frame 1 is held until the client has read the init segment
+    and frame 0's fragment: the first group's bytes leave with the first group, before the
+    second one exists (no waiting for the next packet, as FFmpeg's muxer would). The replies'
+    bytes are one valid MP4 of every frame."""
     config = make_config("random:wan2.1-tiny", warmup=False)
     release = threading.Event()
 
@@ -120,13 +121,13 @@ def test_fragments_arrive_before_the_call_ends() -> None:
         engine = engine_factory(config)(device)
         decode_frame = engine.decode_frame
 
-        def held_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+        def held_at_frame_1(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
             group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 2:
-                assert release.wait(60), "the client never read the first fragments"
+            if group.chunk_index == 1:
+                assert release.wait(60), "the client never read the first fragment"
             return group
 
-        engine.decode_frame = held_at_frame_2
+        engine.decode_frame = held_at_frame_1
         return engine
 
     x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=7)
@@ -134,20 +135,20 @@ def test_fragments_arrive_before_the_call_ends() -> None:
     with serve_in_thread(config, build_engine=build) as running:
         with grpc.insecure_channel(running.target) as channel:
             replies = iter(wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=120))
-            early = b""
-            while b"moof" not in early:
-                reply = next(replies)
-                assert not reply.final and not reply.HasField("frames")
-                early += reply.video
-            assert early[4:8] == b"ftyp" and b"moov" in early
-            assert not release.is_set()  # latent frame 2 cannot have decoded: the call is not over
+            first = next(replies)
+            assert not first.final and not first.HasField("frames") and first.chunk_index == 0
+            early = first.video
+            assert early[4:8] == b"ftyp" and b"moov" in early and b"moof" in early
+            early_frames = frames_of_mp4(early)[0]  # decodable while latent frame 1 is held
+            assert not release.is_set()
             release.set()
             rest = list(replies)
         with VaeClient(running.target, timeout=120) as client:
             rgb8 = client.decode(x)[0].numpy()
+    assert np.array_equal(early_frames, rgb8[:1])  # frame 0, exactly (lossless)
     assert rest[-1].final and rest[-1].first_frame == rgb8.shape[0] and not rest[-1].video
     data = early + b"".join(r.video for r in rest)
-    assert len(early) < len(data) and np.array_equal(frames_of_mp4(data)[0], rgb8)
+    assert np.array_equal(frames_of_mp4(data)[0], rgb8)
 
 
 @pytest.mark.parametrize("options, b, message", [
