@@ -7,8 +7,10 @@ WanImageToVideoPipeline encodes its image followed by num_frames - 1 zero frames
 `VaeClient.encode` sends that video to a real `vaed serve --encode` (CPU by default: the bytes do
 not depend on the device or the weights) through a TCP proxy that counts every byte each way,
 HTTP/2 framing and headers included; a fresh client per call, less the bytes of a connection that
-only asks for ModelInfo. Rows: the I2V input in float32 and bfloat16 (one frame sent, the zeros as
-`trailing_zero_frames`), the same with `send_zeros=True`, and uint8 frames of the whole video
+only asks for ModelInfo. Rows: the pipeline's I2V input (an image as the float32 frames its
+VideoProcessor makes, which travel as their uint8 values, then zeros), a random-float image in
+float32 and bfloat16 (one frame sent, the zeros as `trailing_zero_frames`), the same with
+`send_zeros=True`, and uint8 frames of the whole video
 (97 MB: uint8 0 is -1.0, so no frame of it is a zero frame).
 """
 
@@ -71,6 +73,7 @@ def main() -> int:
     parser.add_argument("--model", default="random:wan2.1-tiny")
     parser.add_argument("--gpu", default=None, help="GPU index (default: the CPU)")
     parser.add_argument("--size", default="480x832x81", help="HxWxT of the I2V video")
+    parser.add_argument("--rows", type=int, default=None, help="only the first N rows")
     args = parser.parse_args()
     h, w, t = (int(v) for v in args.size.split("x"))
     device = ["--device", "cpu"] if args.gpu is None else []
@@ -80,7 +83,12 @@ def main() -> int:
         base_up, base_down = proxy.measure(lambda c: c.model_info())
         image = torch.rand(1, 3, 1, h, w, generator=torch.Generator().manual_seed(0)) * 2 - 1
         i2v = torch.cat([image, torch.zeros(1, 3, t - 1, h, w)], dim=2)
+        # what WanImageToVideoPipeline hands vae.encode: a uint8 image as u / 255 * 2 - 1, then zeros
+        pil_like = (torch.randint(0, 256, (1, 3, 1, h, w), generator=torch.Generator().manual_seed(1),
+                                  dtype=torch.uint8).to(torch.float32) / 255.0) * 2.0 - 1.0
+        pipeline_i2v = torch.cat([pil_like, torch.zeros(1, 3, t - 1, h, w)], dim=2)
         rows = [
+            ("I2V of an image, float32 (as uint8)", lambda c: c.encode(pipeline_i2v)),
             ("I2V float32, zeros as a count", lambda c: c.encode(i2v)),
             ("I2V bfloat16, zeros as a count", lambda c: c.encode(i2v.to(torch.bfloat16))),
             ("I2V bfloat16, send_zeros=True", lambda c: c.encode(i2v.to(torch.bfloat16), send_zeros=True)),
@@ -89,7 +97,7 @@ def main() -> int:
         ]
         print(f"{args.model} {h}x{w}x{t}: bytes on the wire per Encode call (ModelInfo's connection subtracted: "
               f"{base_up} up, {base_down} down)")
-        for name, call in rows:
+        for name, call in rows[: args.rows]:
             up, down = proxy.measure(lambda c, call=call: (c.model_info(), call(c)))
             print(f"  {name:<34} up {up - base_up:>12,d} B ({(up - base_up) / 1e6:8.2f} MB)   "
                   f"down {down - base_down:>10,d} B", flush=True)

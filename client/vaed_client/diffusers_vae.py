@@ -44,8 +44,10 @@ and `np` / `pt` within 1/510 of them; not bit-identical.
 
 `encode` (image-to-video and video-to-video conditioning, Wan2.2 TI2V) is
 served when the server loaded its encoder (`vaed serve --encode`,
-ModelInfo.encodes): the frames go up in the input's dtype (an I2V input's
-trailing zero frames as a count, not bytes), the moments come back in that
+ModelInfo.encodes): the frames go up in the input's dtype, or as uint8 when
+float32 frames are exactly uint8 ones (as VideoProcessor makes them; checked
+bit for bit), an I2V input's trailing zero frames as a count, not bytes; the
+moments come back in the input's
 dtype and are wrapped in diffusers' `DiagonalGaussianDistribution` on the
 input's device, so `latent_dist.mode()` / `.sample(generator)` are what a
 local VAE's would be (bit-identical with the same weights, dtype and layout).

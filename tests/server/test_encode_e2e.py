@@ -152,6 +152,53 @@ def test_uint8_frames_are_diffusers_video_processor_frames(served: tuple[Any, An
     assert np.array_equal(got, _stock(stock, processed).numpy())
 
 
+def _all_rgb8(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every uint8 value in wire layout [1, 1, 16, 16, 3] (768 >= 256 values), and the float32
+    frames [1, 3, 1, 16, 16] the server makes of them."""
+    from vaed.engine_protocol import rgb8_to_video
+
+    u = (torch.arange(16 * 16 * 3) % 256).to(torch.uint8).reshape(1, 1, 16, 16, 3)
+    return u, rgb8_to_video(u.permute(0, 4, 1, 2, 3)).to(device)
+
+
+def test_float_frames_that_are_uint8_frames_travel_as_uint8(served: tuple[Any, Any]) -> None:
+    """float32 frames made of uint8 ones (as diffusers' VideoProcessor makes them) go up as those
+    uint8 values, 4x fewer bytes: exhaustive over the 256 values (the client's check inverts the
+    server's conversion bit for bit), refused for any other float (-0.0 included), and the served
+    moments equal stock's encode of the float frames."""
+    from diffusers.video_processor import VideoProcessor
+
+    u, floats = _all_rgb8()
+    video = prepare_video(floats)
+    assert video.frames.dtype == torch.uint8 and torch.equal(video.frames, u) and video.time_dim == 1
+    for bad in (0.5 / 255, -0.0):
+        other = floats.clone()
+        other[0, 0, 0, 0, 0] = bad
+        assert prepare_video(other).frames.dtype == torch.float32
+    assert prepare_video(floats.to(torch.bfloat16)).frames.dtype == torch.bfloat16  # float32 only
+    running, stock = served
+    pixels = np.random.default_rng(5).integers(0, 256, size=(5, 64, 96, 3), dtype=np.uint8)
+    x = VideoProcessor(vae_scale_factor=8).preprocess_video(pixels[None].astype(np.float32) / 255.0)
+    assert x.dtype == torch.float32 and x.shape == (1, 3, 5, 64, 96)
+    sent = sum(c.ByteSize() for c in video_chunks(prepare_video(x), encode_options(output_type="moments")))
+    assert sent < x.numel() + 1000  # one byte a value
+    with VaeClient(running.target) as client:
+        assert torch.equal(client.encode(x), _stock(stock, x))
+        image = torch.cat([x[:, :, :1], torch.zeros(1, 3, 8, 64, 96)], 2)  # I2V: a uint8 image, then zeros
+        assert torch.equal(client.encode(image), _stock(stock, image))
+
+
+@pytest.mark.cuda
+def test_the_uint8_check_on_the_gpu_inverts_the_servers_cpu_conversion() -> None:
+    """On a GPU the check's arithmetic runs there: for all 256 values it gives the CPU-made
+    server floats' uint8 back, and a large video on the GPU is checked too (no size bound)."""
+    u, floats = _all_rgb8("cuda")
+    video = prepare_video(floats)
+    assert video.frames.dtype == torch.uint8 and torch.equal(video.frames.cpu(), u)
+    big = floats.expand(1, 3, 81, 16, 16).repeat(1, 1, 1, 30, 52).contiguous()  # 81 x 480x832, > the CPU bound
+    assert prepare_video(big).frames.dtype == torch.uint8
+
+
 def test_image_to_video_sends_one_frame(served: tuple[Any, Any]) -> None:
     """An image then zero frames: only the image travels (trailing_zero_frames), same moments."""
     running, stock = served
