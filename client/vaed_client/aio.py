@@ -46,8 +46,8 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import CancelledError, ClientClosedError, LocalInputError, VaedError, from_rpc_error
-from .mp4 import Mp4Output
+from .errors import CancelledError, ClientClosedError, VaedError, from_rpc_error
+from .mp4 import Mp4Output, mp4_output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
@@ -176,12 +176,8 @@ class AsyncVaeClient:
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
         prepared = prepare_latents(latents)
-        assembly: Assembly | Mp4Output
-        if spec.video:
-            assembly = Mp4Output(mp4_path)
-        elif mp4_path is not None:
-            raise LocalInputError("mp4_path is for output_type='mp4'")
-        else:
+        assembly: Assembly | Mp4Output | None = mp4_output(spec.output_type, mp4_path)
+        if assembly is None:
             info = await self._cached_info()
             assembly = Assembly(spec, prepared.as_torch, info.output_frames(prepared.latent_frames))
         progress = self._progress(report, spec.options.request_id)

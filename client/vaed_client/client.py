@@ -32,7 +32,6 @@ from .core import (
     END,
     Assembly,
     CallSpec,
-    Latents,
     ModelInfo,
     SessionState,
     SessionView,
@@ -45,8 +44,8 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import ClientClosedError, LocalInputError, VaedError, from_rpc_error
-from .mp4 import Mp4Output
+from .errors import ClientClosedError, VaedError, from_rpc_error
+from .mp4 import mp4_output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
@@ -196,7 +195,8 @@ class VaeClient:
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
         prepared = prepare_latents(latents)
-        assembly = self._assembly(spec, prepared, mp4_path)
+        assembly = mp4_output(spec.output_type, mp4_path) or Assembly(
+            spec, prepared.as_torch, self._cached_info().output_frames(prepared.latent_frames))
         progress = self._progress(report, spec.options.request_id)
         try:
             while True:
@@ -217,13 +217,6 @@ class VaeClient:
         except BaseException:
             assembly.discard()
             raise
-
-    def _assembly(self, spec: CallSpec, prepared: Latents, mp4_path: Any) -> Assembly | Mp4Output:
-        if spec.video:
-            return Mp4Output(mp4_path)
-        if mp4_path is not None:
-            raise LocalInputError("mp4_path is for output_type='mp4'")
-        return Assembly(spec, prepared.as_torch, self._cached_info().output_frames(prepared.latent_frames))
 
     def encode(
         self,

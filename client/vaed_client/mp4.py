@@ -62,6 +62,15 @@ def check_no_video_options(output_type: str, **given: Any) -> None:
         raise LocalInputError(f"{', '.join(named)}: options of output_type='mp4', not of {output_type!r}")
 
 
+def mp4_output(output_type: str, mp4_path: str | os.PathLike[str] | None) -> Mp4Output | None:
+    """The container of an "mp4" call's bytes; None for a frame call (mp4_path is then a mistake)."""
+    if output_type == MP4:
+        return Mp4Output(mp4_path)
+    if mp4_path is not None:
+        raise LocalInputError("mp4_path is for output_type='mp4'")
+    return None
+
+
 class Mp4Output:
     """One MP4 call's bytes: held in memory, or written to `path` as they arrive."""
 
@@ -111,4 +120,4 @@ class Mp4Output:
                 self.path.unlink(missing_ok=True)
 
 
-__all__ = ["MP4", "X264_PRESETS", "Mp4Output", "video_fields", "check_no_video_options"]
+__all__ = ["MP4", "X264_PRESETS", "Mp4Output", "mp4_output", "video_fields", "check_no_video_options"]
