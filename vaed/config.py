@@ -186,6 +186,10 @@ class ServerConfig:
         None, "serve Hugging Face's remote-VAE protocol (diffusers' remote_decode) and /health over HTTP "
         "on this port; the same port as --metrics-port shares its listener", parse=int, no_default="off")
     http_host: str | None = option(None, "address the HTTP front binds", no_default="--host")
+    http_send_timeout: float = option(
+        30.0, "seconds an HTTP answer (the front's or /metrics') may wait for its client to read on; "
+        "then its connection is closed, and a call it serves ends and frees its session slot; 0 = no limit",
+        parse=seconds, metavar="SECONDS")
     tls_cert: str | None = option(None, "PEM certificate chain; with --tls-key serves TLS")
     tls_key: str | None = option(None, "PEM private key for --tls-cert")
     tls_client_ca: str | None = option(

@@ -27,7 +27,7 @@ from .config import ServerConfig
 from .engine import DecodeEngine
 from .engine_protocol import Engine, EngineFactory
 from .heap import freeze_startup_heap, unfreeze_heap
-from .http import HttpServer
+from .http import HttpLimits, HttpServer
 from .http.front import HfFront
 from .http.page import PageRoutes
 from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
@@ -214,7 +214,7 @@ class VaedServer:
         # The one HTTP stack; /metrics is its first route.
         self.http: HttpServer | None = None
         if self.metrics is not None:
-            self.http = HttpServer(name="metrics")
+            self.http = HttpServer(HttpLimits(send_timeout=config.http_send_timeout), name="metrics")
             add_metrics_route(self.http.app, self.metrics)
         # The HTTP front (--http-port): routes on the metrics stack when it is the same address,
         # else a listener of its own (see `http_front_shares_metrics`).
@@ -227,7 +227,7 @@ class VaedServer:
             if self.http is not None and http_front_shares_metrics(config):
                 self.front_http = self.http
             else:
-                self.front_http = HttpServer(name="HTTP front")
+                self.front_http = HttpServer(HttpLimits(send_timeout=config.http_send_timeout), name="HTTP front")
             self.front.add_routes(self.front_http.app)
             # the page at GET / (vaed.http.page), over the front's core and token
             PageRoutes(self.core, self.front, auth_required=token is not None).add_routes(self.front_http.app)

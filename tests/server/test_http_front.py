@@ -377,6 +377,54 @@ def test_stream_sends_fragments_before_the_call_ends() -> None:
     assert np.array_equal(frames, frames_of_mp4(package(rgb8, VideoOptions(fps=16)))[0])
 
 
+@pytest.mark.parametrize("output_type, partial", [("pt", True), ("pil", False)])
+def test_frames_answers_stream_each_group_before_the_call_ends(output_type: str, partial: bool) -> None:
+    """pt + partial_postprocess and pil + a processor: the decode of latent frame 2 is held until
+    the client has read the headers (shape known from the latents) and frame 0's bytes; the
+    whole body, under its Content-Length, is what remote_decode gets from a server that is not held."""
+    config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
+    release = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 2:
+                assert release.wait(60), "the client never read the first frames"
+            return group
+
+        engine.decode_frame = held_at_frame_2
+        return engine
+
+    x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=9)
+    processor = None if partial else VideoProcessor()
+    sent = prepare_decode(x, output_type=output_type, partial_postprocess=partial, processor=processor)
+    with serve_in_thread(config, build_engine=build) as running:
+        with requests.post(url(running), data=sent["data"], headers=sent["headers"], params=sent["params"],
+                           stream=True, timeout=60) as response:
+            assert response.status_code == 200, response.text
+            shape = json.loads(response.headers["shape"])
+            frame_bytes = 64 * 64 * 3 * (1 if partial else 4)
+            assert shape == ([13, 64, 64, 3] if partial else [13, 3, 64, 64])
+            assert int(response.headers["Content-Length"]) == 13 * frame_bytes
+            # not chunk_size=None: on a body of known length urllib3 then reads to its end
+            chunks = response.iter_content(chunk_size=frame_bytes)
+            early = b""
+            while len(early) < frame_bytes:
+                early += next(chunks)
+            assert not release.is_set()  # latent frame 2 cannot have finished: the call is not over
+            release.set()
+            data = early + b"".join(chunks)
+        # what the gRPC path gives for the same latents, post-processed by diffusers' own processor
+        expected = (torch.as_tensor(grpc_decode(running, x))[0] if partial else
+                    VideoProcessor().postprocess_video(torch.as_tensor(grpc_decode(running, x, output_type="raw")),
+                                                       output_type="pt")[0])
+    streamed = torch.frombuffer(bytearray(data), dtype=torch.uint8 if partial else torch.float32).reshape(shape)
+    assert torch.equal(streamed, expected)
+
+
 # -- where the front listens ---------------------------------------------------------------------
 
 

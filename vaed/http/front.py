@@ -16,13 +16,20 @@ call is authorised and admitted, so a refused request spends no memory on its bo
     the core: serving? -> 503; a session slot? -> 429   (body unread)
             -> the body read (within --session-first-message-timeout, else 408)
             -> latents checked against the limits (400) -> decoded
-    the answer: sent once the whole call is done (a late failure still gets its status), or,
-    with stream=true, fMP4 bytes sent with chunked transfer as the frames are encoded
+    the answer: pt + partial_postprocess and pil + a processor stream each group's frames as
+            they decode (`hf_protocol` says why raw pt cannot, and is sent once the call is
+            done); mp4 is sent whole, or with stream=true as chunked fMP4 as it is encoded
 
 Why `receive` reads the body: the core calls it only after admission, so the order above is the
 core's own, not a second copy of it. The body is read into one buffer of exactly Content-Length
 bytes, which the latents tensor then views (no copy); aiohttp's reader holds at most its 64 KiB
 high-water mark of unread body meanwhile (it pauses the socket past that).
+
+Bounded memory on the way out: every answer is written in pieces of at most SEND_SLICE_BYTES,
+each write waiting until the transport's buffer is under its high-water mark, so a slow reader
+holds its own answer (a streamed one: the credit window's few groups; the core stops decoding
+it meanwhile) and never a second copy of it in the transport; a reader that takes nothing for
+--http-send-timeout seconds has its connection closed (`vaed.http.server`), which ends the call.
 
 Authentication: the same token as the gRPC port (`--auth-token-file` / $VAED_AUTH_TOKEN), sent as
 `Authorization: Bearer <token>`. diffusers' `remote_decode` sends no token: against a server with
@@ -36,11 +43,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from aiohttp import HttpVersion11, hdrs, web
+
+from vaed_client.wire import output_frames
 
 from ..calls import (
     CallCore,
@@ -64,6 +74,7 @@ from .hf_protocol import (
     RawLatents,
     check_size,
     error_body,
+    headers_for,
     image_bytes,
     parse_encode_query,
     parse_query,
@@ -81,6 +92,11 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # The methods the core logs and counts HTTP calls under (vaed_requests_total{method="Decode"}), as gRPC's.
 METHOD = "Decode"
 ENCODE_METHOD = "Encode"
+
+# An answer is handed to the transport this much at a time (each write waits for the client
+# to have taken the one before): aiohttp would otherwise copy a whole 224 MB answer into the
+# transport's buffer for a client that reads slowly.
+SEND_SLICE_BYTES = 1 << 20
 
 # On 429 / 503 (a Status's value is its HTTP code): a session slot or a replica is usually free
 # within a decode.
@@ -323,35 +339,87 @@ class HfFront:
     @staticmethod
     def _to_message(query: DecodeQuery) -> Callable[[FramesOut | VideoOut | CallEnd], Any]:
         # On CUDA a group's frames are in pinned host memory, which torch's host allocator keeps
-        # cached once allocated: an answer that keeps the whole video (every answer but mp4,
-        # whose pieces the core encodes before asking for the next) copies each piece to
-        # pageable memory, so pinned memory stays at the credit window's few groups per session.
-        if query.answer is Answer.MP4:
+        # cached once allocated: the frames go into pageable memory (a streamed answer's copy, or
+        # the whole answer's buffer) before the next group is asked for, so pinned memory stays at
+        # the credit window's few groups per session. mp4's pieces the core encodes before asking.
+        if query.answer in (Answer.MP4, Answer.RAW, Answer.IMAGE):
             return lambda item: item
         return lambda item: item if not isinstance(item, FramesOut) else FramesOut(
             item.request_id, item.chunk_index, item.first_frame, item.frames.clone())
 
+    def _output_frames(self, query: DecodeQuery) -> int:
+        engine = self.core.pool.engine
+        assert engine is not None  # the call was admitted and opened: a worker serves it
+        return output_frames(query.shape[2], engine.scale_temporal)
+
     async def _answer(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
-        if query.answer is Answer.MP4:
-            return await self._mp4(request, query, call)
-        pieces: list[torch.Tensor] = []
+        try:
+            if query.answer is Answer.MP4:
+                return await self._mp4(request, query, call)
+            if query.answer in (Answer.FRAMES, Answer.UNIT):
+                return await self._stream_frames(request, query, call)
+            return await self._whole(request, query, call)
+        except ConnectionError:
+            # the client went away mid-answer; closing the call (the caller's finally) logs it CANCELLED
+            return web.Response(status=499)
+
+    async def _whole(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
+        """pt (raw) and a pil image: each piece copied, as it arrives, into one buffer of the
+        answer's size (allocated at the first piece: the latents' shape gives the frame count),
+        then sent."""
+        time_dim = 1 if query.rgb8 else 2
+        video: torch.Tensor | None = None
         request_id = ""
         async for item in call:
-            if isinstance(item, FramesOut):
-                pieces.append(item.frames)
-            else:
+            if isinstance(item, CallEnd):
                 request_id = item.request_id
-        time_dim = 1 if query.rgb8 else 2
-        video = torch.cat(pieces, dim=time_dim)
-        del pieces  # the answer is sent from `video` alone
+                continue
+            if video is None:
+                shape = list(item.frames.shape)
+                shape[time_dim] = self._output_frames(query)
+                video = torch.empty(shape, dtype=item.frames.dtype)
+            video.narrow(time_dim, item.first_frame, item.frames.shape[time_dim]).copy_(item.frames)
+        assert video is not None  # T >= 1 latent frame decodes to >= 1 frame
         headers = {REQUEST_ID_HEADER: request_id}
         if query.answer is Answer.IMAGE:
             content_type = "image/png" if query.image_format == "PNG" else "image/jpeg"
             return web.Response(body=image_bytes(video[0], query.image_format), content_type=content_type,
                                 headers=headers)
-        tensor = {Answer.RAW: lambda: video, Answer.FRAMES: lambda: video[0],
-                  Answer.UNIT: lambda: unit_video(video)}[query.answer]()
-        return web.Response(body=tensor_bytes(tensor), headers={**headers, **tensor_headers(tensor)})
+        return await _send_whole(request, tensor_bytes(video), {**headers, **tensor_headers(video)})
+
+    async def _stream_frames(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
+        """pt + partial_postprocess ([T, H, W, 3] uint8) and pil + a processor ([T, 3, H, W]):
+        each group's bytes sent as it decodes, after the headers and Content-Length that the
+        latents' shape gives (see `hf_protocol`)."""
+        response: web.StreamResponse | None = None
+        try:
+            async for item in call:
+                if isinstance(item, CallEnd):
+                    continue
+                piece = item.frames[0] if query.answer is Answer.FRAMES else unit_video(item.frames)
+                if response is None:
+                    shape = (self._output_frames(query), *piece.shape[1:])
+                    response = web.StreamResponse(
+                        headers={REQUEST_ID_HEADER: item.request_id, **headers_for(shape, piece.dtype)})
+                    response.content_length = math.prod(shape) * piece.element_size()
+                    await response.prepare(request)
+                await _write(response, tensor_bytes(piece))
+        except CallFailed as exc:
+            if response is None:
+                raise
+            self._cut(exc, request)
+            return response
+        assert response is not None  # T >= 1 latent frame decodes to >= 1 frame
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    def _cut(exc: CallFailed, request: web.Request) -> None:
+        """A failure after the status line went out with the first bytes: cut the body short,
+        which every HTTP client reports as an incomplete answer."""
+        log.warning("HTTP answer cut after its status was sent: %s", exc.message)
+        if request.transport is not None:
+            request.transport.abort()
 
     async def _mp4(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
         """The video's MP4 bytes, encoded by the core as the groups decode (`VideoOut`); with
@@ -373,20 +441,31 @@ class HfFront:
                             headers={hdrs.CONTENT_TYPE: "video/mp4", REQUEST_ID_HEADER: item.request_id})
                         response.enable_chunked_encoding()
                         await response.prepare(request)
-                    await response.write(data)
-        except ConnectionError:
-            # the client went away mid-stream; closing the call (the caller's finally) logs it CANCELLED
-            return response if response is not None else web.Response(status=499)
+                    await _write(response, data)
         except CallFailed as exc:
             if response is None:
                 raise
-            # The status line went out with the first bytes: cut the chunked body short, which
-            # every HTTP client reports as an incomplete answer.
-            log.warning("HTTP stream cut after its status was sent: %s", exc.message)
-            if request.transport is not None:
-                request.transport.abort()
+            self._cut(exc, request)
             return response
         if response is not None:
             await response.write_eof()
             return response
-        return web.Response(body=b"".join(parts), content_type="video/mp4", headers={REQUEST_ID_HEADER: request_id})
+        return await _send_whole(request, memoryview(b"".join(parts)),
+                                 {hdrs.CONTENT_TYPE: "video/mp4", REQUEST_ID_HEADER: request_id})
+
+
+async def _write(response: web.StreamResponse, body: bytes | memoryview) -> None:
+    """`body` in slices, each after the client has taken the previous one (see SEND_SLICE_BYTES)."""
+    view = memoryview(body)
+    for start in range(0, len(view), SEND_SLICE_BYTES):
+        await response.write(view[start:start + SEND_SLICE_BYTES])
+
+
+async def _send_whole(request: web.Request, body: memoryview, headers: dict[str, str]) -> web.StreamResponse:
+    """A whole answer of known length, written in slices."""
+    response = web.StreamResponse(headers=headers)
+    response.content_length = len(body)
+    await response.prepare(request)
+    await _write(response, body)
+    await response.write_eof()
+    return response

@@ -15,13 +15,15 @@ The answers, per request (batch B, T output frames of H x W):
 `pt`                                   the decoder's output `[B, 3, T, H, W]` in the
                                        compute dtype, clamped to [-1, 1] (what
                                        `vae.decode(...).sample` is, and what diffusers'
-                                       `VideoProcessor.postprocess_video` takes)
+                                       `VideoProcessor.postprocess_video` takes); sent
+                                       once the call is done
 `pt` + `partial_postprocess=True`      uint8 frames `[T, H, W, 3]` (B = 1): the client
-                                       turns each of dim 0 into a PIL image
+                                       turns each of dim 0 into a PIL image; streamed
 `pil` + a processor (Accept            `VideoProcessor.postprocess_video(video, "pt")[0]`:
 tensor/binary)                         `[T, 3, H, W]` in [0, 1], in the compute dtype; the
                                        client scales by 255 and rounds, as the local
-                                       pipeline does, so its PIL frames are the pipeline's
+                                       pipeline does, so its PIL frames are the pipeline's;
+                                       streamed
 `pil` without a processor (Accept      one frame (a one-latent-frame video) as a JPEG or
 image/jpeg or image/png)               PNG image; a longer video is refused
 `mp4`                                  an H.264 MP4 file (`vaed.video`), fps 16 for Wan2.1
@@ -46,7 +48,7 @@ Encode (POST /encode), as diffusers' `remote_encode(endpoint, image)` speaks it
 no parameters; a tensor as its C-order bytes with `shape` and `dtype`. The answer is raw bytes with
 `shape` and `dtype` headers, as for `pt`. What vaed takes and gives:
 
-=====================================  ===============================================
+=====================================  ========================================
 body                                   a PNG / JPEG image (RGB, 0..255 mapped to [-1, 1]
                                        as diffusers' image processor does), or a tensor:
                                        float `[B, 3, H, W]` / `[B, 3, T, H, W]` in [-1, 1],
@@ -67,6 +69,14 @@ The mode, not a sample: the Wan pipelines condition on `retrieve_latents(..., sa
 and a sample would differ on every call. `scaling_factor` / `shift_factor` (Flux's and SD's one
 number each, `(latent - shift) * scaling`) are refused as for decode. The frames go through the
 same call core as gRPC Encode (`vaed.calls.CallCore.encode`): the answer is the gRPC encode's bits.
+=======
+Streamed answers: where time is the answer's outermost dimension (`[T, H, W, 3]`, `[T, 3, H, W]`),
+each group's bytes follow the previous group's in the C-order answer, so they are sent as each
+group decodes, under a `Content-Length` computed from the latents' shape (T latent frames decode
+to 1 + 4 (T - 1) frames) with the `shape` and `dtype` headers before the first byte. The raw `pt`
+answer cannot be: `[B, 3, T, H, W]` is channel-major, so its first channel's last frame precedes
+its second channel's first in the bytes. A failure after the headers went out cuts the body short
+(the client's read fails on the missing bytes) instead of answering a status.
 
 `height` / `width` are for packed (Flux) latents; Wan's are 5-D, so they are accepted only when they
 equal the decoded size.
@@ -386,8 +396,13 @@ class DecodedImage:
 
 def tensor_headers(tensor: torch.Tensor) -> dict[str, str]:
     """The headers diffusers' client reads a tensor answer with."""
-    return {"shape": json.dumps(list(tensor.shape)), "dtype": _NAME_OF[tensor.dtype],
-            "Content-Type": "tensor/binary"}
+    return headers_for(tensor.shape, tensor.dtype)
+
+
+def headers_for(shape: Sequence[int], dtype: torch.dtype) -> dict[str, str]:
+    """`tensor_headers` of a tensor yet to be sent: a streamed answer knows its shape from the
+    latents' before its first byte."""
+    return {"shape": json.dumps(list(shape)), "dtype": _NAME_OF[dtype], "Content-Type": "tensor/binary"}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

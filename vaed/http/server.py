@@ -18,6 +18,15 @@ routes to ``HttpServer.app`` before ``start`` (``vaed.metrics`` adds
   closed -- aiohttp's keep-alive timer, armed at connection start since
   aiohttp 3.14 (hence the lower bound), which also covers a slowloris client
   dribbling a head byte by byte.
+* a reader that stops reading: an answer whose client takes none of it for
+  ``send_timeout`` seconds (the socket's send buffer full, the transport's
+  past its high-water mark, so every write of the answer waits) has its
+  connection aborted, which ends the handler and with it any call it serves.
+  aiohttp's writes wait for the client without a limit, and TCP keeps a
+  connection whose peer acknowledges with a zero window open for ever, so
+  without it one such client would hold its session slot and its answer's
+  memory until the server stops. A slow reader that keeps draining re-arms
+  the timer each time the transport resumes, so only a stalled one is cut.
 * sockets: at most ``max_connections`` are open; a new one closes the oldest
   connection that has no request in flight (a scraper is done in
   milliseconds, so the oldest idle one is the likeliest junk; refusing new
@@ -93,12 +102,17 @@ class HttpLimits:
     keep_alive: bool = False
     # Bytes of a request body a handler may read (GET /metrics reads none).
     client_max_size: int = 64 * 1024
+    # Seconds an answer may wait for its client to read on (see the module
+    # docstring); 0 = no limit.
+    send_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.head_timeout <= 0:
             raise ValueError(f"HTTP head timeout must be > 0, got {self.head_timeout}")
         if self.max_connections < 1:
             raise ValueError(f"HTTP max connections must be >= 1, got {self.max_connections}")
+        if self.send_timeout < 0:
+            raise ValueError(f"HTTP send timeout must be >= 0, got {self.send_timeout}")
 
 
 class HttpServer:
@@ -173,7 +187,7 @@ class HttpServer:
 
         def connection() -> web.RequestHandler:
             return _Connection(
-                server, made, loop=loop, access_log=None, logger=_protocol_log,
+                server, made, limits.send_timeout, loop=loop, access_log=None, logger=_protocol_log,
                 keepalive_timeout=limits.head_timeout, max_line_size=limits.max_line_size,
                 max_field_size=limits.max_field_size, max_headers=limits.max_headers,
             )
@@ -209,14 +223,46 @@ async def _close_after_answer(request: web.Request, response: web.StreamResponse
 
 
 class _Connection(web.RequestHandler):
-    """aiohttp's connection protocol, telling the server when it opens (for the cap)."""
+    """aiohttp's connection protocol, telling the server when it opens (for the cap) and
+    aborting it when its client reads nothing of an answer for ``send_timeout`` seconds."""
 
-    __slots__ = ("_on_made",)
+    __slots__ = ("_on_made", "_send_timeout", "_stalled")
 
-    def __init__(self, manager: web.Server, on_made: Callable[[web.RequestHandler], None], **kwargs: Any) -> None:
+    def __init__(
+        self, manager: web.Server, on_made: Callable[[web.RequestHandler], None], send_timeout: float,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
         self._on_made = on_made
+        self._send_timeout = send_timeout
+        self._stalled: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._on_made(self)
+
+    # The transport calls these as its send buffer passes its high- and low-water marks.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timeout > 0:
+            self._stalled = self._loop.call_later(self._send_timeout, self._abort_stalled)
+
+    def resume_writing(self) -> None:
+        self._disarm()
+        super().resume_writing()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _disarm(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def _abort_stalled(self) -> None:
+        self._stalled = None
+        if self.transport is not None:
+            _protocol_log.warning("HTTP client read nothing of its answer for %g s; connection aborted",
+                                  self._send_timeout)
+            self.transport.abort()
