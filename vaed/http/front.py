@@ -22,8 +22,9 @@ call is authorised and admitted, so a refused request spends no memory on its bo
 
 Why `receive` reads the body: the core calls it only after admission, so the order above is the
 core's own, not a second copy of it. The body is read into one buffer of exactly Content-Length
-bytes, which the latents tensor then views (no copy); aiohttp's reader holds at most its 64 KiB
-high-water mark of unread body meanwhile (it pauses the socket past that).
+bytes (uninitialised, so it becomes resident only as the bytes arrive), which the latents tensor
+then views (no copy); aiohttp's reader holds at most its 64 KiB high-water mark of unread body
+meanwhile (it pauses the socket past that).
 
 Bounded memory on the way out: every answer is written in pieces of at most SEND_SLICE_BYTES,
 each write waiting until the transport's buffer is under its high-water mark, so a slow reader
@@ -82,6 +83,7 @@ from .hf_protocol import (
     tensor_headers,
     unit_video,
 )
+from .server import send_timed_out
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +218,8 @@ class HfFront:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400,
                                 f"the body is {length} bytes, and latents of shape {list(query.shape)} in "
                                 f"{str(query.dtype).removeprefix('torch.')} are {query.body_bytes}")
-        call = self.core.decode(self._input(request, query, length), self._to_message(query), lambda: False)
+        call = self.core.decode(self._input(request, query, length), self._to_message(query),
+                                lambda: send_timed_out(request))
         try:
             return await self._answer(request, query, call)
         except CallFailed as exc:
@@ -292,18 +295,18 @@ class HfFront:
 
         return CallInput(receive=receive, parse=parse)
 
-    def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[bytearray]:
+    def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[torch.Tensor]:
         """The core's view of the request: one message (the body), then the end."""
         read = False
 
-        async def receive() -> bytearray | None:
+        async def receive() -> torch.Tensor | None:
             nonlocal read
             if read:
                 return None
             read = True
             return await self._read_body(request, length)
 
-        def parse(body: bytearray) -> InputMessage:
+        def parse(body: torch.Tensor) -> InputMessage:
             engine = self.core.pool.engine
             if engine is not None:
                 check_size(query, engine.scale_spatial)
@@ -314,14 +317,17 @@ class HfFront:
 
         return CallInput(receive=receive, parse=parse)
 
-    async def _read_body(self, request: web.Request, length: int) -> bytearray:
-        """Exactly `length` bytes into one buffer, as they arrive."""
+    async def _read_body(self, request: web.Request, length: int) -> torch.Tensor:
+        """Exactly `length` bytes into one uint8 buffer, as they arrive. Uninitialised memory
+        (torch.empty: large blocks are fresh pages from the OS), so the buffer becomes resident as
+        the body arrives: a client that claims 256 MiB and sends nothing costs nothing (a zeroed
+        bytearray would cost its Content-Length at once, for --session-first-message-timeout)."""
         self.bodies_read += 1
         if _expects_continue(request):  # the client holds its body back until told to send it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # as aiohttp's own expect handler: the answer has not begun
-        body = bytearray(length)
-        view = memoryview(body)
+        body = torch.empty(length, dtype=torch.uint8)
+        view = body.numpy().data  # a writable memoryview of the buffer
         got = 0
         try:
             while got < length:

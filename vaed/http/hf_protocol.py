@@ -276,19 +276,19 @@ class RawLatents:
     """A request body as the call core's latents (its `LatentsIn`): shape and dtype from the query,
     the byte count checked before the body was read; the tensor is a view of the body (no copy)."""
 
-    def __init__(self, body: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._body = body
+    def __init__(self, body: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._body = body  # 1-D uint8
         self._shape = shape
         self._dtype = dtype
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
         expected = math.prod(self._shape) * torch.empty((), dtype=self._dtype).element_size()
-        if len(self._body) != expected:  # the front reads exactly Content-Length; this is the last guard
-            raise InvalidInput(f"latents: {len(self._body)} bytes for shape {list(self._shape)} need {expected}")
+        if self._body.numel() != expected:  # the front reads exactly Content-Length; this is the last guard
+            raise InvalidInput(f"latents: {self._body.numel()} bytes for shape {list(self._shape)} need {expected}")
         return self._shape, self._dtype
 
     def to_tensor(self) -> torch.Tensor:
-        return torch.frombuffer(self._body, dtype=self._dtype).reshape(self._shape)
+        return self._body.view(self._dtype).reshape(self._shape)
 
 
 # -- encode: what `remote_encode` sends -----------------------------------------------------

@@ -216,6 +216,12 @@ class HttpServer:
 
 
 
+def send_timed_out(request: web.BaseRequest) -> bool:
+    """Whether `request`'s connection was aborted by the send timeout: a call it served ended
+    DEADLINE_EXCEEDED (its client's time ran out), not CANCELLED (its client left)."""
+    return isinstance(request.protocol, _Connection) and request.protocol.send_timed_out
+
+
 async def _close_after_answer(request: web.Request, response: web.StreamResponse) -> None:
     # Called after aiohttp computed the headers: say it, and make aiohttp close.
     response.headers[hdrs.CONNECTION] = "close"
@@ -226,7 +232,7 @@ class _Connection(web.RequestHandler):
     """aiohttp's connection protocol, telling the server when it opens (for the cap) and
     aborting it when its client reads nothing of an answer for ``send_timeout`` seconds."""
 
-    __slots__ = ("_on_made", "_send_timeout", "_stalled")
+    __slots__ = ("_on_made", "_send_timeout", "_stalled", "send_timed_out")
 
     def __init__(
         self, manager: web.Server, on_made: Callable[[web.RequestHandler], None], send_timeout: float,
@@ -236,6 +242,7 @@ class _Connection(web.RequestHandler):
         self._on_made = on_made
         self._send_timeout = send_timeout
         self._stalled: asyncio.TimerHandle | None = None
+        self.send_timed_out = False  # aborted for a reader that read nothing (see `send_timed_out`)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -263,6 +270,7 @@ class _Connection(web.RequestHandler):
     def _abort_stalled(self) -> None:
         self._stalled = None
         if self.transport is not None:
+            self.send_timed_out = True
             _protocol_log.warning("HTTP client read nothing of its answer for %g s; connection aborted",
                                   self._send_timeout)
             self.transport.abort()

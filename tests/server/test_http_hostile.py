@@ -1,0 +1,228 @@
+"""Hostile HTTP clients against a real `vaed serve --http-port` subprocess, its RSS read from
+/proc: a flood of large bodies over the admission limit, clients that claim large bodies and send
+nothing, and readers that stop reading. Memory stays within what the limits allow, refused
+requests are refused from their head, a stalled answer stalls only its own session and ends by
+--http-send-timeout, and another client decodes meanwhile.
+
+Sizes: bodies claim CLAIM_MIB = 64 MiB (latents [1, 4, 1, 2048, 2048] float32, under the 256 MiB
+--max-message-bytes); FLOOD = 8 clients push them over --max-sessions 2, 512 MiB in all. The
+bound, BODY_GROWTH_BOUND = 48 MiB, is under one claimed body, so reading one flood body, or
+allocating the two admitted claims' buffers before their bytes come, fails it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from subprocess import Popen
+
+import pytest
+import requests
+import torch
+from diffusers.utils.remote_utils import prepare_decode, remote_decode
+from harness import PeakRss, start_cli_server
+from prometheus_client.parser import text_string_to_metric_families
+
+MIB = 1 << 20
+CLAIM_SHAPE = (1, 4, 1, 2048, 2048)
+CLAIM_BYTES = 4 * 4 * 2048 * 2048  # 64 MiB of float32
+FLOOD = 8
+MAX_SESSIONS = 2
+BODY_GROWTH_BOUND = 48 * MIB
+SEND_TIMEOUT_S = 3.0
+
+
+@dataclass
+class Served:
+    proc: Popen[str]
+    port: int  # the HTTP front and /metrics share it
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = requests.get(f"{self.endpoint}metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def sessions(self) -> float:
+        return sum(v for (name, _), v in self.metrics().items() if name == "vaed_active_sessions")
+
+    def requests_with(self, code: str) -> float:
+        return self.metrics().get(("vaed_requests_total", (("code", code), ("method", "Decode"))), 0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(*extra: str) -> Iterator[Served]:
+    """`vaed serve` with the HTTP front and /metrics on one port and --max-sessions 2; its output
+    is drained in a thread (a full pipe would block the server's logging)."""
+    port = _free_port()
+    proc, _ = start_cli_server("--http-port", str(port), "--metrics-port", str(port),
+                               "--max-sessions", str(MAX_SESSIONS), *extra)
+    served = Served(proc, port)
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            served.lines.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        yield served
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 120.0) -> None:
+    done = threading.Event()
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met")
+        done.wait(0.05)
+
+
+def _head(shape: tuple[int, ...], length: int, query: str = "output_type=pt&do_scaling=true") -> bytes:
+    dims = "&".join(f"shape={d}" for d in shape)
+    return (f"POST /?{dims}&dtype=float32&{query} HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _answer_status(s: socket.socket) -> int:
+    data = b""
+    while b"\r\n" not in data and (chunk := s.recv(4096)):
+        data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+# -- a body flood over the admission limit ---------------------------------------------------
+
+
+def _flood_one(port: int, slowly: bool) -> tuple[int, int]:
+    """One client pushing a 64 MiB body after its head, at full speed or 64 KiB per 50 ms, until
+    its answer comes: (status, body bytes it had sent by then)."""
+    piece = bytes(64 * 1024 if slowly else MIB)
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(_head(CLAIM_SHAPE, CLAIM_BYTES))
+        sent = 0
+        while sent < CLAIM_BYTES and not select.select([s], [], [], 0.05 if slowly else 0)[0]:
+            try:
+                s.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(piece)
+        return _answer_status(s), sent
+
+
+@pytest.mark.parametrize("slowly", [False, True], ids=["at-once", "slowly"])
+def test_a_body_flood_over_the_admission_limit_is_refused_unread_and_memory_stays_flat(slowly: bool) -> None:
+    """Two clients claim 64 MiB bodies and send nothing: they hold both session slots, and their
+    buffers cost only what arrived (nothing). Eight more push 64 MiB bodies: each is refused
+    (429) from its head, before its body was all sent, and none of the 512 MiB is kept. Then a
+    holder leaves and another client's decode is answered."""
+    with serve("--session-first-message-timeout", "120") as served:
+        x = torch.randn(1, 4, 3, 4, 6)
+        remote_decode(endpoint=served.endpoint, tensor=x, output_type="pt", return_type="pt")  # first use
+        holders: list[socket.socket] = []
+        try:
+            with PeakRss(served.proc.pid) as rss:
+                for _ in range(MAX_SESSIONS):
+                    holders.append(socket.create_connection(("127.0.0.1", served.port), timeout=60))
+                    holders[-1].sendall(_head(CLAIM_SHAPE, CLAIM_BYTES))
+                _wait(lambda: served.sessions() == MAX_SESSIONS)
+                with ThreadPoolExecutor(FLOOD) as pool:
+                    results = list(pool.map(lambda _: _flood_one(served.port, slowly), range(FLOOD)))
+                assert requests.get(f"{served.endpoint}health", timeout=10).status_code == 200
+            assert [status for status, _ in results] == [429] * FLOOD
+            assert all(sent < CLAIM_BYTES for _, sent in results), results
+            growth = rss.peak - rss.start
+            print(f"\nflood ({'slowly' if slowly else 'at once'}): {sum(s for _, s in results) / MIB:.0f} MiB pushed "
+                  f"by {FLOOD} refused clients, 2 x 64 MiB claimed by the admitted ones; "
+                  f"RSS {rss.start / MIB:.0f} -> peak {rss.peak / MIB:.0f} MiB (+{growth / MIB:.1f})")
+            assert growth < BODY_GROWTH_BOUND, f"RSS grew by {growth / MIB:.0f} MiB"
+            holders.pop().close()  # its call ends (the body never came) and frees its slot
+            _wait(lambda: served.sessions() == MAX_SESSIONS - 1)
+            out = remote_decode(endpoint=served.endpoint, tensor=x, output_type="pt", return_type="pt")
+            assert out.shape == (1, 3, 9, 32, 48)
+        finally:
+            for holder in holders:
+                holder.close()
+
+
+# -- a reader that stops reading ------------------------------------------------------------
+
+# 1021 frames of 256 x 256: 191 MiB of RGB8 (the bound, half of it, is well above the +-40 MiB the
+# decoder's transient working memory varies by between calls), and about 6 s of decode per latent
+# frame on a loaded 2-core machine, so a call that is not held back would outlast the test
+SLOW_T, SLOW_H, SLOW_W = 256, 32, 32
+SLOW_FRAMES = 1 + 4 * (SLOW_T - 1)
+
+
+@pytest.mark.parametrize("route", ["pt-partial", "mp4-stream"])
+def test_a_reader_that_stops_reading_stalls_only_its_session_until_the_send_timeout(route: str) -> None:
+    """A client reads its answer's head, then nothing (a 4 KiB receive buffer). The server's
+    writes wait for it, so its decode stops after the credit window's groups (its log line counts
+    the frames decoded) and the server's memory stays flat; another client decodes meanwhile;
+    after --http-send-timeout of nothing read, the connection is closed and the call ends
+    DEADLINE_EXCEEDED, freeing its slot."""
+    x = torch.randn(1, 4, SLOW_T, SLOW_H, SLOW_W, generator=torch.Generator().manual_seed(0))
+
+    def request(latents: torch.Tensor) -> tuple[bytes, dict[str, str]]:
+        if route == "pt-partial":  # RGB8 frames, streamed
+            sent = prepare_decode(latents, output_type="pt", partial_postprocess=True)
+            return sent["data"], sent["params"]
+        sent = prepare_decode(latents, output_type="mp4")  # lossless fMP4 of noise: about the RGB8 size
+        return sent["data"], {**sent["params"], "stream": "true", "lossless": "true"}
+
+    body, params = request(x)
+    path = requests.Request("POST", "http://x/", params=params).prepare().path_url
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    answer_bytes = SLOW_FRAMES * SLOW_H * 8 * SLOW_W * 8 * 3
+    with serve("--http-send-timeout", str(SEND_TIMEOUT_S)) as served:
+        # The same route and frame size read by a client that reads, as many latent frames as the
+        # stalled call gets to decode: its peak is the decoder's and the encoder's working memory
+        # (~220 MiB at 256 x 256 on the CPU, freed after each call), what the slow reader's is
+        # compared with.
+        with PeakRss(served.proc.pid) as reading:
+            warm_body, warm_params = request(x[:, :, :6])
+            assert requests.post(served.endpoint, data=warm_body, params=warm_params, timeout=200).status_code == 200
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            with PeakRss(served.proc.pid) as rss:
+                slow.connect(("127.0.0.1", served.port))
+                slow.sendall(head + body)
+                assert slow.recv(12) == b"HTTP/1.1 200"  # the answer began; now nothing more is read
+                small = torch.randn(1, 4, 2, 4, 6)
+                out = remote_decode(endpoint=served.endpoint, tensor=small, output_type="pt", return_type="pt")
+                assert out.shape == (1, 3, 5, 32, 48)
+                _wait(lambda: served.requests_with("DEADLINE_EXCEEDED") == 1)
+                _wait(lambda: served.sessions() == 0)
+        finally:
+            slow.close()
+        growth = rss.peak - reading.peak
+        _wait(lambda: any("status=DEADLINE_EXCEEDED" in line for line in served.lines), timeout=30)
+        (line,) = [line for line in served.lines if "status=DEADLINE_EXCEEDED" in line]
+        frames = int(re.search(r" frames=(\d+)", line).group(1))  # type: ignore[union-attr]
+        print(f"\nslow reader ({route}): {frames} of {SLOW_FRAMES} frames decoded before the send timeout; "
+              f"RSS peak {rss.peak / MIB:.0f} MiB, {growth / MIB:+.1f} over a reading client's call "
+              f"({reading.peak / MIB:.0f} MiB); the whole answer is {answer_bytes / MIB:.0f} MiB")
+        assert frames < SLOW_FRAMES // 2, line  # held back by the unread answer, not decoded to the end
+        assert growth < answer_bytes // 2, f"the slow reader's call peaked {growth / MIB:.0f} MiB higher"
+        assert requests.get(f"{served.endpoint}health", timeout=10).status_code == 200
