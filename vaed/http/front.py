@@ -274,19 +274,19 @@ class HfFront:
         return web.Response(body=tensor_bytes(latents),
                             headers={REQUEST_ID_HEADER: request_id, **tensor_headers(latents)})
 
-    def _encode_input(self, request: web.Request, query: EncodeQuery, length: int) -> CallInput[bytearray]:
+    def _encode_input(self, request: web.Request, query: EncodeQuery, length: int) -> CallInput[memoryview]:
         """The core's view of an encode request: one message (the body: a tensor, or an image
         file decoded once it is read), then the end."""
         read = False
 
-        async def receive() -> bytearray | None:
+        async def receive() -> memoryview | None:
             nonlocal read
             if read:
                 return None
             read = True
             return await self._read_body(request, length)
 
-        def parse(body: bytearray) -> VideoMessage:
+        def parse(body: memoryview) -> VideoMessage:
             frames = (DecodedImage(body, self.core.config.max_pixels) if query.shape is None
                       else RawLatents(body, query.video_shape, query.dtype))  # type: ignore[arg-type]
             requested = RequestedEncode(latents=query.normalised, precision=query.precision)
@@ -295,18 +295,18 @@ class HfFront:
 
         return CallInput(receive=receive, parse=parse)
 
-    def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[torch.Tensor]:
+    def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[memoryview]:
         """The core's view of the request: one message (the body), then the end."""
         read = False
 
-        async def receive() -> torch.Tensor | None:
+        async def receive() -> memoryview | None:
             nonlocal read
             if read:
                 return None
             read = True
             return await self._read_body(request, length)
 
-        def parse(body: torch.Tensor) -> InputMessage:
+        def parse(body: memoryview) -> InputMessage:
             engine = self.core.pool.engine
             if engine is not None:
                 check_size(query, engine.scale_spatial)
@@ -317,8 +317,8 @@ class HfFront:
 
         return CallInput(receive=receive, parse=parse)
 
-    async def _read_body(self, request: web.Request, length: int) -> torch.Tensor:
-        """Exactly `length` bytes into one uint8 buffer, as they arrive. Uninitialised memory
+    async def _read_body(self, request: web.Request, length: int) -> memoryview:
+        """Exactly `length` bytes into one buffer, as they arrive. Uninitialised memory
         (torch.empty: large blocks are fresh pages from the OS), so the buffer becomes resident as
         the body arrives: a client that claims 256 MiB and sends nothing costs nothing (a zeroed
         bytearray would cost its Content-Length at once, for --session-first-message-timeout)."""
@@ -326,8 +326,7 @@ class HfFront:
         if _expects_continue(request):  # the client holds its body back until told to send it
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # as aiohttp's own expect handler: the answer has not begun
-        body = torch.empty(length, dtype=torch.uint8)
-        view = body.numpy().data  # a writable memoryview of the buffer
+        view = torch.empty(length, dtype=torch.uint8).numpy().data  # a writable memoryview of it
         got = 0
         try:
             while got < length:
@@ -340,7 +339,7 @@ class HfFront:
             raise InvalidInput(f"the body ended after {got} of {length} bytes ({exc})") from None
         if got != length:
             raise InvalidInput(f"the body ended after {got} of {length} bytes")
-        return body
+        return view
 
     @staticmethod
     def _to_message(query: DecodeQuery) -> Callable[[FramesOut | VideoOut | CallEnd], Any]:

@@ -276,19 +276,19 @@ class RawLatents:
     """A request body as the call core's latents (its `LatentsIn`): shape and dtype from the query,
     the byte count checked before the body was read; the tensor is a view of the body (no copy)."""
 
-    def __init__(self, body: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._body = body  # 1-D uint8
+    def __init__(self, body: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._body = body
         self._shape = shape
         self._dtype = dtype
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
         expected = math.prod(self._shape) * torch.empty((), dtype=self._dtype).element_size()
-        if self._body.numel() != expected:  # the front reads exactly Content-Length; this is the last guard
-            raise InvalidInput(f"latents: {self._body.numel()} bytes for shape {list(self._shape)} need {expected}")
+        if self._body.nbytes != expected:  # the front reads exactly Content-Length; this is the last guard
+            raise InvalidInput(f"latents: {self._body.nbytes} bytes for shape {list(self._shape)} need {expected}")
         return self._shape, self._dtype
 
     def to_tensor(self) -> torch.Tensor:
-        return self._body.view(self._dtype).reshape(self._shape)
+        return torch.frombuffer(self._body, dtype=self._dtype).reshape(self._shape)
 
 
 # -- encode: what `remote_encode` sends -----------------------------------------------------
@@ -371,7 +371,7 @@ class DecodedImage:
     size is read from the file's header and checked against `max_pixels` before the pixels are
     decoded (a small file may hold a huge image)."""
 
-    def __init__(self, body: bytearray, max_pixels: int) -> None:
+    def __init__(self, body: memoryview, max_pixels: int) -> None:
         from PIL import Image, UnidentifiedImageError
 
         try:

@@ -163,7 +163,7 @@ def latents_of(loaded: Any, limit: int) -> torch.Tensor:
     return tensor.to(dtype).contiguous()
 
 
-def _load_pt(body: bytearray, limit: int) -> torch.Tensor:
+def _load_pt(body: memoryview, limit: int) -> torch.Tensor:
     try:
         loaded = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as exc:  # a bad zip, a refused pickle global, a truncated file: all the caller's
