@@ -167,7 +167,7 @@ def test_a_body_flood_over_the_admission_limit_is_refused_unread_and_memory_stay
 
 # -- a reader that stops reading ------------------------------------------------------------
 
-# 1533 frames of 256 x 256: 288 MiB of RGB8 (the bound, half of it, is well above the 20-65 MiB
+# 1533 frames of 256 x 256: 288 MiB of RGB8 (the bound, half of it, is well above the -31..+79 MiB
 # by which the stalled call's peak exceeded a reading client's, the decoder's and x264's transient
 # working memory varying between calls), and about 6 s of decode per latent frame on a loaded
 # 2-core machine, so a call that is not held back would outlast the test
