@@ -154,22 +154,31 @@ def requested_encode(options: Any) -> RequestedEncode:
 
 class ProtoLatents:
     """A wire Tensor as the core reads latents (or an Encode's frames): its header without a
-    copy, then the copy."""
+    copy of its own, then the copy. The payload is read from the message once, for both
+    (`wire.payload`: each read of a protobuf bytes field is a copy)."""
 
     def __init__(self, message: Any, what: str = "latents") -> None:
         self._message = message
         self._what = what
+        self._data: bytes | None = None
+
+    def _payload(self) -> bytes:
+        if self._data is None:
+            self._data = wire.payload(self._message)
+        return self._data
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of a wire tensor, checked against its byte count, without copying it."""
+        """Shape and dtype of a wire tensor, checked against its byte count."""
         try:
-            shape = wire.validate(self._message)
+            shape = wire.validate(self._message, self._payload())
             return shape, wire.torch_dtype(self._message.dtype)
         except wire.TensorFormatError as exc:
             raise InvalidInput(f"{self._what}: {exc}") from None
 
     def to_tensor(self) -> torch.Tensor:
-        return wire.to_torch(self._message)
+        tensor = wire.to_torch(self._message, self._payload())
+        self._data = None  # the tensor holds its own copy
+        return tensor
 
 
 def _input_message(request: Any, default_fps: Callable[[], int]) -> InputMessage:

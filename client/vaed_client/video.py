@@ -9,6 +9,7 @@ messages may be split, and order does not matter.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,11 @@ class DecodedChunk:
         return self.first_frame + self.num_frames
 
 
+def frames_nbytes(tensor: vaed_pb2.Tensor) -> int:
+    """A validated wire Tensor's payload size, from its header (reading `data` again would copy it)."""
+    return tensors.itemsize(tensor.dtype) * math.prod(tensor.shape)
+
+
 def has_frames(message: vaed_pb2.FrameChunk) -> bool:
     # The final message may be an empty marker with no `frames` set.
     return message.HasField("frames") and len(message.frames.shape) > 0
@@ -77,7 +83,7 @@ def to_chunk(message: vaed_pb2.FrameChunk, fmt: str, as_torch: bool) -> DecodedC
         request_id=message.request_id,
         format=fmt,
         final=message.final,
-        nbytes=len(message.frames.data),
+        nbytes=frames_nbytes(message.frames),
     )
 
 
@@ -138,7 +144,7 @@ class VideoAssembler:
         self._storage[tuple(index)] = view
         self._filled[first:end] = True
         self.end = max(self.end, end)
-        self.nbytes += len(message.frames.data)
+        self.nbytes += view.nbytes  # the payload's size (bf16 stays 2 bytes in the storage view)
 
     def _allocate(self, view: np.ndarray, wire_dtype: int, frames: int) -> None:
         shape = list(view.shape)

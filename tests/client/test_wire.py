@@ -115,3 +115,40 @@ def test_torch_views_are_sent_as_their_c_order_bytes(dtype: torch.dtype, view: s
     assert m.data == bits.numpy().tobytes()
     assert list(m.shape) == list(t.shape)
     assert torch.equal(wire.to_torch(m), t)
+
+
+class _CountingTensor:
+    """A wire Tensor that counts reads of its payload (each read of a protobuf bytes field is a
+    copy of it under the upb runtime)."""
+
+    def __init__(self, message: Any) -> None:
+        self._message = message
+        self.reads = 0
+        self.dtype, self.shape = message.dtype, message.shape
+
+    @property
+    def data(self) -> bytes:
+        self.reads += 1
+        return self._message.data
+
+
+@pytest.mark.parametrize("convert", ["to_torch", "to_numpy", "storage_view"])
+def test_a_payload_is_read_once_per_conversion(convert: str) -> None:
+    from vaed_client import tensors
+
+    x = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)
+    counted = _CountingTensor(wire.to_message(x))
+    out = getattr(tensors, convert)(counted)
+    assert counted.reads == 1
+    assert np.array_equal(np.asarray(out), x.numpy())
+
+
+def test_the_servers_frames_read_their_payload_once() -> None:
+    """The call core checks a message's header, then takes its tensor: one read for both."""
+    from vaed.service import ProtoLatents
+
+    x = torch.rand(1, 3, 5, 8, 8)
+    counted = _CountingTensor(wire.to_message(x))
+    frames = ProtoLatents(counted, "frames")
+    assert frames.header() == ((1, 3, 5, 8, 8), torch.float32)
+    assert torch.equal(frames.to_tensor(), x) and counted.reads == 1
