@@ -7,8 +7,10 @@ lossless) against the gRPC RGB8 decode of the same latents, through a real `vaed
 
 Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
 wire, and for mp4 the PSNR of its frames against the RGB8 frames; for the stream, seconds until
-the first fMP4 fragment (`moof`) is at the client, over HTTP and over gRPC; and the server
-process's CPU cores in use (CPU seconds / wall seconds) during the gRPC RGB8 and MP4 decodes.
+the first fMP4 fragment (`moof`) is at the client, over HTTP and over gRPC; for the streamed
+pt + partial_postprocess answer, seconds until frame 0's bytes are; and the server process's CPU
+cores in use (CPU seconds / wall seconds from /proc) during the gRPC RGB8 and MP4 decodes and
+remote_decode's mp4 and pt + partial_postprocess calls.
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ def first_fragment_s(endpoint: str, sent: dict[str, Any]) -> tuple[float, float,
     return first or float("nan"), time.perf_counter() - started, len(data)
 
 
+def first_frame_s(endpoint: str, sent: dict[str, Any], frame_bytes: int) -> float:
+    """Seconds until frame 0's bytes of a streamed pt + partial_postprocess answer are at the client."""
+    started, first = time.perf_counter(), float("nan")
+    with requests.post(endpoint, data=sent["data"], headers=sent["headers"], params=sent["params"],
+                       stream=True, timeout=600) as response:
+        response.raise_for_status()
+        got = 0
+        # a chunk size: with none, urllib3 reads a body of known length to its end
+        for chunk in response.iter_content(chunk_size=frame_bytes):
+            got += len(chunk)
+            if got >= frame_bytes:
+                first = time.perf_counter() - started
+                break
+        for _ in response.iter_content(chunk_size=1 << 20):  # the rest, so the call ends OK
+            pass
+    return first
+
+
 def grpc_first_fragment_s(target: str, latents: torch.Tensor) -> tuple[float, float, int]:
     """As `first_fragment_s`, for a gRPC Decode with format MP4 (the replies' `video` bytes)."""
     from vaed_client import wire
@@ -135,11 +155,14 @@ def main() -> int:
         assert np.array_equal(mp4_frames(grpc_lossless), rgb8), "gRPC MP4_LOSSLESS differs from gRPC RGB8"
         grpc_streams = [grpc_first_fragment_s(target, latents) for _ in range(args.reps)]
         remote_decode(endpoint=endpoint, tensor=latents[:, :, :2], output_type="mp4", return_type="mp4")
-        mp4_s, mp4 = timed(args.reps, lambda: remote_decode(
+        mp4_s, mp4, http_mp4_cores = timed_cores(proc.pid, args.reps, lambda: remote_decode(
             endpoint=endpoint, tensor=latents, output_type="mp4", return_type="mp4"))
-        frames_s, frames = timed(args.reps, lambda: remote_decode(
+        frames_s, frames, frames_cores = timed_cores(proc.pid, args.reps, lambda: remote_decode(
             endpoint=endpoint, tensor=latents, output_type="pt", partial_postprocess=True, return_type="pt"))
         assert np.array_equal(frames.numpy(), rgb8), "pt + partial_postprocess differs from gRPC RGB8"
+        frame_bytes = rgb8[0].nbytes
+        pt_firsts = [first_frame_s(endpoint, prepare_decode(latents, output_type="pt", partial_postprocess=True),
+                                   frame_bytes) for _ in range(args.reps)]
         streams = [first_fragment_s(endpoint, prepare_decode(latents, output_type="mp4")) for _ in range(args.reps)]
     finally:
         proc.terminate()
@@ -148,7 +171,8 @@ def main() -> int:
         "model": args.model, "shape": shape, "frames": int(rgb8.shape[0]),
         "body_bytes": latents.numel() * 4,
         "grpc_rgb8_s": grpc_s, "rgb8_bytes": int(rgb8.nbytes),
-        "http_pt_partial_s": frames_s,
+        "http_pt_partial_s": frames_s, "http_pt_partial_first_frame_ms": statistics.median(pt_firsts) * 1e3,
+        "server_cores_http_pt_partial": frames_cores, "server_cores_http_mp4": http_mp4_cores,
         "http_mp4_s": mp4_s, "mp4_bytes": len(mp4), "mp4_over_rgb8": len(mp4) / rgb8.nbytes,
         "mp4_psnr_db": psnr(mp4_frames(mp4), rgb8), "http_mp4_over_grpc_rgb8": mp4_s / grpc_s,
         "stream_first_fragment_ms": statistics.median(s[0] for s in streams) * 1e3,
