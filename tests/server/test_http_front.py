@@ -23,6 +23,7 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
 from harness import RunningServer, diffusers_decode, make_config, serve_in_thread, start_cli_server
+from vaed.errors import CapacityExhausted
 from vaed.server import engine_factory
 from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import VaeClient
@@ -423,6 +424,44 @@ def test_frames_answers_stream_each_group_before_the_call_ends(output_type: str,
                                                        output_type="pt")[0])
     streamed = torch.frombuffer(bytearray(data), dtype=torch.uint8 if partial else torch.float32).reshape(shape)
     assert torch.equal(streamed, expected)
+
+
+def test_a_failure_after_the_first_frames_cuts_the_streamed_body_short(caplog: pytest.LogCaptureFixture) -> None:
+    """A streamed answer's status went out with its first bytes: a failure at latent frame 2 (after
+    the client read frame 0) ends the body before its Content-Length, so the client's read fails
+    instead of taking a short answer as whole; the server goes on serving."""
+    config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
+    read_first = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def fails_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 2:
+                assert read_first.wait(60), "the client never read frame 0"
+                raise CapacityExhausted("injected: no memory for latent frame 2")
+            return group
+
+        engine.decode_frame = fails_at_frame_2
+        return engine
+
+    x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=10)
+    sent = prepare_decode(x, output_type="pt", partial_postprocess=True)
+    frame_bytes = 64 * 64 * 3
+    with serve_in_thread(config, build_engine=build) as running:
+        with requests.post(url(running), data=sent["data"], headers=sent["headers"], params=sent["params"],
+                           stream=True, timeout=60) as response:
+            assert response.status_code == 200 and int(response.headers["Content-Length"]) == 13 * frame_bytes
+            chunks = response.iter_content(chunk_size=frame_bytes)
+            assert len(next(chunks)) == frame_bytes
+            read_first.set()
+            with pytest.raises(requests.exceptions.ChunkedEncodingError, match="IncompleteRead"):
+                for _ in chunks:
+                    pass
+        assert "HTTP answer cut after its status was sent: injected: no memory" in caplog.text
+        assert requests.get(url(running, "/health"), timeout=10).status_code == 200
 
 
 # -- where the front listens ---------------------------------------------------------------------
