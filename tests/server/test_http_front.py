@@ -464,6 +464,24 @@ def test_a_failure_after_the_first_frames_cuts_the_streamed_body_short(caplog: p
         assert requests.get(url(running, "/health"), timeout=10).status_code == 200
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("h, w", [(60, 104), (90, 160)])  # 480x832 and 720x1280
+def test_pt_answers_from_a_gpu_server(h: int, w: int) -> None:
+    """On CUDA a group's frames are in pinned host memory, reused once its credit returns: the
+    streamed RGB8 frames (copied per piece) and the whole raw pt (assembled in pageable memory)
+    equal gRPC's frames of the same latents, 21 latent frames (81 frames)."""
+    config = make_config("random:wan2.1", device="cuda:0", warmup=False)
+    x = torch.randn(1, 16, 21, h, w, generator=torch.Generator().manual_seed(2))
+    with serve_in_thread(config) as running:
+        frames = remote_decode(endpoint=url(running), tensor=x, output_type="pt", partial_postprocess=True,
+                               return_type="pt")
+        assert torch.equal(frames, torch.as_tensor(grpc_decode(running, x))[0])
+        del frames
+        raw = remote_decode(endpoint=url(running), tensor=x, output_type="pt", return_type="pt")
+        assert raw.shape == (1, 3, 81, 8 * h, 8 * w)
+        assert torch.equal(raw, torch.as_tensor(grpc_decode(running, x, output_type="raw")))
+
+
 # -- where the front listens ---------------------------------------------------------------------
 
 
