@@ -2,7 +2,7 @@
 streamed fMP4 route, and gRPC's MP4 formats (`VaeClient.decode(output_type="mp4")`, lossy and
 lossless) against the gRPC RGB8 decode of the same latents, through a real `vaed serve`.
 
-    python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
+    python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3 [--precision fast]
     python benchmarks/bench_http.py --device cpu --model random:wan2.1-tiny --shape 1,4,21,60,104
 
 Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
@@ -130,6 +130,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--gpu", default="0")
     parser.add_argument("--device", choices=["cpu"], help="serve on the CPU instead of --gpu")
+    parser.add_argument("--precision", choices=["lossless", "fast"], help="the server's --precision (its default if unset)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from diffusers.utils.remote_utils import prepare_decode, remote_decode
@@ -140,6 +141,7 @@ def main() -> int:
     latents = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     http_port = free_port()
     extra = ["--http-port", str(http_port)] + (["--device", "cpu"] if args.device else [])
+    extra += ["--precision", args.precision] if args.precision else []
     proc, target, _ = start_vaed(args.model, None if args.device else args.gpu, extra)
     endpoint = f"http://127.0.0.1:{http_port}/"
     try:
