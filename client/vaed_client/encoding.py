@@ -96,8 +96,12 @@ def _rgb8_frames(frames: Any) -> Any | None:
     import torch
 
     u = frames.add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8)
-    # the server's conversion (vaed.engine_protocol.rgb8_to_video), on the frames' device
-    back = (u.to(torch.float32) / 255.0) * 2.0 - 1.0
+    # The server's conversion (vaed.engine_protocol.rgb8_to_video, on its CPU), here on the frames'
+    # device. The divisor is a tensor on that device: CUDA turns a division by a Python scalar
+    # into a multiplication by its reciprocal, which rounds differently from the CPU's division
+    # (the GPU would then pack frames the server turns into other floats); a true division
+    # rounds the same on both.
+    back = (u.to(torch.float32) / torch.tensor(255.0, device=u.device)) * 2.0 - 1.0
     if not torch.equal(back.view(torch.int32), frames.view(torch.int32)):
         return None
     return u.permute(0, 2, 3, 4, 1).contiguous()

@@ -470,7 +470,7 @@ def test_pt_answers_from_a_gpu_server(h: int, w: int) -> None:
     """On CUDA a group's frames are in pinned host memory, reused once its credit returns: the
     streamed RGB8 frames (copied per piece) and the whole raw pt (assembled in pageable memory)
     equal gRPC's frames of the same latents, 21 latent frames (81 frames)."""
-    config = make_config("random:wan2.1", device="cuda:0", warmup=False)
+    config = make_config("random:wan2.1", device="cuda:0", warmup=False, http_port=0)
     x = torch.randn(1, 16, 21, h, w, generator=torch.Generator().manual_seed(2))
     with serve_in_thread(config) as running:
         frames = remote_decode(endpoint=url(running), tensor=x, output_type="pt", partial_postprocess=True,
