@@ -482,3 +482,25 @@ def latents_np(b: int = 1, t: int = 3, h: int = 2, w: int = 3, dtype: Any = np.f
 
 def expected_video(b: int, t: int, h: int, w: int) -> np.ndarray:
     return fake_video(b, output_frames(t, TEMPORAL), h * SPATIAL, w * SPATIAL)
+
+
+def engine_calling_at(config: ServerConfig, chunk_index: int, hook: Any) -> Any:
+    """A `build_engine` for `serve_in_thread`: the real engine, which calls `hook()` on its worker
+    thread once it has decoded latent frame `chunk_index`, to hold or fail a call at a known point
+    (by events, never by time)."""
+    from vaed.server import engine_factory
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def decode_then_hook(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == chunk_index:
+                hook()
+            return group
+
+        engine.decode_frame = decode_then_hook
+        return engine
+
+    return build

@@ -19,10 +19,9 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from harness import RunningServer, make_config, serve_in_thread
+from harness import RunningServer, engine_calling_at, make_config, serve_in_thread
 
 from vaed.errors import NotReady
-from vaed.server import engine_factory
 from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import AsyncVaeClient, CallReport, VaeClient, wire
 from vaed_client.errors import LocalInputError, VaedError
@@ -117,18 +116,10 @@ def test_fragments_arrive_before_the_call_ends() -> None:
     config = make_config("random:wan2.1-tiny", warmup=False)
     release = threading.Event()
 
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
+    def held_at_frame_1() -> None:
+        assert release.wait(60), "the client never read the first fragment"
 
-        def held_at_frame_1(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 1:
-                assert release.wait(60), "the client never read the first fragment"
-            return group
-
-        engine.decode_frame = held_at_frame_1
-        return engine
+    build = engine_calling_at(config, 1, held_at_frame_1)
 
     x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=7)
     request = pb.DecodeRequest(latents=wire.to_message(x), options=pb.DecodeOptions(format=pb.MP4_LOSSLESS))
@@ -200,19 +191,11 @@ def test_the_client_checks_video_options_before_the_call() -> None:
 def _fails_at_frame_2(config: Any, got_bytes: threading.Event) -> Any:
     """An engine factory whose decode fails UNAVAILABLE (as a device failure does) at latent
     frame 2, once the client has received bytes of the call."""
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
+    def fails_at_frame_2() -> None:
+        assert got_bytes.wait(60), "the client never received the call's first bytes"
+        raise NotReady("device cpu failed; retry on another device or replica")
 
-        def fails_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 2:
-                assert got_bytes.wait(60), "the client never received the call's first bytes"
-                raise NotReady("device cpu failed; retry on another device or replica")
-            return group
-
-        engine.decode_frame = fails_at_frame_2
-        return engine
+    build = engine_calling_at(config, 2, fails_at_frame_2)
 
     return build
 

@@ -20,11 +20,9 @@ import requests
 import torch
 from diffusers.utils.remote_utils import prepare_decode, remote_decode
 from diffusers.video_processor import VideoProcessor
-from PIL import Image
 
-from harness import RunningServer, diffusers_decode, make_config, serve_in_thread, start_cli_server
+from harness import RunningServer, diffusers_decode, engine_calling_at, make_config, serve_in_thread, start_cli_server
 from vaed.errors import CapacityExhausted
-from vaed.server import engine_factory
 from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import VaeClient
 
@@ -346,18 +344,10 @@ def test_stream_sends_fragments_before_the_call_ends() -> None:
     config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
     release = threading.Event()
 
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
+    def held_at_frame_2() -> None:
+        assert release.wait(60), "the client never read the first fragments"
 
-        def held_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 2:
-                assert release.wait(60), "the client never read the first fragments"
-            return group
-
-        engine.decode_frame = held_at_frame_2
-        return engine
+    build = engine_calling_at(config, 2, held_at_frame_2)
 
     x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=7)
     sent = prepare_decode(x, output_type="mp4")
@@ -386,18 +376,10 @@ def test_frames_answers_stream_each_group_before_the_call_ends(output_type: str,
     config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
     release = threading.Event()
 
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
+    def held_at_frame_2() -> None:
+        assert release.wait(60), "the client never read the first frames"
 
-        def held_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 2:
-                assert release.wait(60), "the client never read the first frames"
-            return group
-
-        engine.decode_frame = held_at_frame_2
-        return engine
+    build = engine_calling_at(config, 2, held_at_frame_2)
 
     x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=9)
     processor = None if partial else VideoProcessor()
@@ -433,19 +415,11 @@ def test_a_failure_after_the_first_frames_cuts_the_streamed_body_short(caplog: p
     config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
     read_first = threading.Event()
 
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
+    def fails_at_frame_2() -> None:
+        assert read_first.wait(60), "the client never read frame 0"
+        raise CapacityExhausted("injected: no memory for latent frame 2")
 
-        def fails_at_frame_2(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 2:
-                assert read_first.wait(60), "the client never read frame 0"
-                raise CapacityExhausted("injected: no memory for latent frame 2")
-            return group
-
-        engine.decode_frame = fails_at_frame_2
-        return engine
+    build = engine_calling_at(config, 2, fails_at_frame_2)
 
     x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=10)
     sent = prepare_decode(x, output_type="pt", partial_postprocess=True)
@@ -531,19 +505,11 @@ def test_a_client_that_leaves_frees_its_session_before_the_decode_would_end() ->
     release = threading.Event()
     reached = threading.Event()
 
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
+    def held_at_frame_1() -> None:
+        reached.set()
+        release.wait(60)
 
-        def held_at_frame_1(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 1:
-                reached.set()
-                release.wait(60)
-            return group
-
-        engine.decode_frame = held_at_frame_1
-        return engine
+    build = engine_calling_at(config, 1, held_at_frame_1)
 
     x = latents("random:wan2.1-tiny", t=3, seed=8)
     with serve_in_thread(config, build_engine=build) as running:

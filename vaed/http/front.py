@@ -45,7 +45,7 @@ import asyncio
 import hmac
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -277,14 +277,7 @@ class HfFront:
     def _encode_input(self, request: web.Request, query: EncodeQuery, length: int) -> CallInput[memoryview]:
         """The core's view of an encode request: one message (the body: a tensor, or an image
         file decoded once it is read), then the end."""
-        read = False
-
-        async def receive() -> memoryview | None:
-            nonlocal read
-            if read:
-                return None
-            read = True
-            return await self._read_body(request, length)
+        receive = self._body_once(request, length)
 
         def parse(body: memoryview) -> VideoMessage:
             frames = (DecodedImage(body, self.core.config.max_pixels) if query.shape is None
@@ -297,14 +290,7 @@ class HfFront:
 
     def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[memoryview]:
         """The core's view of the request: one message (the body), then the end."""
-        read = False
-
-        async def receive() -> memoryview | None:
-            nonlocal read
-            if read:
-                return None
-            read = True
-            return await self._read_body(request, length)
+        receive = self._body_once(request, length)
 
         def parse(body: memoryview) -> InputMessage:
             engine = self.core.pool.engine
@@ -316,6 +302,19 @@ class HfFront:
                                 latents=RawLatents(body, query.shape, query.dtype), options=lambda: requested)
 
         return CallInput(receive=receive, parse=parse)
+
+    def _body_once(self, request: web.Request, length: int) -> Callable[[], Awaitable[memoryview | None]]:
+        """The call core's `receive` for a one-message request: the body, then the end."""
+        read = False
+
+        async def receive() -> memoryview | None:
+            nonlocal read
+            if read:
+                return None
+            read = True
+            return await self._read_body(request, length)
+
+        return receive
 
     async def _read_body(self, request: web.Request, length: int) -> memoryview:
         """Exactly `length` bytes into one buffer, as they arrive. Uninitialised memory
