@@ -121,7 +121,7 @@ def _expects_continue(request: web.BaseRequest) -> bool:
     return request.version == HttpVersion11 and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue"
 
 
-async def _defer_continue(request: web.Request) -> None:
+async def defer_continue(request: web.Request) -> None:
     """`Expect: 100-continue` (curl sends it for bodies over 1 MiB): aiohttp's default handler
     answers 100 Continue before the route's handler runs, so a client would send its body to a
     request about to be refused. The front sends it only when it reads the body: after the token,
@@ -143,8 +143,8 @@ class HfFront:
 
     def add_routes(self, app: web.Application) -> None:
         for path in DECODE_PATHS:
-            app.router.add_post(path, self.decode, expect_handler=_defer_continue)
-        app.router.add_post(ENCODE_PATH, self.encode, expect_handler=_defer_continue)
+            app.router.add_post(path, self.decode, expect_handler=defer_continue)
+        app.router.add_post(ENCODE_PATH, self.encode, expect_handler=defer_continue)
         app.router.add_get(HEALTH_PATH, self.health, allow_head=False)
 
     # -- GET /health -----------------------------------------------------------------------
@@ -167,7 +167,7 @@ class HfFront:
 
     def _refused_head(self, request: web.Request, method: str) -> web.Response | None:
         """The checks of a POST's head that need no query: the token, then Content-Length."""
-        if (problem := self._unauthorised(request)) is not None:
+        if (problem := self.unauthorised(request)) is not None:
             return self._refuse("UNAUTHENTICATED", 401, problem, method, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
         length = request.content_length
         what, verb = ("latents'", "decode") if method == METHOD else ("frames'", "encode")
@@ -181,7 +181,7 @@ class HfFront:
                                 f"(--max-message-bytes); {verb} a long video in parts", method)
         return None
 
-    def _unauthorised(self, request: web.Request) -> str | None:
+    def unauthorised(self, request: web.Request) -> str | None:
         """None when the request may go on, else why not."""
         if self._token is None:
             return None
@@ -312,11 +312,11 @@ class HfFront:
             if read:
                 return None
             read = True
-            return await self._read_body(request, length)
+            return await self.read_body(request, length)
 
         return receive
 
-    async def _read_body(self, request: web.Request, length: int) -> memoryview:
+    async def read_body(self, request: web.Request, length: int) -> memoryview:
         """Exactly `length` bytes into one buffer, as they arrive. Uninitialised memory
         (torch.empty: large blocks are fresh pages from the OS), so the buffer becomes resident as
         the body arrives: a client that claims 256 MiB and sends nothing costs nothing (a zeroed

@@ -46,7 +46,7 @@ from aiohttp import hdrs, web
 from ..calls import CallCore
 from ..errors import InvalidInput, NotReady
 from ..metrics import cuda_memory
-from .front import HfFront, _defer_continue
+from .front import HfFront, defer_continue
 from .hf_protocol import LATENT_DTYPE_NAMES, error_body, tensor_bytes, tensor_headers
 
 PAGE_PATH = "/"
@@ -174,9 +174,9 @@ def _load_pt(body: memoryview, limit: int) -> torch.Tensor:
 class PageRoutes:
     """The page, its status and its .pt conversion, over the front's core and auth.
 
-    The token check, the body read and the deferred `100 Continue` are the front's own (its
-    `_unauthorised`, `_read_body`, `_defer_continue`), used here rather than copied: one way to
-    check a request, whichever route it is for."""
+    The token check, the body read and the deferred `100 Continue` are the front's own
+    (`HfFront.unauthorised`, `HfFront.read_body`, `defer_continue`), used here rather than
+    copied: one way to check a request, whichever route it is for."""
 
     def __init__(self, core: CallCore, front: HfFront, auth_required: bool) -> None:
         self.core = core
@@ -189,19 +189,19 @@ class PageRoutes:
         for path in self.files:
             app.router.add_get(path, self.static)
         app.router.add_get(STATUS_PATH, self.status, allow_head=False)
-        app.router.add_post(CONVERT_PT_PATH, self.convert_pt, expect_handler=_defer_continue)
+        app.router.add_post(CONVERT_PT_PATH, self.convert_pt, expect_handler=defer_continue)
 
     async def static(self, request: web.Request) -> web.Response:
         file = self.files[request.path]
         return web.Response(body=file.body, content_type=file.content_type, charset="utf-8", headers=_PAGE_HEADERS)
 
     async def status(self, request: web.Request) -> web.Response:
-        authorised = self.front._unauthorised(request) is None
+        authorised = self.front.unauthorised(request) is None
         return web.json_response(status_body(self.core, authorised, self.auth_required),
                                  headers={hdrs.CACHE_CONTROL: "no-store"})
 
     async def convert_pt(self, request: web.Request) -> web.Response:
-        if (problem := self.front._unauthorised(request)) is not None:
+        if (problem := self.front.unauthorised(request)) is not None:
             return _error(401, problem, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
         length = request.content_length
         limit = self.core.config.max_message_bytes
@@ -214,7 +214,7 @@ class PageRoutes:
             return _error(429, "another .pt file is being read; retry shortly", **{hdrs.RETRY_AFTER: "1"})
         async with self._converting:
             try:
-                body = await self.front._read_body(request, length)
+                body = await self.front.read_body(request, length)
                 # torch.load unzips and copies: off the loop, which serves every other call
                 tensor = await asyncio.get_running_loop().run_in_executor(None, _load_pt, body, limit)
             except TooLarge as exc:
