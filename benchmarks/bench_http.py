@@ -2,7 +2,8 @@
 streamed fMP4 route, and gRPC's MP4 formats (`VaeClient.decode(output_type="mp4")`, lossy and
 lossless) against the gRPC RGB8 decode of the same latents, through a real `vaed serve`.
 
-    python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3 [--precision fast]
+    python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3 \
+        [--precision fast] [--latents smooth]
     python benchmarks/bench_http.py --device cpu --model random:wan2.1-tiny --shape 1,4,21,60,104
 
 Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
@@ -106,21 +107,27 @@ def first_frame_s(endpoint: str, sent: dict[str, Any], frame_bytes: int) -> floa
     return first
 
 
-def grpc_first_fragment_s(target: str, latents: torch.Tensor) -> tuple[float, float, int]:
-    """As `first_fragment_s`, for a gRPC Decode with format MP4 (the replies' `video` bytes)."""
+def grpc_first_fragment_s(channel: Any, metadata: Any, latents: torch.Tensor) -> tuple[float, float, int]:
+    """As `first_fragment_s`, for a gRPC Decode with format MP4 (the replies' `video` bytes), on a
+    channel already connected, as a worker's client keeps it (a fresh connection adds HTTP/2's
+    flow-control ramp over the latents' upload: ~90 ms more for 19 MB at 720p)."""
     from vaed_client import wire
-    from vaed_client.channel import create_channel
 
-    channel, metadata = create_channel(target)
     request = wire.pb.DecodeRequest(latents=wire.to_message(latents), options=wire.pb.DecodeOptions(format=wire.pb.MP4))
     started = time.perf_counter()
     first, data = None, b""
-    with channel:
-        for reply in wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=600, metadata=metadata):
-            data += reply.video
-            if first is None and b"moof" in data:
-                first = time.perf_counter() - started
+    for reply in wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=600, metadata=metadata):
+        data += reply.video
+        if first is None and b"moof" in data:
+            first = time.perf_counter() - started
     return first or float("nan"), time.perf_counter() - started, len(data)
+
+
+def smooth_latents(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Low-frequency latents: coarse noise, trilinearly upsampled (as `profile_fast.py` makes them)."""
+    b, c, t, h, w = shape
+    coarse = torch.randn(b, c, max(t // 3, 2), max(h // 8, 2), max(w // 8, 2), generator=generator)
+    return torch.nn.functional.interpolate(coarse, size=(t, h, w), mode="trilinear", align_corners=False) * 2
 
 
 def main() -> int:
@@ -131,6 +138,8 @@ def main() -> int:
     parser.add_argument("--gpu", default="0")
     parser.add_argument("--device", choices=["cpu"], help="serve on the CPU instead of --gpu")
     parser.add_argument("--precision", choices=["lossless", "fast"], help="the server's --precision (its default if unset)")
+    parser.add_argument("--latents", choices=["white", "smooth"], default="white",
+                        help="white noise, or low-frequency latents (structured frames, as real videos compress)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from diffusers.utils.remote_utils import prepare_decode, remote_decode
@@ -138,7 +147,11 @@ def main() -> int:
     from vaed_client import VaeClient
 
     shape = [int(s) for s in args.shape.split(",")]
-    latents = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    if args.latents == "smooth":
+        latents = smooth_latents(tuple(shape), generator)
+    else:
+        latents = torch.randn(*shape, generator=generator)
     http_port = free_port()
     extra = ["--http-port", str(http_port)] + (["--device", "cpu"] if args.device else [])
     extra += ["--precision", args.precision] if args.precision else []
@@ -155,7 +168,12 @@ def main() -> int:
                 args.reps, lambda: client.decode(latents, output_type="mp4", lossless=True))
         rgb8 = np.asarray(rgb8)[0]
         assert np.array_equal(mp4_frames(grpc_lossless), rgb8), "gRPC MP4_LOSSLESS differs from gRPC RGB8"
-        grpc_streams = [grpc_first_fragment_s(target, latents) for _ in range(args.reps)]
+        from vaed_client.channel import create_channel
+
+        channel, metadata = create_channel(target)
+        with channel:
+            grpc_first_fragment_s(channel, metadata, latents[:, :, :2])  # connects
+            grpc_streams = [grpc_first_fragment_s(channel, metadata, latents) for _ in range(args.reps)]
         remote_decode(endpoint=endpoint, tensor=latents[:, :, :2], output_type="mp4", return_type="mp4")
         mp4_s, mp4, http_mp4_cores = timed_cores(proc.pid, args.reps, lambda: remote_decode(
             endpoint=endpoint, tensor=latents, output_type="mp4", return_type="mp4"))
@@ -170,7 +188,7 @@ def main() -> int:
         proc.terminate()
         proc.communicate(timeout=60)
     result = {
-        "model": args.model, "shape": shape, "frames": int(rgb8.shape[0]),
+        "model": args.model, "shape": shape, "latents": args.latents, "frames": int(rgb8.shape[0]),
         "body_bytes": latents.numel() * 4,
         "grpc_rgb8_s": grpc_s, "rgb8_bytes": int(rgb8.nbytes),
         "http_pt_partial_s": frames_s, "http_pt_partial_first_frame_ms": statistics.median(pt_firsts) * 1e3,
