@@ -1,4 +1,4 @@
-"""Fused Triton ops for the Wan causal decoder.
+"""Fused Triton ops for the Wan causal decoder and encoder.
 
 One op per module, each with a launcher that returns None for inputs it does
 not handle (the caller then runs the stock aten chain) and a plain-torch
@@ -10,6 +10,7 @@ causal_input_cl), and ``bias_residual_add``, one rounding for ``x + bias + h``
 """
 
 from vaed.kernels._runtime import interpreter_active, triton_available
+from vaed.kernels.avgdown import avgdown_add, avgdown_add_ordered_reference, avgdown_add_reference
 from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.dupup import dupup_add, dupup_add_reference
@@ -20,6 +21,9 @@ from vaed.kernels.upsample import upsample_nearest2x, upsample_nearest2x_referen
 __all__ = [
     "CACHE_T",
     "NormSilu",
+    "avgdown_add",
+    "avgdown_add_ordered_reference",
+    "avgdown_add_reference",
     "bias_residual_add",
     "bias_residual_add_reference",
     "causal_pad",

@@ -2,9 +2,9 @@
 
 Each op that differs from ``REFERENCE_OPS`` runs a few tiny cases (both
 layouts, cache / no cache, asymmetric padding, the "Rep" marker, the
-interleave, first and later DupUp3D chunks, deferred conv biases) in the
-decoder's dtype. A :class:`~vaed.patches.ops.FusedOp` is checked through its
-kernel alone, so a
+interleave, first and later DupUp3D and AvgDown3D chunks, AvgDown3D's group
+sizes 1, 2, 4 and 8, deferred conv biases) in the decoder's dtype. A
+:class:`~vaed.patches.ops.FusedOp` is checked through its kernel alone, so a
 kernel that silently declined would fail rather than pass on its fallback.
 Exact op sets compare with ``torch.equal`` and equal strides; lossy ones (and
 any op set on a CPU under the Triton interpreter, whose exp is numpy's and
@@ -80,12 +80,14 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
             main = _t((1, 2, 3 if first else 4, 6, 8), g, device, dtype, True)
             cases.append(((main, src, 2, 2, first), {"bias": up_bias}))
     elif name == "avgdown_add":
-        # Wan2.2's shortcuts: time and space (a first chunk's one frame is padded), space only
-        for ft, frames in ((2, 1), (2, 4), (1, 2)):
+        # Wan2.2's shortcuts: time and space (a first chunk's one frame is padded), space only,
+        # at group sizes 4 and 2 (4 -> 8 channels), 8 (8 -> 8) and 1 (no downsampling)
+        shortcuts = ((4, 2, 2, 1), (4, 2, 2, 4), (4, 2, 1, 2), (8, 2, 2, 1), (8, 2, 2, 4), (8, 1, 1, 2))
+        for src_c, fs, ft, frames in shortcuts:  # (source channels, factor_s, factor_t, frames)
             for cl in (True, False):
-                src = _t((1, 4, frames, 4, 6), g, device, dtype, cl)
-                main = _t((1, 8, (frames + ft - 1) // ft, 2, 3), g, device, dtype, cl)
-                cases.append(((main, src, ft, 2, 8), {}))
+                src = _t((1, src_c, frames, 4, 6), g, device, dtype, cl)
+                main = _t((1, 8, (frames + ft - 1) // ft, 4 // fs, 6 // fs), g, device, dtype, cl)
+                cases.append(((main, src, ft, fs, 8), {}))
     elif name == "conv3d":
         conv = nn.Conv3d(6, 4, 3).to(device=device, dtype=dtype)
         conv.weight.data = conv.weight.data.contiguous(memory_format=CL)

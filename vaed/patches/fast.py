@@ -37,7 +37,8 @@ causal-input site, the exact norm prologue included (aten's denominator, the
   always NHWC (the interleave's reference layout is NCHW, which made every
   up block's first frames leave channels_last_3d).
 
-Everything else (DupUp3D add, the other cuDNN convs) is the lossless ops.
+Everything else (DupUp3D add, the encoder's AvgDown3D add, the other cuDNN
+convs) is the lossless ops.
 Each fast op falls back per call to the lossless op, then to the reference,
 so a contiguous-layout or CPU decoder still runs (where no kernel can run,
 the biases are not deferred either: ``OpSet.defers_bias_for``).

@@ -202,19 +202,7 @@ def reference_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> t
 reference_dupup_add: DupUpAddOp = K.dupup_add_reference
 
 
-def reference_avgdown_add(
-    main: torch.Tensor, source: torch.Tensor, factor_t: int, factor_s: int, out_channels: int
-) -> torch.Tensor:
-    """``main + AvgDown3D(source)``: AvgDown3D.forward's chain, line for line."""
-    pad_t = (factor_t - source.shape[2] % factor_t) % factor_t
-    x = F.pad(source, (0, 0, 0, 0, pad_t, 0))
-    b, c, t, h, w = x.shape
-    x = x.view(b, c, t // factor_t, factor_t, h // factor_s, factor_s, w // factor_s, factor_s)
-    x = x.permute(0, 1, 3, 5, 7, 2, 4, 6).contiguous()
-    factor = factor_t * factor_s * factor_s
-    x = x.view(b, c * factor, t // factor_t, h // factor_s, w // factor_s)
-    x = x.view(b, out_channels, c * factor // out_channels, t // factor_t, h // factor_s, w // factor_s)
-    return main + x.mean(dim=2)
+reference_avgdown_add: AvgDownAddOp = K.avgdown_add_reference
 
 
 def reference_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
@@ -392,8 +380,8 @@ class OpSet:
         return tuple(n for n in OP_NAMES if getattr(self, n) is not getattr(REFERENCE_OPS, n))
 
 
-# every switchable op, in forward order; the first five and the last are the fused paths
-# (avgdown_add, the encoder's, runs its reference in every set so far: a slot for a kernel)
+# every switchable op, in forward order; the first six (avgdown_add: the encoder's) and the
+# last are the fused paths
 OP_NAMES: tuple[str, ...] = (
     "causal_pad",
     "norm_causal_pad",
@@ -432,7 +420,7 @@ LOSSLESS_OPS = OpSet(
     upsample=FusedOp("upsample", triton_upsample, reference_upsample),
     upsample_interleave=FusedOp("upsample_interleave", triton_upsample_interleave, reference_upsample_interleave),
     dupup_add=FusedOp("dupup_add", K.dupup_add, reference_dupup_add),
-    avgdown_add=reference_avgdown_add,
+    avgdown_add=FusedOp("avgdown_add", K.avgdown_add, reference_avgdown_add),
     conv3d=reference_conv3d,
     conv2d=reference_conv2d,
     residual_add=reference_residual_add,
