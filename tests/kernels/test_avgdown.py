@@ -1,9 +1,9 @@
 """The AvgDown3D add (``avgdown_add``: ``main + AvgDown3D(source)`` in one pass, Wan2.2's
-down-block shortcut): on the GPU bit-exact against stock's chain (``avgdown_add_reference``) for
-Wan2.2's group sizes, a padded first chunk, both layouts of either input and values of wide
-dynamic range (where the summation order shows); the kernel's summation order in plain torch
-(``avgdown_add_ordered_reference``) equals stock on the GPU, and on the CPU wherever the order
-cannot matter; the op sets call the kernel.
+down-block shortcut): on the GPU bit-exact against stock's chain (``avgdown_add_reference``) at
+Wan2.2's shortcuts and the other power-of-two group sizes, a padded first chunk, both layouts
+of either input and values of wide dynamic range (where the summation order shows); the
+kernel's summation order in plain torch (``avgdown_add_ordered_reference``) equals stock on the
+GPU, and on the CPU wherever the order cannot matter; the op sets call the kernel.
 
 Both backends (tests/backends.py). CPU aten may reduce in another order than CUDA's, so under
 the interpreter the kernel is held to the ordered reference; the mean and the add round fp32 to
@@ -29,9 +29,10 @@ from harness import assert_same, lay
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUNDING_DTYPES = (torch.float16, torch.float32)  # what the interpreter rounds like the GPU
 LAYOUTS = ("cl3d", "contiguous")
-# (source channels, out channels, factor_t, factor_s): group sizes G = 2, 4, 8 (Wan2.2's
-# 160 -> 320 space-only, 320 -> 640 and 640 -> 640 time and space) and 1 (no downsampling)
-WAN22 = ((160, 320, 1, 2), (320, 640, 2, 2), (640, 640, 2, 2), (640, 640, 1, 1))
+# (source channels, out channels, factor_t, factor_s): Wan2.2's four down-block shortcuts
+# (G = 4 space-only, 4 and 4 time and space, 1 without downsampling), then the other group
+# sizes the kernel takes (G = 2, 8)
+WAN22 = ((160, 160, 1, 2), (160, 320, 2, 2), (320, 640, 2, 2), (640, 640, 1, 1), (160, 320, 1, 2), (640, 640, 2, 2))
 TINY = ((4, 8, 1, 2), (4, 8, 2, 2), (8, 8, 2, 2), (4, 4, 1, 1), (3, 6, 2, 2))
 # (frames, source layout, main layout) of the interpreter's few cases: a first chunk, odd
 # frames (padded), a steady chunk

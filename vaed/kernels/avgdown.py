@@ -14,10 +14,10 @@ Why this order is exact: aten's CUDA ``mean(dim=2)`` of the contiguous
 accumulators starting at 0, ``acc[g % 4] += x_g``, combines them in sequence,
 ``((acc0 + acc1) + acc2) + acc3``, multiplies by the fp32 factor 1/G and rounds
 to the input dtype; the add then runs in fp32 and rounds once. Measured on an
-H200 (torch 2.11) at Wan2.2's shapes and small odd ones for G = 1, 2, 4, 8
-(``avgdown_add_ordered_reference`` is that order in plain torch); other orders
-(sequential for G = 8, pairwise trees) differ. Other G are declined: their
-reduction order was not measured.
+H200 (torch 2.11) for G = 1, 2, 4, 8 at 8 to 640 channels (Wan2.2's shortcuts
+have G = 4 and 1; ``avgdown_add_ordered_reference`` is that order in plain
+torch); other orders (sequential for G = 8, pairwise trees) differ. Other G
+are declined: their reduction order was not measured.
 
 One kernel for every output layout: a program owns a tile of pixels of one
 (b, t', h') row by channels, so every index is per row or per tile column
