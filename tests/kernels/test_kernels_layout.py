@@ -7,7 +7,14 @@ import itertools
 import pytest
 import torch
 
-from vaed.kernels import NormSilu, causal_pad_reference, dupup_add_reference, upsample_nearest2x_reference
+from vaed.kernels import (
+    NormSilu,
+    avgdown_add_reference,
+    causal_pad_reference,
+    dupup_add_reference,
+    upsample_nearest2x_reference,
+)
+from vaed.kernels.avgdown import _out_strides as avgdown_out_strides
 from vaed.kernels.causal_input import _stock_layouts
 from vaed.kernels.dupup import _out_strides
 from vaed.kernels.upsample import _out_layout
@@ -44,6 +51,18 @@ def test_upsample_and_dupup_layouts(layout: str, interleave: bool) -> None:
         m = lay(torch.randn(1, 2, 2 * ft - (ft - 1 if first else 0), 6, 8), layout)
         ref = dupup_add_reference(m, src, ft, 2, first)
         assert _out_strides(tuple(m.shape), tuple(m.stride()), 2 * ft) == ref.stride()
+
+
+@pytest.mark.parametrize("main_layout", ["cl3d", "contiguous", "ntchw"])
+@pytest.mark.parametrize("src_layout", ["cl3d", "contiguous"])
+def test_avgdown_layouts(main_layout: str, src_layout: str) -> None:
+    """main + the mean (a contiguous tensor, whatever the source's layout): the strides of
+    stock's add, first chunks (one frame, padded) and B = 2 included."""
+    for b, frames, ft in itertools.product((1, 2), (1, 4), (1, 2)):
+        src = lay(torch.randn(b, 4, frames, 4, 6), src_layout)
+        m = lay(torch.randn(b, 8, (frames + ft - 1) // ft, 2, 3), main_layout)
+        ref = avgdown_add_reference(m, src, ft, 2, 8)
+        assert avgdown_out_strides(tuple(m.shape), tuple(m.stride())) == ref.stride()
 
 
 def test_channel_tile_holds_every_channel_of_a_run_of_pixels() -> None:
