@@ -122,11 +122,13 @@ def test_avgdown_add_declines(backend: Backend, launches: list[int], dtype) -> N
     src16 = torch.randn(1, 8, 2, 4, 6, device=dev, dtype=dtype)
     assert K.avgdown_add(torch.zeros(1, 4, 1, 2, 3, device=dev, dtype=dtype), src16, 2, 2, 4) is None  # G = 16
     assert K.avgdown_add(torch.zeros(1, 8, 2, 2, 3, device=dev, dtype=dtype), src16, 2, 2, 8) is None  # T' = 1
-    assert K.avgdown_add(torch.zeros(1, 8, 1, 2, 3, device=dev, dtype=torch.float16), src16, 2, 2, 8) is None
-    assert K.avgdown_add(torch.zeros(1, 8, 1, 2, 3, device=dev, dtype=dtype), src16, 2, 2, 16) is None
+    main = torch.zeros(1, 8, 1, 2, 3, device=dev, dtype=dtype)
+    assert K.avgdown_add(main.to(torch.float16), src16, 2, 2, 8) is None  # dtypes differ
+    assert K.avgdown_add(main, src16, 2, 2, 16) is None  # out_channels != main's
     with torch.enable_grad():
-        assert K.avgdown_add(torch.zeros(1, 8, 1, 2, 3, device=dev, dtype=dtype), src16.requires_grad_(), 2, 2, 8) is None
+        assert K.avgdown_add(main, src16.detach().requires_grad_(), 2, 2, 8) is None
     assert launches[0] == 0
+    assert K.avgdown_add(main, src16, 2, 2, 8) is not None and launches[0] == 1  # each differs from this in one way
     with pytest.raises(ValueError, match="factors"):
         K.avgdown_add(src, src, 0, 2, 4)
 
