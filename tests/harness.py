@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import grpc
+import launcher
 import numpy as np
 import torch
 
@@ -99,13 +100,19 @@ def serve_argv(*extra: str, device: tuple[str, ...] = ("--device", "cpu")) -> li
 
 
 def start_serve(*extra: str, device: tuple[str, ...] = ("--device", "cpu"), until: str = "SERVING",
-                timeout: float = 120) -> tuple[subprocess.Popen, str, list[str]]:
-    """`vaed serve` in a subprocess (random:wan2.1-tiny unless `extra` names another --model,
+                timeout: float = 120, fresh_interpreter: bool = False) -> tuple[Any, str, list[str]]:
+    """`vaed serve` in its own process (random:wan2.1-tiny unless `extra` names another --model,
     port 0); returns (process, target, its log lines so far) once a line holds `until` and the
-    port is known. A process that ends or takes longer than `timeout` s fails the test."""
+    port is known. A process that ends or takes longer than `timeout` s fails the test. The
+    process is forked from a pre-imported interpreter (tests/launcher.py), or with
+    `fresh_interpreter` a `subprocess.Popen` of the command line."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(serve_argv(*extra, device=device), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    argv = serve_argv(*extra, device=device)
+    proc: Any
+    if fresh_interpreter:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    else:
+        proc = launcher.ServeProcess(launcher.vaed_argv(argv), env)
     assert proc.stdout is not None
     port = None
     lines = []

@@ -2,9 +2,9 @@
 that cuts, stalls and delays connections.
 
 `Replica` runs the command of harness.start_cli_server (tiny random model on the CPU,
-127.0.0.1), but returns once the port is bound rather than at SERVING (a replica may be
-caught warming up), and reads the log in a thread so it can be asserted on (a server whose
-stdout pipe nobody reads drops its lines).
+127.0.0.1, forked by tests/launcher.py), but returns once the port is bound rather than at
+SERVING (a replica may be caught warming up), and reads the log in a thread so it can be
+asserted on (a server whose stdout pipe nobody reads drops its lines).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import random
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+import launcher
 
 START_TIMEOUT = 120.0  # seconds: a loaded 2-core machine starts a replica in ~3-10 s
 
@@ -35,10 +35,9 @@ class Replica:
     """One `vaed serve --device cpu --model random:wan2.1-tiny` process on 127.0.0.1."""
 
     def __init__(self, *extra: str, port: int = 0) -> None:
-        cmd = [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
-               "--port", str(port), "--model", "random:wan2.1-tiny", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        argv = ["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+                "--model", "random:wan2.1-tiny", *extra]
+        self.proc = launcher.ServeProcess(argv, dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: list[str] = []
         self.port = port or None
         self._bound = threading.Event()

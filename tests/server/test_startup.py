@@ -77,7 +77,8 @@ def _metrics(port: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_every_start_up_phase_is_logged_summed_up_at_serving_and_exported(tmp_path: Path) -> None:
     cache = tmp_path / "kernels"
-    proc, _, lines = start_serve("--kernel-cache", str(cache), "--metrics-port", "0", until=KERNELS_AT_SERVING)
+    proc, _, lines = start_serve("--kernel-cache", str(cache), "--metrics-port", "0", until=KERNELS_AT_SERVING,
+                                 fresh_interpreter=True)
     try:
         log = "".join(lines)
         total, phases = _summary(lines)
@@ -110,7 +111,7 @@ def test_the_kernel_cache_flag_reaches_the_process_and_the_next_start_finds_it(t
     cache = (tmp_path / "kernels").resolve()
     counts = []
     for _ in range(2):
-        proc, _, lines = start_serve("--kernel-cache", str(cache), until=KERNELS_AT_SERVING)
+        proc, _, lines = start_serve("--kernel-cache", str(cache), until=KERNELS_AT_SERVING, fresh_interpreter=True)
         _stop(proc)
         log = "".join(lines)
         # the flag became the process's TRITON_CACHE_DIR, the variable Triton reads its cache directory from
@@ -175,7 +176,8 @@ def test_a_second_start_on_cuda_compiles_nothing(tmp_path: Path) -> None:
     seen = []
     for _ in range(2):
         proc, _, lines = start_serve("--kernel-cache", str(cache), "--warmup-shapes", "64x64",
-                                     device=("--gpu", "0"), until=KERNELS_AT_SERVING, timeout=600)
+                                     device=("--gpu", "0"), until=KERNELS_AT_SERVING, timeout=600,
+                                     fresh_interpreter=True)
         _stop(proc)
         log = "".join(lines)
         now = re.search(rf"Triton kernel cache {re.escape(str(cache))}: (\d+) compiled kernels at start, (\d+) now",
