@@ -4,7 +4,8 @@ of a real `vaed serve` process, against AutoencoderKLWan.decode in one process.
     python benchmarks/bench_service.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3
     python benchmarks/bench_service.py --op encode --model random:wan2.1 --shape 1,3,81,480,832 --reps 3
 
-`--op encode` times `VaeClient.encode` of seeded bf16 frames (`--shape` B,3,T,H,W) against a
+`--op encode` times `VaeClient.encode` of seeded bf16 frames (`--shape` B,3,T,H,W; `--frames uint8`:
+uint8 frames of that size, as a pipeline's VideoProcessor frames travel) against a
 `vaed serve --encode` (bf16), then the same engine in this process (`engine_factory` of the same
 config: weights, layout, kernels) encoding the frames already on the GPU; it reports the ratio
 served / in-process and whether the served moments equal the in-process ones (torch.equal).
@@ -93,7 +94,8 @@ def measure_encode_service(target: str, frames: torch.Tensor, reps: int, pause: 
 
     times = []
     with VaeClient(target, timeout=600) as client:
-        client.encode(frames[:, :, :5])  # connection + first-use warm-up
+        # connection + first-use warm-up: 5 frames (uint8 frames are [B, T, H, W, 3])
+        client.encode(frames[:, :5] if frames.dtype == torch.uint8 else frames[:, :, :5])
         for _ in range(reps):
             time.sleep(pause)
             started = time.perf_counter()
@@ -111,6 +113,10 @@ def measure_encode_in_process(model: str, frames: torch.Tensor, reps: int, gpu: 
     device = f"cuda:{gpu}"
     engine = engine_factory(ServerConfig(model=model, devices=(device,), dtype="bfloat16", encode=True))(device)
     x = frames.to(device)
+    if x.dtype == torch.uint8:  # the float frames the server makes of them, already on the GPU
+        from vaed.engine_protocol import rgb8_to_video
+
+        x = rgb8_to_video(x.permute(0, 4, 1, 2, 3))
     times = []
     with torch.inference_mode():
         engine.encode_video(x[:, :, :5], EncodeSpec())
@@ -125,7 +131,12 @@ def measure_encode_in_process(model: str, frames: torch.Tensor, reps: int, gpu: 
 
 
 def run_encode(args: argparse.Namespace, shape: list[int]) -> int:
-    frames = (torch.rand(*shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    if args.frames == "uint8":  # what a pipeline's VideoProcessor frames travel as (the client packs them)
+        b, _, t, h, w = shape
+        frames: Any = torch.randint(0, 256, (b, t, h, w, 3), dtype=torch.uint8, generator=generator)
+    else:
+        frames = (torch.rand(*shape, generator=generator) * 2 - 1).to(torch.bfloat16)
     args.server_args = ["--encode", "--dtype", "bfloat16", *args.server_args]
     proc, target, metrics_port = start_server(args)
     try:
@@ -134,7 +145,8 @@ def run_encode(args: argparse.Namespace, shape: list[int]) -> int:
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
-    result: dict[str, Any] = {"model": args.model, "op": "encode", "shape": shape, "frames_bytes": frames.nbytes,
+    result: dict[str, Any] = {"model": args.model, "op": "encode", "shape": shape, "frames": args.frames,
+                              "frames_bytes": frames.nbytes,
                               "service_s": min(times), "service_peak_gib": peak / 2**30 if peak is not None else None}
     if not args.skip_in_process:
         seconds, local = measure_encode_in_process(args.model, frames, args.reps, args.gpu)
@@ -153,6 +165,8 @@ def main() -> int:
     parser.add_argument("--op", choices=("decode", "encode"), default="decode")
     parser.add_argument("--shape", default=None,
                         help="decode: latent shape B,z,T,h,w (1,16,21,60,104); encode: frames B,3,T,H,W (1,3,81,480,832)")
+    parser.add_argument("--frames", choices=("bf16", "uint8"), default="bf16",
+                        help="encode: bf16 frames in [-1, 1], or uint8 [B, T, H, W, 3] (a pipeline's, packed)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--pause", type=float, default=0.0,

@@ -141,10 +141,14 @@ class EncodeSession(Session):
         return state
 
     def run_step(self, engine: Engine, state: Any, frames: torch.Tensor) -> DeviceGroup:
-        """Run one encoder call on one backlog item (that call's frames): uint8 is converted
-        here, on the worker thread, not on the event loop; float frames holding NaN or Inf are
+        """Run one encoder call on one backlog item (that call's frames): uint8 is moved to the
+        device and converted there, on the worker thread, not on the event loop (a quarter of the
+        float32 bytes to copy, and no CPU pass over them); float frames holding NaN or Inf are
         refused unless the call allowed them."""
-        video = rgb8_to_video(frames) if frames.dtype == torch.uint8 else frames
+        if frames.dtype == torch.uint8:  # to the device at 1 byte a value, converted there
+            video = rgb8_to_video(frames.to(engine.device, non_blocking=True))
+        else:
+            video = frames
         if not self.output.allow_non_finite and frames.dtype != torch.uint8:
             check_finite_frames(video, state.frames_in)
         (encoded,) = engine.encode_frames(state, video, self.output)  # type: ignore[arg-type]  # an EncodeSpec

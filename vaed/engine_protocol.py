@@ -79,10 +79,27 @@ class EncodeSpec:
     dtype: torch.dtype | None = None  # the encode's compute dtype (Engine.encode_dtypes); None: the first
 
 
-def rgb8_to_video(frames: torch.Tensor) -> torch.Tensor:
+def rgb8_to_video_reference(frames: torch.Tensor) -> torch.Tensor:
     """uint8 frames in video layout [B, 3, t, H, W] (a permuted view of the wire's [B, t, H, W, 3])
-    -> float32 in [-1, 1] the way diffusers' VideoProcessor makes them: x / 255, then 2x - 1."""
+    -> float32 in [-1, 1] the way diffusers' VideoProcessor makes them on the CPU: x / 255, then
+    2x - 1."""
     return (frames.to(torch.float32) / 255.0) * 2.0 - 1.0
+
+
+# The 256 values of rgb8_to_video_reference, computed once on the CPU.
+_RGB8_VALUES = rgb8_to_video_reference(torch.arange(256, dtype=torch.uint8))
+_rgb8_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def rgb8_to_video(frames: torch.Tensor) -> torch.Tensor:
+    """`rgb8_to_video_reference`'s bits on any device: a lookup in its 256 CPU-computed values.
+    So uint8 frames cross to the GPU at 1 byte a value and are converted there; the formula run
+    on CUDA would round differently (a division by a Python scalar becomes a multiplication by
+    its reciprocal)."""
+    table = _rgb8_tables.get(frames.device)
+    if table is None:
+        table = _rgb8_tables.setdefault(frames.device, _RGB8_VALUES.to(frames.device))
+    return table[frames.long()]
 
 
 @dataclass(frozen=True)

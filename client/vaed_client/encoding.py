@@ -96,7 +96,7 @@ def _rgb8_frames(frames: Any) -> Any | None:
     import torch
 
     u = frames.add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8)
-    # The server's conversion (vaed.engine_protocol.rgb8_to_video, on its CPU), here on the frames'
+    # The server's conversion (vaed.engine_protocol.rgb8_to_video_reference's bits), here on the frames'
     # device. The divisor is a tensor on that device: CUDA turns a division by a Python scalar
     # into a multiplication by its reciprocal, which rounds differently from the CPU's division
     # (the GPU would then pack frames the server turns into other floats); a true division

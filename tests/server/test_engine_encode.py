@@ -148,3 +148,22 @@ def test_a_decode_only_engine_does_not_encode() -> None:
     with pytest.raises(NotImplementedError, match="decoder-only"):
         engine.encode_video(_video(1, torch.float32), EncodeSpec())
     assert DecodeEngine.load("random:wan2.1-tiny", device="cpu", dtype="float32", encoder=True).encodes
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_uint8_frames_convert_to_the_reference_bits_on_every_device(device: str) -> None:
+    """The server converts uint8 frames where it encodes them (on the GPU, after a 1-byte copy):
+    a lookup in 256 CPU-computed values, bit for bit the CPU formula diffusers' VideoProcessor
+    uses, for every value and in a permuted (wire-layout) view; the formula itself run on CUDA
+    can round differently (a scalar division there is a reciprocal multiplication), which is why
+    the table exists."""
+    from vaed.engine_protocol import rgb8_to_video, rgb8_to_video_reference
+
+    wire = (torch.arange(2 * 5 * 8 * 8 * 3) % 256).to(torch.uint8).reshape(2, 5, 8, 8, 3)
+    video = wire.permute(0, 4, 1, 2, 3)  # [B, 3, t, H, W], as EncodeSession views the wire's frames
+    expected = rgb8_to_video_reference(video)
+    got = rgb8_to_video(video.to(device))
+    assert got.dtype == torch.float32 and got.device.type == device
+    assert torch.equal(got.cpu().view(torch.int32), expected.view(torch.int32))
+    every = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(rgb8_to_video(every).view(torch.int32), rgb8_to_video_reference(every).view(torch.int32))
