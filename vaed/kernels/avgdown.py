@@ -25,7 +25,9 @@ with G and the factors compile-time constants (no per-element division by a
 runtime value, which made the flat DupUp3D kernel 10x slower than its tile
 kernel). A channels_last_3d output (the GPU encoder's layout) takes all its
 channels in a tile; other layouts a run of pixels by a few channels.
-Speed: not yet measured on a GPU.
+Speed on an H200 (``benchmarks/bench_avgdown.py``, Wan2.2 704x1280 bf16): a steady chunk's four
+calls 0.47 ms against stock's chain's 4.96 ms (its pad, permute and copy of the block input are
+most of that); the whole Wan2.2 encode 1.195 -> 1.078 s.
 """
 
 from __future__ import annotations
