@@ -144,7 +144,10 @@ def run_encode(args: argparse.Namespace, shape: list[int]) -> int:
         peak = scrape(metrics_port, "vaed_gpu_memory_peak_bytes")
     finally:
         proc.terminate()
-        proc.communicate(timeout=60)
+        rest = proc.communicate(timeout=60)[0] or ""
+    for line in rest.splitlines():  # the server's own view of each call: device_ms, first_frame_ms, total_ms
+        if " Encode id=" in line:
+            print("server |", line.strip(), flush=True)
     result: dict[str, Any] = {"model": args.model, "op": "encode", "shape": shape, "frames": args.frames,
                               "frames_bytes": frames.nbytes,
                               "service_s": min(times), "service_peak_gib": peak / 2**30 if peak is not None else None}
