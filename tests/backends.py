@@ -9,13 +9,14 @@ A kernel test takes a ``backend`` parameter (``kernel_cases`` builds its cases):
   kernel is first decorated, so it must be set before triton is imported and
   must not leak into the process that runs the CUDA and server tests: the
   main pytest process runs no interpreter case itself. At the start of its
-  test loop it starts all selected interpreter cases in one child pytest with
-  ``TRITON_INTERPRET=1`` set from the start (one torch import, one
-  interpreter), in the background: the other tests run meanwhile, and the
-  interpreter cases, sorted last, each wait for the child and report its
-  outcome (pass, skip reason, or the child's failure text) under their own
-  ids. With pytest-xdist the first worker starts the child and every worker
-  reads its results from a folder the main process made. These cases carry
+  test loop it starts the selected interpreter cases in two child pytests
+  (every other case each) with ``TRITON_INTERPRET=1`` set from the start (one
+  torch import, one interpreter each), in the background: the other tests run
+  meanwhile, and the interpreter cases, sorted last, each wait for the
+  children and report their outcome (pass, skip reason, or the child's failure
+  text) under their own ids. With pytest-xdist the first worker starts the
+  children and every worker reads their results from a folder the main
+  process made. These cases carry
   ``slow``.
 
 The interpreter copies bytes exactly, so data movement is held bit-exact on
@@ -123,7 +124,8 @@ _RESULTS = pytest.StashKey[tuple[dict[str, dict[str, str]], str]]()
 _OWNED_DIR = pytest.StashKey[str]()
 # Set by the main pytest for itself and its xdist workers: where the child's files go.
 SHARED_DIR_ENV = "VAED_INTERPRETER_DIR"
-_RESULTS_FILE, _LOG_FILE, _DONE_FILE = "results.jsonl", "child.log", "done.json"
+_DONE_FILE = "done.json"
+CHILDREN = 2  # interpreter child pytests, each with every CHILDREN-th case
 
 
 def _merge(results: dict[str, dict[str, str]], report: dict[str, str]) -> None:
@@ -188,9 +190,11 @@ def put_interpreter_cases_last(items: list[pytest.Item]) -> None:
 
 
 def start_interpreter_child(session: pytest.Session) -> None:
-    """Start the session's interpreter cases in one child pytest under TRITON_INTERPRET=1, in the
-    background: the child takes one core for ~2.5 minutes on CI, which the rest of the suite
-    (mostly waiting on servers it started) overlaps instead of following."""
+    """Start the session's interpreter cases in CHILDREN child pytests under TRITON_INTERPRET=1,
+    in the background, each with every CHILDREN-th case: the children take ~3 minutes of one
+    core on CI, which the rest of the suite (mostly waiting on servers it started) overlaps
+    instead of following. One child alone was the suite's last to finish (it ran 481 s of a
+    526 s run beside four xdist workers); two finish in about half that, for one more import."""
     if IN_CHILD or session.config.option.collectonly or not _launches_child(session.config):
         return
     items = _interpreter_items(session.items)
@@ -198,39 +202,49 @@ def start_interpreter_child(session: pytest.Session) -> None:
         return
     folder = Path(os.environ[SHARED_DIR_ENV])
     if importlib.util.find_spec("triton") is None:
-        with open(folder / _RESULTS_FILE, "w") as f:
+        with open(folder / _results_file(0), "w") as f:
             for item in items:
                 f.write(json.dumps({"nodeid": item.nodeid, "when": "setup", "outcome": "skipped",
                                     "text": "triton is not installed"}) + "\n")
         (folder / _DONE_FILE).write_text(json.dumps({"elapsed": 0.0, "log": ""}))
         return
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-               **{RESULTS_ENV: str(folder / _RESULTS_FILE)})
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.pop("PYTEST_XDIST_TESTRUNUID", None)
-    env.pop("PYTEST_XDIST_WORKER_COUNT", None)
-    # -p no:xdist: the child runs its cases itself, one torch import and one interpreter.
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           *(item.nodeid for item in items)]
-    log = open(folder / _LOG_FILE, "w")  # closed by the watcher when the child ends
-    proc = subprocess.Popen(cmd, cwd=session.config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
-    # A watcher thread marks the run done the moment the child ends, so a case waiting in any
+    children = []
+    for k in range(min(CHILDREN, len(items))):
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+                   **{RESULTS_ENV: str(folder / _results_file(k))})
+        env.pop("PYTEST_XDIST_WORKER", None)
+        env.pop("PYTEST_XDIST_TESTRUNUID", None)
+        env.pop("PYTEST_XDIST_WORKER_COUNT", None)
+        # -p no:xdist: a child runs its cases itself, one torch import and one interpreter.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+               *(item.nodeid for item in items[k::CHILDREN])]
+        log = open(folder / f"child.{k}.log", "w")  # closed by the watcher when the child ends
+        proc = subprocess.Popen(cmd, cwd=session.config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+        children.append((proc, log))
+    # A watcher thread marks the run done the moment the children end, so a case waiting in any
     # xdist worker goes on without this process's help.
-    threading.Thread(target=_watch_child, args=(proc, log, folder), daemon=True, name="interpreter-child").start()
+    threading.Thread(target=_watch_children, args=(children, folder), daemon=True, name="interpreter-child").start()
 
 
-def _watch_child(proc: subprocess.Popen[str], log: IO[str], folder: Path) -> None:
+def _results_file(child: int) -> str:
+    return f"results.{child}.jsonl"
+
+
+def _watch_children(children: list[tuple[subprocess.Popen[str], IO[str]]], folder: Path) -> None:
     started = time.monotonic()
-    try:
-        proc.wait(timeout=CHILD_TIMEOUT_S)
-        note = ""
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        note = f"the interpreter run exceeded {CHILD_TIMEOUT_S} s\n"
-    log.close()
-    text = note + (folder / _LOG_FILE).read_text()[-9000:]
+    texts = []
+    for proc, log in children:
+        try:
+            proc.wait(timeout=max(1.0, CHILD_TIMEOUT_S - (time.monotonic() - started)))
+            note = ""
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            note = f"the interpreter run exceeded {CHILD_TIMEOUT_S} s\n"
+        log.close()
+        texts.append(note + Path(log.name).read_text()[-9000 // len(children):])
+    text = "\n".join(texts)
     (folder / (_DONE_FILE + ".tmp")).write_text(json.dumps({"elapsed": time.monotonic() - started, "log": text}))
     (folder / (_DONE_FILE + ".tmp")).rename(folder / _DONE_FILE)  # whole, or not there
 
@@ -260,8 +274,8 @@ def _child_results(config: pytest.Config) -> tuple[dict[str, dict[str, str]], st
         time.sleep(0.5)
     done = json.loads((folder / _DONE_FILE).read_text()) if (folder / _DONE_FILE).exists() else {"log": ""}
     results: dict[str, dict[str, str]] = {}
-    if (folder / _RESULTS_FILE).exists():
-        for line in (folder / _RESULTS_FILE).read_text().splitlines():
+    for results_file in sorted(folder.glob(_results_file(0).replace("0", "*"))):
+        for line in results_file.read_text().splitlines():
             _merge(results, json.loads(line))
     config.stash[_RESULTS] = (results, done["log"])
     return results, done["log"]
