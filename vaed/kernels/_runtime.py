@@ -59,6 +59,21 @@ def device_ok(t: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def shortcut_pair_ok(main: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether a shortcut add's kernel (dupup_add, avgdown_add) may take ``main`` and
+    ``source``: both 5-D, one supported dtype, one device the kernels run on, nothing empty, no
+    autograd graph to record and no torch.compile trace (the fused ops are eager-only)."""
+    if not triton_available() or main.dim() != 5 or source.dim() != 5:
+        return False
+    if main.dtype not in SUPPORTED_DTYPES or source.dtype != main.dtype:
+        return False
+    if source.device != main.device or not device_ok(main) or main.numel() == 0:
+        return False
+    if torch.is_grad_enabled() and (main.requires_grad or source.requires_grad):
+        return False
+    return not torch.compiler.is_compiling()
+
+
 def _interp_cached() -> bool:
     return interpreter_active()
 

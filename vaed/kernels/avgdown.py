@@ -161,15 +161,7 @@ def avgdown_add(
     """Fused ``avgdown_add_reference``; None when not handled (caller falls back)."""
     if factor_t < 1 or factor_s < 1:
         raise ValueError(f"factors must be >= 1, got {factor_t}, {factor_s}")
-    if not rt.triton_available() or main.dim() != 5 or source.dim() != 5:
-        return None
-    if main.dtype not in rt.SUPPORTED_DTYPES or source.dtype != main.dtype:
-        return None
-    if source.device != main.device or not rt.device_ok(main) or main.numel() == 0:
-        return None
-    if torch.is_grad_enabled() and (main.requires_grad or source.requires_grad):
-        return None
-    if torch.compiler.is_compiling():
+    if not rt.shortcut_pair_ok(main, source):
         return None
     b, c, t, h, w = main.shape
     sb, sc, st, sh, sw = source.shape
