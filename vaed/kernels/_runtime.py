@@ -58,7 +58,6 @@ def device_ok(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and _interp_cached()
 
 
-@functools.lru_cache(maxsize=1)
 def shortcut_pair_ok(main: torch.Tensor, source: torch.Tensor) -> bool:
     """Whether a shortcut add's kernel (dupup_add, avgdown_add) may take ``main`` and
     ``source``: both 5-D, one supported dtype, one device the kernels run on, nothing empty, no
@@ -74,6 +73,7 @@ def shortcut_pair_ok(main: torch.Tensor, source: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling()
 
 
+@functools.lru_cache(maxsize=1)
 def _interp_cached() -> bool:
     return interpreter_active()
 
