@@ -11,6 +11,11 @@ with those modules imported; every server is a fork of it that runs the real `va
 A server's stdout and stderr go to a pipe, as with `subprocess.Popen(..., stdout=PIPE,
 stderr=STDOUT, text=True)`, and `ServeProcess` has the Popen methods the tests use.
 
+`forked_followers()` does the same for a CPU sharded group's follower ranks, which
+`vaed.parallel.launch` otherwise spawns (the spawn context a CUDA group needs: ~6 s of CPU per
+rank, 9 ranks in tests/parallel/test_sharded_decode.py); tests/parallel/test_launch.py keeps
+the spawn context, so the launch a server makes stays tested as it runs.
+
 What a fork cannot show, tests keep to a fresh interpreter (`subprocess.Popen`): the start-up
 phase times (a fork's "import" phase is its own few ms) and settings read when a module is first
 imported (`--kernel-cache` sets TRITON_CACHE_DIR before triton is imported), and the console
@@ -19,16 +24,20 @@ commands themselves (tests/cli).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import subprocess
 import sys
 import threading
+import types
+from collections.abc import Iterator
 from multiprocessing import reduction
 from typing import IO, Any
 
 # what a CPU `vaed serve` has imported by SERVING (python -X importtime), minus the cheap rest
-PRELOAD = ["vaed.cli", "vaed.server", "vaed.patches", "diffusers.models.autoencoders.autoencoder_kl_wan"]
+PRELOAD = ["vaed.cli", "vaed.server", "vaed.patches", "vaed.parallel.launch",
+           "diffusers.models.autoencoders.autoencoder_kl_wan"]
 
 _context: Any = None
 _context_lock = threading.Lock()
@@ -119,6 +128,20 @@ class ServeProcess:
         out = self.stdout.read()
         self.wait(timeout)
         return out, None
+
+
+@contextlib.contextmanager
+def forked_followers() -> Iterator[None]:
+    """While open, `vaed.parallel.launch.start_sharded_engine` starts its followers from this
+    module's fork server (open it around the call: the followers are started there)."""
+    from vaed.parallel import launch
+
+    real = launch.mp
+    launch.mp = types.SimpleNamespace(get_context=lambda method: _fork_context())  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        launch.mp = real
 
 
 def vaed_argv(command_line: list[str]) -> list[str]:

@@ -1,7 +1,8 @@
 """Sharded decode on real gloo groups of 2, 3 and 4 CPU processes against the one-process decode.
 
-Rank 0 is this test process (as in a server); followers are spawned by
-`start_sharded_engine`. The reference is rank 0's own one-GPU `DecodeEngine`
+Rank 0 is this test process (as in a server); followers are started by
+`start_sharded_engine`, here from the tests' fork server (tests/launcher.py: the ranks' own
+`_follower_main`, without each importing torch and diffusers again). The reference is rank 0's own one-GPU `DecodeEngine`
 (the same weights): RAW fp32 output must match within 2e-5 max abs (the
 shards' convs see other sizes, so the sums may round differently), and
 sessions too small for the group must equal it exactly.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import launcher
 import pytest
 import torch
 
@@ -45,7 +47,8 @@ def group(request: pytest.FixtureRequest) -> Iterator[ShardedEngine]:
     world, model = request.param
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU ranks share two cores: no oversubscription
-    engine = start_sharded_engine(GroupConfig(model, ("cpu",) * world, dtype="float32", timeout_s=120))
+    with launcher.forked_followers():
+        engine = start_sharded_engine(GroupConfig(model, ("cpu",) * world, dtype="float32", timeout_s=120))
     try:
         yield engine
     finally:
