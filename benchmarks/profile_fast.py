@@ -67,9 +67,10 @@ def sync() -> None:
 
 
 def smooth_latents(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Low-frequency latents: coarse noise, trilinearly upsampled (structured content)."""
+    """Low-frequency latents: coarse noise, trilinearly upsampled (structured content), on the
+    generator's device (bench_http.py makes them on the CPU)."""
     b, c, t, h, w = shape
-    coarse = torch.randn(b, c, max(t // 3, 2), max(h // 8, 2), max(w // 8, 2), generator=g, device=DEVICE)
+    coarse = torch.randn(b, c, max(t // 3, 2), max(h // 8, 2), max(w // 8, 2), generator=g, device=g.device)
     return F.interpolate(coarse, size=(t, h, w), mode="trilinear", align_corners=False) * 2
 
 

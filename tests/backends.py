@@ -208,18 +208,17 @@ def start_interpreter_child(session: pytest.Session) -> None:
                                     "text": "triton is not installed"}) + "\n")
         (folder / _DONE_FILE).write_text(json.dumps({"elapsed": 0.0, "log": ""}))
         return
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER_COUNT"):
+        env.pop(name, None)
     children = []
     for k in range(min(CHILDREN, len(items))):
-        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
-                   **{RESULTS_ENV: str(folder / _results_file(k))})
-        env.pop("PYTEST_XDIST_WORKER", None)
-        env.pop("PYTEST_XDIST_TESTRUNUID", None)
-        env.pop("PYTEST_XDIST_WORKER_COUNT", None)
         # -p no:xdist: a child runs its cases itself, one torch import and one interpreter.
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                *(item.nodeid for item in items[k::CHILDREN])]
         log = open(folder / f"child.{k}.log", "w")  # closed by the watcher when the child ends
-        proc = subprocess.Popen(cmd, cwd=session.config.rootpath, env=env, stdout=log, stderr=subprocess.STDOUT,
+        child_env = {**env, RESULTS_ENV: str(folder / _results_file(k))}
+        proc = subprocess.Popen(cmd, cwd=session.config.rootpath, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                 text=True)
         children.append((proc, log))
     # A watcher thread marks the run done the moment the children end, so a case waiting in any
@@ -229,6 +228,9 @@ def start_interpreter_child(session: pytest.Session) -> None:
 
 def _results_file(child: int) -> str:
     return f"results.{child}.jsonl"
+
+
+_RESULTS_GLOB = "results.*.jsonl"  # every child's _results_file
 
 
 def _watch_children(children: list[tuple[subprocess.Popen[str], IO[str]]], folder: Path) -> None:
@@ -257,7 +259,7 @@ def report_child_time(config: pytest.Config) -> None:
     elapsed = json.loads((Path(folder) / _DONE_FILE).read_text())["elapsed"]
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"interpreter: the kernel cases' TRITON_INTERPRET=1 child pytest ran {elapsed:.0f} s "
+        reporter.write_line(f"interpreter: the kernel cases' TRITON_INTERPRET=1 child pytests ran {elapsed:.0f} s "
                             "beside the other tests")
 
 
@@ -274,7 +276,7 @@ def _child_results(config: pytest.Config) -> tuple[dict[str, dict[str, str]], st
         time.sleep(0.5)
     done = json.loads((folder / _DONE_FILE).read_text()) if (folder / _DONE_FILE).exists() else {"log": ""}
     results: dict[str, dict[str, str]] = {}
-    for results_file in sorted(folder.glob(_results_file(0).replace("0", "*"))):
+    for results_file in sorted(folder.glob(_RESULTS_GLOB)):
         for line in results_file.read_text().splitlines():
             _merge(results, json.loads(line))
     config.stash[_RESULTS] = (results, done["log"])
