@@ -511,3 +511,18 @@ def engine_calling_at(config: ServerConfig, chunk_index: int, hook: Any) -> Any:
         return engine
 
     return build
+
+
+def count_launches(monkeypatch: Any, module: Any, getter: str) -> list[int]:
+    """Counts the calls of a kernel module's lazily-compiled kernel getter (`rt.jit_lazy`'s
+    result, e.g. `dupup._cl_kernel`): each launch fetches the kernel once. Returns a one-item
+    list the test reads after its calls."""
+    count = [0]
+    real = getattr(module, getter)
+
+    def counted() -> Any:
+        count[0] += 1
+        return real()
+
+    monkeypatch.setattr(module, getter, counted)
+    return count

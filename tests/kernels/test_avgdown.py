@@ -12,7 +12,6 @@ the dtype, which the interpreter truncates for bf16, so its cases are fp16 and f
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from vaed.patches.checks import check_op
 from vaed.patches.ops import FusedOp, reference_avgdown_add
 
 from backends import Backend, grid, kernel_cases
-from harness import assert_same, lay
+from harness import assert_same, count_launches, lay
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUNDING_DTYPES = (torch.float16, torch.float32)  # what the interpreter rounds like the GPU
@@ -42,15 +41,7 @@ INTERP_CHUNKS = ((1, "cl3d", "cl3d"), (3, "contiguous", "cl3d"), (4, "cl3d", "co
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts kernel launches."""
-    count = [0]
-    real = A._kernel
-
-    def counted() -> Any:
-        count[0] += 1
-        return real()
-
-    monkeypatch.setattr(A, "_kernel", counted)
-    return count
+    return count_launches(monkeypatch, A, "_kernel")
 
 
 def _wide(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, device: str) -> torch.Tensor:

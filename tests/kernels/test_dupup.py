@@ -9,7 +9,6 @@ interpreter truncates for bf16, so its cases are fp16 and fp32; the GPU covers b
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from vaed.kernels import dupup as D
 from vaed.kernels.dupup import dupup_reference
 
 from backends import Backend, grid, kernel_cases
-from harness import assert_same, lay
+from harness import assert_same, count_launches, lay
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROUNDING_DTYPES = (torch.float16, torch.float32)  # what the interpreter rounds like the GPU
@@ -29,15 +28,7 @@ FT_FIRST = ((1, False), (2, False), (2, True))
 @pytest.fixture
 def tile_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts launches of the 2-D tile kernel."""
-    count = [0]
-    real = D._cl_kernel
-
-    def counted() -> Any:
-        count[0] += 1
-        return real()
-
-    monkeypatch.setattr(D, "_cl_kernel", counted)
-    return count
+    return count_launches(monkeypatch, D, "_cl_kernel")
 
 
 @kernel_cases(
