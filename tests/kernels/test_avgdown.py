@@ -12,7 +12,6 @@ the dtype, which the interpreter truncates for bf16, so its cases are fp16 and f
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

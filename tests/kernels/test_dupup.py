@@ -9,7 +9,6 @@ interpreter truncates for bf16, so its cases are fp16 and fp32; the GPU covers b
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
