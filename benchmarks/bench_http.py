@@ -108,20 +108,20 @@ def first_frame_s(endpoint: str, sent: dict[str, Any], frame_bytes: int) -> floa
     return first
 
 
-def grpc_first_fragment_s(channel: Any, metadata: Any, latents: torch.Tensor) -> tuple[float, float, int]:
-    """As `first_fragment_s`, for a gRPC Decode with format MP4 (the replies' `video` bytes), on a
-    channel already connected, as a worker's client keeps it (a fresh connection adds HTTP/2's
-    flow-control ramp over the latents' upload: 35-39 ms more for 19 MB at 720p on an H200)."""
-    from vaed_client import wire
+def grpc_first_fragment_s(client: Any, latents: torch.Tensor) -> tuple[float, float, int]:
+    """As `first_fragment_s`, for `VaeClient.decode(output_type="mp4")` on a channel already
+    connected, as a worker's client keeps it (a fresh connection adds HTTP/2's flow-control ramp
+    over the upload: 35-39 ms more for 19 MB at 720p on an H200). The first MP4 bytes are one
+    reply (the init segment with frame 0's fragment); `CallReport.first_data_seconds` is their
+    arrival from the call's start."""
+    from vaed_client import CallReport
 
-    request = wire.pb.DecodeRequest(latents=wire.to_message(latents), options=wire.pb.DecodeOptions(format=wire.pb.MP4))
+    report = CallReport()
     started = time.perf_counter()
-    first, data = None, b""
-    for reply in wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=600, metadata=metadata):
-        data += reply.video
-        if first is None and b"moof" in data:
-            first = time.perf_counter() - started
-    return first or float("nan"), time.perf_counter() - started, len(data)
+    data = client.decode(latents, output_type="mp4", report=report)
+    total = time.perf_counter() - started
+    assert b"moof" in data, "no fMP4 fragment in the answer"
+    return report.first_data_seconds or float("nan"), total, len(data)
 
 
 def main() -> int:
@@ -160,14 +160,9 @@ def main() -> int:
                 proc.pid, args.reps, lambda: client.decode(latents, output_type="mp4"))
             grpc_lossless_s, grpc_lossless = timed(
                 args.reps, lambda: client.decode(latents, output_type="mp4", lossless=True))
+            grpc_streams = [grpc_first_fragment_s(client, latents) for _ in range(args.reps)]
         rgb8 = np.asarray(rgb8)[0]
         assert np.array_equal(mp4_frames(grpc_lossless), rgb8), "gRPC MP4_LOSSLESS differs from gRPC RGB8"
-        from vaed_client.channel import create_channel
-
-        channel, metadata = create_channel(target)
-        with channel:
-            grpc_first_fragment_s(channel, metadata, latents[:, :, :2])  # connects
-            grpc_streams = [grpc_first_fragment_s(channel, metadata, latents) for _ in range(args.reps)]
         remote_decode(endpoint=endpoint, tensor=latents[:, :, :2], output_type="mp4", return_type="mp4")
         mp4_s, mp4, http_mp4_cores = timed_cores(proc.pid, args.reps, lambda: remote_decode(
             endpoint=endpoint, tensor=latents, output_type="mp4", return_type="mp4"))

@@ -131,6 +131,16 @@ def start_serve(*extra: str, device: tuple[str, ...] = ("--device", "cpu"), unti
     raise AssertionError("server did not start:\n" + "".join(lines))
 
 
+def decode_rpc(target: str, latents: Any, timeout: float = 60) -> int:
+    """One whole-video `Decode` RPC of `latents` (numpy or torch) with default options, as an
+    independent client sends it (`VaeClient.decode` sends a DecodeStream); the frames received.
+    A failed call raises its grpc.RpcError."""
+    with grpc.insecure_channel(target, options=vchannel.channel_options()) as channel:
+        request = vaed_pb2.DecodeRequest(latents=tensors.to_message(latents))
+        replies = list(vaed_pb2_grpc.VaeDecoderStub(channel).Decode(request, timeout=timeout))
+    return sum(int(r.frames.shape[1]) for r in replies if r.HasField("frames") and len(r.frames.shape))
+
+
 def proc_rss_bytes(pid: int) -> int:
     """Resident set size of a process (Linux /proc)."""
     with open(f"/proc/{pid}/status") as f:
@@ -367,7 +377,8 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
         self.unavailable_left = 0
         self.attempts = 0
         self.metadata: list[dict[str, str]] = []
-        self.requests: list[Any] = []
+        self.requests: list[Any] = []  # every message received, in order
+        self.call_options: list[Any] = []  # each call's DecodeOptions (a stream's from its first message)
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
 
@@ -448,6 +459,7 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
     def Decode(self, request: Any, context: grpc.ServicerContext) -> Iterator[vaed_pb2.FrameChunk]:
         self._enter(context)
         self.requests.append(request)
+        self.call_options.append(request.options)
         self._check(request.options, request.latents, context)
         rid = request.options.request_id or "fake-id"
         yield from self._track(context, self._finish(self._groups(request.latents, request.options, 0, 0, rid), rid))
@@ -462,6 +474,7 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
                 self.requests.append(chunk)
                 if i == 0:
                     options = chunk.options
+                    self.call_options.append(options)
                 elif chunk.HasField("options"):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "options on a non-first message")
                 self._check(options, chunk.latents, context)

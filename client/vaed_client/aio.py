@@ -39,10 +39,9 @@ from .core import (
     ModelInfo,
     SessionState,
     SessionView,
+    StreamedLatents,
     call_spec,
     chunk_result,
-    decode_request,
-    prepare_latents,
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
@@ -175,20 +174,19 @@ class AsyncVaeClient:
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
-        prepared = prepare_latents(latents)
+        streamed = stream_latents(spec, latents)
         assembly: Assembly | Mp4Output | None = mp4_output(spec.output_type, mp4_path)
         if assembly is None:
             info = await self._cached_info()
-            assembly = Assembly(spec, prepared.as_torch, info.output_frames(prepared.latent_frames))
+            assembly = Assembly(spec, streamed.as_torch, info.output_frames(streamed.latent_frames))
         progress = self._progress(report, spec.options.request_id)
         try:
             while True:
-                request = decode_request(prepared, progress.options(spec.options))
-                call = self._stub_at(progress.target).Decode(
-                    request, timeout=progress.remaining(), metadata=self._metadata)
+                call, first_reply = self._open_stream(streamed, spec, progress)
                 assembly.restart()
                 try:
                     async for reply in call:
+                        first_reply.set()
                         if (reply := progress.accept(reply, spec.wire_format)) is not None:
                             assembly.add(reply)
                     return assembly.result()
@@ -197,6 +195,8 @@ class AsyncVaeClient:
                 except BaseException:
                     call.cancel()
                     raise
+                finally:
+                    first_reply.set()
         except BaseException:
             assembly.discard()
             raise
@@ -259,23 +259,7 @@ class AsyncVaeClient:
         streamed = stream_latents(spec, latents)
         progress = self._progress(report, spec.options.request_id)
         while True:
-            first_reply = asyncio.Event()
-            attempt: dict[str, Any] = {}  # this attempt's call, for its own request stream
-
-            async def requests(first_reply: asyncio.Event = first_reply, attempt: dict[str, Any] = attempt,
-                               resumed: bool = progress.resumed) -> AsyncIterator[Any]:
-                if resumed:
-                    for message in streamed.all_messages(progress.options(spec.options)):
-                        yield message
-                    return
-                yield streamed.first
-                if streamed.rest is not None:
-                    await first_reply.wait()  # the rest waits for the first frame (core.StreamedLatents)
-                    if not attempt["call"].done():  # written into an ended call, grpc.aio would report INTERNAL
-                        yield streamed.rest_message()
-
-            call = attempt["call"] = self._stub_at(progress.target).DecodeStream(
-                requests(), timeout=progress.remaining(), metadata=self._metadata)
+            call, first_reply = self._open_stream(streamed, spec, progress)
             try:
                 async for reply in call:
                     first_reply.set()
@@ -289,6 +273,29 @@ class AsyncVaeClient:
                 first_reply.set()
                 call.cancel()  # no-op once the call ended
             await asyncio.sleep(progress.retry_delay(error))
+
+    def _open_stream(self, streamed: StreamedLatents, spec: CallSpec,
+                     progress: Progress) -> tuple[Any, asyncio.Event]:
+        """One attempt of a whole-video call as a DecodeStream: the head first, the rest once
+        `first_reply` is set (`core.StreamedLatents`); a resumed attempt sends everything at
+        once, with the frames it skips in its options."""
+        first_reply = asyncio.Event()
+        attempt: dict[str, Any] = {}  # this attempt's call, for its own request stream
+
+        async def requests(resumed: bool = progress.resumed) -> AsyncIterator[Any]:
+            if resumed:
+                for message in streamed.all_messages(progress.options(spec.options)):
+                    yield message
+                return
+            yield streamed.first
+            if streamed.rest is not None:
+                await first_reply.wait()
+                if not attempt["call"].done():  # written into an ended call, grpc.aio would report INTERNAL
+                    yield streamed.rest_message()
+
+        call = attempt["call"] = self._stub_at(progress.target).DecodeStream(
+            requests(), timeout=progress.remaining(), metadata=self._metadata)
+        return call, first_reply
 
     def session(
         self,

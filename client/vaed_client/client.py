@@ -38,9 +38,7 @@ from .core import (
     StreamedLatents,
     call_spec,
     chunk_result,
-    decode_request,
     format_name,
-    prepare_latents,
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
@@ -190,30 +188,33 @@ class VaeClient:
         it arrives (the path is returned); `fps`, `crf`, `preset`, `lossless` are its
         options, and a failed server makes it start over on the next (`vaed_client.mp4`).
         `report`: a `CallReport` filled with the call's resumes and why.
+        Sent as `stream` sends it (a DecodeStream, two latent frames first), so the first
+        frames, and an MP4's first fragment, wait for neither the whole upload nor its traffic.
         """
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
-        prepared = prepare_latents(latents)
+        streamed = stream_latents(spec, latents)
         assembly = mp4_output(spec.output_type, mp4_path) or Assembly(
-            spec, prepared.as_torch, self._cached_info().output_frames(prepared.latent_frames))
+            spec, streamed.as_torch, self._cached_info().output_frames(streamed.latent_frames))
         progress = self._progress(report, spec.options.request_id)
         try:
             while True:
-                request = decode_request(prepared, progress.options(spec.options))
-                call = self._stub_at(progress.target).Decode(
-                    request, timeout=progress.remaining(), metadata=self._metadata)
+                gate = self._open_stream(streamed, spec, progress)
                 assembly.restart()
                 try:
-                    for reply in call:
+                    for reply in gate.call:
                         if (reply := progress.accept(reply, spec.wire_format)) is not None:
                             assembly.add(reply)
+                        gate.opened.set()  # after the first reply is placed (see _iterate_chunks)
                     return assembly.result()
                 except grpc.RpcError as e:
                     time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
                 except BaseException:
-                    call.cancel()
+                    gate.call.cancel()
                     raise
+                finally:
+                    gate.opened.set()
         except BaseException:
             assembly.discard()
             raise
@@ -282,23 +283,29 @@ class VaeClient:
                          raw_dtype=raw_dtype, request_id=request_id)
         streamed = stream_latents(spec, latents)
         progress = self._progress(report, spec.options.request_id)
-        gate = _RestGate()
-        gate.call = self._stub_at(progress.target).DecodeStream(
-            gate.requests(streamed), timeout=progress.remaining(), metadata=self._metadata)
-        return self._resumed_chunks(gate, spec, streamed, progress)
+        # The call starts here, not at the first next(): the decode runs while the caller sets up.
+        return self._resumed_chunks(spec, streamed, progress, self._open_stream(streamed, spec, progress))
 
-    def _resumed_chunks(self, gate: _RestGate, spec: CallSpec, streamed: StreamedLatents,
-                        progress: Progress) -> Iterator[DecodedChunk]:
+    def _open_stream(self, streamed: StreamedLatents, spec: CallSpec, progress: Progress) -> _RestGate:
+        """One attempt of a whole-video call as a DecodeStream: the head first and the rest at
+        the first reply (`core.StreamedLatents`); a resumed attempt sends everything at once,
+        with the frames it skips in its options."""
+        gate = _RestGate()
+        requests = (iter(streamed.all_messages(progress.options(spec.options))) if progress.resumed
+                    else gate.requests(streamed))
+        gate.call = self._stub_at(progress.target).DecodeStream(
+            requests, timeout=progress.remaining(), metadata=self._metadata)
+        return gate
+
+    def _resumed_chunks(self, spec: CallSpec, streamed: StreamedLatents, progress: Progress,
+                        gate: _RestGate) -> Iterator[DecodedChunk]:
         while True:
             try:
                 yield from _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened, progress)
                 return
             except grpc.RpcError as e:
                 time.sleep(progress.retry_delay(from_rpc_error(e)))
-            gate = _RestGate()
-            gate.call = self._stub_at(progress.target).DecodeStream(
-                iter(streamed.all_messages(progress.options(spec.options))),
-                timeout=progress.remaining(), metadata=self._metadata)
+            gate = self._open_stream(streamed, spec, progress)
 
     def session(
         self,

@@ -231,11 +231,6 @@ def prepare_latents(latents: Any) -> Latents:
     return Latents(message, is_torch(latents), int(latents.shape[0]), int(latents.shape[2]))
 
 
-def decode_request(latents: Latents, options: Any) -> Any:
-    """One attempt's DecodeRequest: its options are the call's, with that attempt's skip_frames."""
-    return pb.DecodeRequest(latents=latents.message, options=options)
-
-
 # Latent frames in a stream's first message: frame 0 (the first frame) and frame 1, so the
 # server has a steady chunk of work (~60 ms at 480x832 on an H200) while the rest travels.
 HEAD_LATENT_FRAMES = 2
@@ -439,7 +434,6 @@ __all__ = [
     "Latents",
     "normalize_latents",
     "prepare_latents",
-    "decode_request",
     "HEAD_LATENT_FRAMES",
     "StreamedLatents",
     "stream_latents",

@@ -52,7 +52,7 @@ def test_pipeline_outputs_equal_diffusers_postprocess(fake: tuple[FakeDecoder, s
     want = diffusers_postprocess(raw, output_type)
     with vaed_client.VaeClient(target) as client:
         got = client.decode(latents_np(b=2, t=3, h=2, w=2), output_type=output_type, raw_dtype=raw_dtype)
-        assert servicer.requests[-1].options.format == vaed_client.wire.pb.RAW  # exact path: RAW on the wire
+        assert servicer.call_options[-1].format == vaed_client.wire.pb.RAW  # exact path: RAW on the wire
         assert_equal_output(got, want, output_type)
         # Torch latents give the same (np stays numpy, pil stays PIL).
         assert_equal_output(client.decode(torch.from_numpy(latents_np(b=2, t=3, h=2, w=2)), output_type=output_type,
@@ -73,7 +73,7 @@ def test_light_option_sends_rgb8(fake: tuple[FakeDecoder, str]) -> None:
     video = expected_video(1, 3, 2, 2)
     with vaed_client.VaeClient(target) as client:
         np_out = client.decode(latents_np(t=3, h=2, w=2), output_type="np", format="rgb8")
-        assert servicer.requests[-1].options.format == vaed_client.wire.pb.RGB8
+        assert servicer.call_options[-1].format == vaed_client.wire.pb.RGB8
         assert np_out.dtype == np.float32 and np.array_equal(np_out, video.astype(np.float32) / 255)
         pt_out = client.decode(latents_np(t=3, h=2, w=2), output_type="pt", format="rgb8")
         assert pt_out.shape == (1, 9, 3, 16, 16) and torch.equal(pt_out.permute(0, 1, 3, 4, 2), torch.from_numpy(np_out))

@@ -246,23 +246,34 @@ def test_stream_yields_chunks_as_they_arrive(fake: tuple[FakeDecoder, str]) -> N
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_stream_sends_its_head_first(fake: tuple[FakeDecoder, str], asynchronous: bool) -> None:
+@pytest.mark.parametrize("call", ["stream", "decode"])
+def test_stream_sends_its_head_first(fake: tuple[FakeDecoder, str], asynchronous: bool, call: str) -> None:
     """The server starts a session at its first message: it carries the first two latent frames
-    and the options, the rest follows (once the first frame is back); nothing lost or reordered."""
+    and the options, the rest follows (once the first frame is back); nothing lost or reordered.
+    decode() sends a whole video the same way, so its first frame (an MP4's first fragment)
+    waits for two latent frames, not the whole upload."""
     servicer, target = fake
     head = vaed_client.core.HEAD_LATENT_FRAMES
 
     def frames_per_message(z: np.ndarray, **kwargs: Any) -> list[int]:
         servicer.requests.clear()
+        attempts = servicer.attempts
         if asynchronous:
             async def go() -> int:
                 async with vaed_client.AsyncVaeClient(target) as client:
+                    if call == "decode":
+                        return int((await client.decode(z, **kwargs)).shape[1])
                     return sum([c.num_frames async for c in client.stream(z, **kwargs)])
             frames = asyncio.run(go())
         else:
             with vaed_client.VaeClient(target) as client:
-                frames = sum(c.num_frames for c in client.stream(z, **kwargs))
+                if call == "decode":
+                    frames = int(client.decode(z, **kwargs).shape[1])
+                else:
+                    frames = sum(c.num_frames for c in client.stream(z, **kwargs))
         assert frames == 1 + 4 * (z.shape[2] - 1)
+        # one call (decode's GetModelInfo, for the output's size, is cached after the first)
+        assert servicer.attempts - attempts in (1, 2) and len(servicer.call_options) >= 1
         sent = list(servicer.requests)
         assert np.array_equal(np.concatenate([tensors.to_numpy(m.latents) for m in sent], axis=2), z)
         assert [m.HasField("options") for m in sent] == [True] + [False] * (len(sent) - 1)
@@ -273,7 +284,7 @@ def test_stream_sends_its_head_first(fake: tuple[FakeDecoder, str], asynchronous
     assert frames_per_message(latents_np(t=2, h=2, w=2)) == [2]
     assert frames_per_message(latents_np(t=1, h=2, w=2)) == [1]
     with vaed_client.VaeClient(target) as client, pytest.raises(errors.LocalInputError):
-        client.stream(np.zeros((1, 16, 2, 2, 2), np.int64))  # checked before any call
+        getattr(client, call)(np.zeros((1, 16, 2, 2, 2), np.int64))  # checked before any call
 
 
 def test_stream_rest_waits_for_the_first_reply() -> None:

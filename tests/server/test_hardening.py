@@ -261,10 +261,14 @@ def test_a_cancellation_just_before_the_servers_deadline_is_the_deadlines(remain
     assert service._deadline_passed(Context())() is passed  # type: ignore[arg-type]
 
 
-def test_a_deadline_is_logged_and_counted_as_deadline_exceeded(caplog):
+@pytest.mark.parametrize("method", ["Decode", "DecodeStream"])
+def test_a_deadline_is_logged_and_counted_as_deadline_exceeded(caplog, method):
     """The server sees a cancelled call; when the caller's deadline passed it reports
-    DEADLINE_EXCEEDED, not CANCELLED (log line and vaed_requests_total)."""
+    DEADLINE_EXCEEDED, not CANCELLED (log line and vaed_requests_total): for an independent
+    client's Decode RPC, and for the client's decode() (a DecodeStream)."""
     import urllib.request
+
+    from harness import decode_rpc
 
     caplog.set_level(logging.INFO, logger="vaed")
     with serve_in_thread(make_config(metrics_port=0)) as running:
@@ -277,16 +281,21 @@ def test_a_deadline_is_logged_and_counted_as_deadline_exceeded(caplog):
 
         engine.decode_frame = slow
         try:
-            with VaeClient(running.target, timeout=0.5) as client:
-                client.model_info()
-                with pytest.raises(DeadlineExceededError):
-                    client.decode(torch.randn(1, Z, 8, 5, 7))
+            if method == "Decode":
+                with pytest.raises(grpc.RpcError) as info:
+                    decode_rpc(running.target, torch.randn(1, Z, 8, 5, 7), timeout=0.5)
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            else:
+                with VaeClient(running.target, timeout=0.5) as client:
+                    client.model_info()
+                    with pytest.raises(DeadlineExceededError):
+                        client.decode(torch.randn(1, Z, 8, 5, 7))
             deadline = time.monotonic() + 10
-            while "Decode id=" not in caplog.text and time.monotonic() < deadline:
+            while f"{method} id=" not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             engine.decode_frame = original
         assert "status=DEADLINE_EXCEEDED" in caplog.text and "status=CANCELLED" not in caplog.text
         port = running.server.metrics_port
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert 'vaed_requests_total{code="DEADLINE_EXCEEDED",method="Decode"} 1.0' in text
+        assert f'vaed_requests_total{{code="DEADLINE_EXCEEDED",method="{method}"}} 1.0' in text

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -76,9 +77,9 @@ def test_metrics_move_during_real_decode(metrics_server: harness.RunningServer) 
     before = scrape(port)
     ok_key = ("vaed_requests_total", (("code", "OK"), ("method", "Decode")))
     t = 3
+    # A whole-video Decode RPC (an independent client's), then a DecodeStream session.
+    assert harness.decode_rpc(metrics_server.target, latents(t)) == 1 + 4 * (t - 1)
     with VaeClient(metrics_server.target, timeout=60) as client:
-        video = client.decode(latents(t))
-        assert video.shape[1] == 1 + 4 * (t - 1)
 
         # Mid-session: one DecodeStream open, first frames received.
         session = client.session()
@@ -110,16 +111,24 @@ def test_metrics_move_during_real_decode(metrics_server: harness.RunningServer) 
     assert ("vaed_gpu_memory_allocated_bytes", (("device", "cpu"),)) in after
 
 
-def test_metrics_count_errors(metrics_server: harness.RunningServer) -> None:
+@pytest.mark.parametrize("method", ["Decode", "DecodeStream"])
+def test_metrics_count_errors(metrics_server: harness.RunningServer, method: str) -> None:
+    """A refused call is counted under its own method: an independent client's Decode RPC, and
+    the client's decode() (a DecodeStream)."""
     port = metrics_server.server.metrics_port
     assert port
-    key = ("vaed_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "Decode")))
+    key = ("vaed_requests_total", (("code", "INVALID_ARGUMENT"), ("method", method)))
     before = scrape(port).get(key, 0)
     bad = np.zeros((1, 3, 1, 5, 7), dtype=np.float32)  # z_dim 3, model has 4
-    with VaeClient(metrics_server.target, timeout=30) as client:
-        with pytest.raises(InvalidArgumentError) as info:
-            client.decode(bad)
-    assert "INVALID_ARGUMENT" in str(info.value) and "z_dim" in str(info.value)
+    if method == "Decode":
+        with pytest.raises(grpc.RpcError) as rpc_info:
+            harness.decode_rpc(metrics_server.target, bad)
+        assert rpc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "z_dim" in rpc_info.value.details()
+    else:
+        with VaeClient(metrics_server.target, timeout=30) as client:
+            with pytest.raises(InvalidArgumentError) as info:
+                client.decode(bad)
+        assert "INVALID_ARGUMENT" in str(info.value) and "z_dim" in str(info.value)
     assert scrape(port)[key] - before == 1
 
 
@@ -224,7 +233,7 @@ def test_log_line_splits_the_first_frame(caplog: pytest.LogCaptureFixture) -> No
     caplog.set_level(logging.INFO, logger="vaed.service")
     with harness.serve_in_thread(make_config()) as running, VaeClient(running.target) as client:
         list(client.stream(latents(3)))
-        client.decode(latents(2))
+        assert harness.decode_rpc(running.target, latents(2)) == 5
     lines = [r.getMessage() for r in caplog.records if "status=OK" in r.getMessage() and "Decode" in r.getMessage()]
     assert len(lines) == 2 and lines[0].startswith("DecodeStream") and lines[1].startswith("Decode ")
     for line in lines:
