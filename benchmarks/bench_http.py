@@ -135,6 +135,7 @@ def main() -> int:
     parser.add_argument("--latents", choices=["white", "smooth"], default="white",
                         help="white noise, or low-frequency latents (structured frames, as real videos compress)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("server_args", nargs="*", help="extra `vaed serve` flags after --")
     args = parser.parse_args()
     from diffusers.utils.remote_utils import prepare_decode, remote_decode
 
@@ -149,6 +150,7 @@ def main() -> int:
     http_port = free_port()
     extra = ["--http-port", str(http_port)] + (["--device", "cpu"] if args.device else [])
     extra += ["--precision", args.precision] if args.precision else []
+    extra += args.server_args
     proc, target, _ = start_vaed(args.model, None if args.device else args.gpu, extra)
     endpoint = f"http://127.0.0.1:{http_port}/"
     try:

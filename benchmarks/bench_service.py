@@ -160,6 +160,7 @@ def run_encode(args: argparse.Namespace, shape: list[int]) -> int:
     try:
         times, served = measure_encode_service(target, frames, args.reps, args.pause)
         peak = scrape(metrics_port, "vaed_gpu_memory_peak_bytes")
+        print(f"server peak GPU memory: {peak / 2**30 if peak is not None else float('nan'):.2f} GiB", flush=True)
     finally:
         proc.terminate()
         rest = proc.communicate(timeout=60)[0] or ""
@@ -206,6 +207,7 @@ def main() -> int:
     try:
         runs = measure_service(target, latents, args.reps, args.pause)
         peak = scrape(metrics_port, "vaed_gpu_memory_peak_bytes")
+        print(f"server peak GPU memory: {peak / 2**30 if peak is not None else float('nan'):.2f} GiB", flush=True)
     finally:
         proc.terminate()
         rest, _ = proc.communicate(timeout=60)

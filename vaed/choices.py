@@ -60,9 +60,11 @@ class Layout(Choice):
 
 
 class CudaGraphs(Choice):
-    """Replay captured decoder calls (vaed.graphs) or run them eagerly."""
+    """Replay captured decoder calls (vaed.graphs), only each video's first chunk (the first
+    frame's kernel launches, where the host is the bound), or run them all eagerly."""
 
     ON = "on"
+    FIRST = "first"
     OFF = "off"
 
 

@@ -134,8 +134,9 @@ class ServerConfig:
     layout: Layout = option(
         Layout.AUTO, "decoder memory layout: auto = channels_last_3d on CUDA, contiguous on CPU", choices=Layout)
     cuda_graphs: CudaGraphs = option(
-        CudaGraphs.OFF, "replay each decoder call signature from a captured CUDA graph (bit-identical; "
-        "more GPU memory for the graphs' buffers)", choices=CudaGraphs)
+        CudaGraphs.OFF, "replay decoder calls from captured CUDA graphs, one per call signature "
+        "(bit-identical; more GPU memory for the graphs' buffers): on = every call, first = each "
+        "video's first chunk only (the first frame's launches), off = none", choices=CudaGraphs)
     kernel_cache: str | None = option(
         None, "directory Triton keeps its compiled kernels in (TRITON_CACHE_DIR of this process): a "
         "restart that finds them there skips the compiles; mount it on a volume that outlives the pod",

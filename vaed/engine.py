@@ -128,10 +128,12 @@ class DecodeEngine(Engine):
         self._encode_dtypes = tuple(sorted(self.encoders, key=lambda d: d != default))
         # Captured decoder calls (vaed.graphs): CUDA only; the sharded path never uses them.
         self.graphs: DecoderGraphs | None = None
-        if CudaGraphs.parse(cuda_graphs, "cuda_graphs") == CudaGraphs.ON and self.device.type == "cuda":
-            self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs)
+        graph_mode = CudaGraphs.parse(cuda_graphs, "cuda_graphs")
+        if graph_mode != CudaGraphs.OFF and self.device.type == "cuda":
+            self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs,
+                                        first_chunk_only=graph_mode == CudaGraphs.FIRST)
         log.info("decoder ready on %s: %s%s", self.device, self.fast_paths.summary,
-                 ", CUDA graphs on" if self.graphs is not None else "")
+                 f", CUDA graphs {graph_mode}" if self.graphs is not None else "")
 
     @classmethod
     def load(

@@ -116,11 +116,15 @@ class DecoderGraphs:
     """Per-device cache of captured decoder calls (the engine owns one; device thread only)."""
 
     def __init__(self, device: torch.device, *, max_graphs: int = DEFAULT_MAX_GRAPHS,
-                 backend: GraphBackend | None = None) -> None:
+                 backend: GraphBackend | None = None, first_chunk_only: bool = False) -> None:
         if max_graphs < 1:
             raise ValueError("max_graphs must be >= 1")
         self.device = device
         self.max_graphs = max_graphs
+        # Only first chunks replayed (`--cuda-graphs first`): frame 0's ~274 launches are what the
+        # first frame waits for, while steady chunks are GPU-bound and stay eager (no resident
+        # cache buffers, no in-graph cache copy).
+        self.first_chunk_only = first_chunk_only
         self.backend = backend or CudaGraphBackend(device)
         self.stats = GraphStats()
         # An evicted graph's owner keeps its cache tensors: they are its references now.
@@ -135,6 +139,9 @@ class DecoderGraphs:
 
     def run(self, state: Any, tier: str, first_chunk: bool, x: torch.Tensor, call: DecoderCall) -> torch.Tensor:
         """One decoder call for ``state`` (its ``cache`` list is read and replaced), eager or replayed."""
+        if self.first_chunk_only and not first_chunk:
+            self.stats.eager += 1
+            return call(x, state.cache)
         sig = signature(tier, first_chunk, x, state.cache)
         captured = self._graphs.get(sig)
         if captured is None:

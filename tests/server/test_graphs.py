@@ -25,8 +25,10 @@ def engine(request: pytest.FixtureRequest) -> DecodeEngine:
     return DecodeEngine.load(request.param, device="cpu", dtype="float32")
 
 
-def _with_graphs(engine: DecodeEngine, backend: GraphBackend | None = None, max_graphs: int = 12) -> DecoderGraphs:
-    engine.graphs = DecoderGraphs(engine.device, max_graphs=max_graphs, backend=backend or RerunBackend())
+def _with_graphs(engine: DecodeEngine, backend: GraphBackend | None = None, max_graphs: int = 12,
+                 first_chunk_only: bool = False) -> DecoderGraphs:
+    engine.graphs = DecoderGraphs(engine.device, max_graphs=max_graphs, backend=backend or RerunBackend(),
+                                  first_chunk_only=first_chunk_only)
     return engine.graphs
 
 
@@ -53,6 +55,34 @@ def test_replayed_video_equals_eager(engine: DecodeEngine) -> None:
     assert graphs.stats.captured == 3 and len(graphs) == 3
     assert graphs.stats.replayed == 2 + 5  # frames 3, 4 of the first video; all five of the second
     assert graphs.stats.eager == 3
+
+
+def test_first_chunk_only_replays_frame_0_and_leaves_the_rest_eager(engine: DecodeEngine) -> None:
+    """`--cuda-graphs first`: one signature (the first chunk) is captured; the videos' other calls
+    run eagerly on the cache copies the replay hands out, and interleaved sessions keep theirs."""
+    za, zb = _latents(engine, 6), _latents(engine, 7)
+    want_a, want_b = _eager(engine, za), _eager(engine, zb)
+    graphs = _with_graphs(engine, first_chunk_only=True)
+    try:
+        first = engine.decode_video(za, RAW)   # frame 0 eager (seen once)
+        second = engine.decode_video(za, RAW)  # frame 0 captured, then replayed
+        sa, sb = engine.new_state(), engine.new_state()
+        got_a, got_b = [], []
+        for i in range(za.shape[2]):
+            got_a.append(engine.decode_frame(sa, za[:, :, i : i + 1], RAW).frames)
+            got_b.append(engine.decode_frame(sb, zb[:, :, i : i + 1], RAW).frames)
+    finally:
+        engine.graphs = None
+    assert torch.equal(first, want_a) and torch.equal(second, want_a)
+    assert torch.equal(torch.cat(got_a, 2), want_a) and torch.equal(torch.cat(got_b, 2), want_b)
+    assert graphs.stats.captured == 1 and len(graphs) == 1
+    assert graphs.stats.replayed == 3  # frame 0 of the second video and of both sessions
+    assert graphs.stats.eager == 1 + 4 * 4  # the first video's frame 0, and every later chunk
+
+
+def test_the_first_mode_is_accepted_and_stays_off_on_cpu() -> None:
+    engine = DecodeEngine.load("random:wan2.1-tiny", device="cpu", dtype="float32", cuda_graphs="first")
+    assert engine.graphs is None  # CPU: no graphs in any mode
 
 
 def test_interleaved_sessions_keep_their_caches(engine: DecodeEngine) -> None:

@@ -56,3 +56,25 @@ def test_graph_memory_is_reported(engine: DecodeEngine) -> None:
     assert isinstance(engine.graphs, DecoderGraphs) and len(engine.graphs) >= 3
     print(f"graphs {len(engine.graphs)}, stats {engine.graphs.stats.captured} captured, "
           f"{torch.cuda.memory_reserved(0) / 2**30:.2f} GiB reserved")
+
+
+@pytest.mark.parametrize("precision", ["lossless", "fast"])
+def test_first_chunk_replays_equal_eager_decodes(precision: str) -> None:
+    """`--cuda-graphs first`: frame 0 replayed, every later chunk eager on the replay's cache copies."""
+    first_only = DecodeEngine.load("random:wan2.1", device="cuda:0", dtype="bfloat16", cuda_graphs="first")
+    if precision not in first_only.precisions:
+        pytest.skip(f"{precision} tier not offered: {first_only.fast_paths.summary}")
+    graphs = first_only.graphs
+    assert graphs is not None and graphs.first_chunk_only
+    z = torch.randn(1, 16, 4, 60, 104, generator=torch.Generator().manual_seed(3))
+    first_only.graphs = None
+    try:
+        want = first_only.decode_video(z, _spec(precision))
+    finally:
+        first_only.graphs = graphs
+    warm_up(first_only, (60, 104), precision)  # frame 0 seen, then captured
+    replays = graphs.stats.replayed
+    got = first_only.decode_video(z, _spec(precision))
+    assert graphs.stats.replayed - replays == 1 and len(graphs) == 1
+    assert torch.equal(got, want)
+    print(f"first-chunk graph at 480x832 {precision}: {torch.cuda.memory_reserved(0) / 2**30:.2f} GiB reserved")
