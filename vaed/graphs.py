@@ -10,8 +10,9 @@ default. It pays where the host is the bound (faster decoder kernels, smaller
 sizes, many sessions per GPU), and for each video's first chunk, whose
 launches (9-18 ms at 480x832) were what the first frame waited for:
 `first_chunk_only` (`--cuda-graphs first`) replays only those, cutting the
-launches to ~2.5 ms and the first frame's p95 at the client by 2-6 ms, for
-+5.7 GiB of GPU memory with 480x832 and 720x1280 warmed (H200).
+launches to ~2.5 ms and the first frame's p95 at the client by 2-6 ms (not
+the fast tier's `stream()`'s), for +5.7 GiB of GPU memory with 480x832 and
+720x1280 warmed (H200). Frame 0's GPU time (~20 ms lossless) is then the bound.
 
 Bit-exactness: a graph holds exactly the kernels the eager forward launched
 for one signature -- tier, first_chunk, and the shape, strides and dtype of the
