@@ -162,6 +162,58 @@ def test_cuda_decode_bit_identical(arch: str, size: tuple, dtype: torch.dtype, l
 @pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_lossless_defers_biases_exactly_and_checks_it_at_start_up(arch: str, monkeypatch: Any) -> None:
+    """The lossless tier leaves conv2's bias to the exact residual kernel (every residual block,
+    every chunk) and the time_conv's to the upsample gather, for stock's bytes; when the start-up
+    check of a conv's separate bias pass fails, the tier keeps every bias in its conv (still
+    stock's bytes), and ``kernels="triton"`` refuses."""
+    import vaed.kernels as K
+    from vaed.patches import installer
+    from vaed.patches.ops import EXACT_BIAS_SITES
+    from vaed.patches.checks import check_bias_deferral
+
+    calls: dict[str, int] = {"residual": 0, "upsample": 0}
+    real_residual, real_upsample = K.bias_residual_add, K.upsample_nearest2x
+
+    def residual(x: torch.Tensor, h: torch.Tensor, bias: Any = None, *, exact: bool = False) -> Any:
+        calls["residual"] += bias is not None and exact
+        return real_residual(x, h, bias, exact=exact)
+
+    def upsample(x: torch.Tensor, interleave: bool = False, bias: Any = None, **kw: Any) -> Any:
+        calls["upsample"] += bias is not None
+        return real_upsample(x, interleave, bias, **kw)
+
+    vae = _vae(arch, "cuda", torch.bfloat16)
+    torch.manual_seed(2)
+    z = to_decoder_layout(torch.randn(1, vae.config.z_dim, 3, 4, 6, device="cuda", dtype=torch.bfloat16), "channels_last")
+    blocks = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanResidualBlock")
+    time_convs = sum(1 for m in vae.decoder.modules() if getattr(m, "mode", None) == "upsample3d")
+    assert check_bias_deferral(torch.device("cuda"), torch.bfloat16) is None
+    with torch.inference_mode():
+        prepare_decoder(vae, kernels="off", layout="channels_last")
+        want, _ = _decode(vae, z)
+        rep = prepare_decoder(vae, kernels="triton", layout="channels_last")
+        assert rep.op_sets["lossless"].defer_bias == EXACT_BIAS_SITES, rep
+        monkeypatch.setattr(K, "bias_residual_add", residual)
+        monkeypatch.setattr(K, "upsample_nearest2x", upsample)
+        got, _ = _decode(vae, z)
+        assert calls == {"residual": blocks * 3, "upsample": time_convs * 2}, calls  # time_conv: chunks 2, 3
+        assert got.stride() == want.stride() and torch.equal(got, want)
+        monkeypatch.setattr(installer, "check_bias_deferral", lambda device, dtype: "a conv adds its bias in its sum")
+        rep = prepare_decoder(vae, kernels="auto", layout="channels_last")
+        assert rep.op_sets["lossless"].defer_bias == frozenset(), rep
+        assert any("deferred conv biases: start-up check failed" in s for s in rep.skipped), rep.skipped
+        calls.update(residual=0, upsample=0)
+        kept, _ = _decode(vae, z)
+        assert calls == {"residual": 0, "upsample": 0}, calls
+        assert torch.equal(kept, want)
+        with pytest.raises(FastPathError, match="its bias in its sum"):
+            prepare_decoder(vae, kernels="triton", layout="channels_last")
+
+
+@pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_cuda_fast_and_fallback_chunks_interleave(arch: str) -> None:
     """Chunk loop from None/"Rep" with fast and stock chunks alternating equals stock chunk by chunk."""
     vae = _vae(arch, "cuda", torch.bfloat16)

@@ -14,7 +14,14 @@ import torch
 from vaed import patches as P
 from vaed.models import build_random_vae
 from vaed.patches.checks import check_op, check_op_set
-from vaed.patches.ops import FusedOp, reference_residual_add, reference_upsample
+from vaed.patches.ops import (
+    ALL_BIAS_SITES,
+    EXACT_BIAS_SITES,
+    BiasSite,
+    FusedOp,
+    reference_residual_add,
+    reference_upsample,
+)
 
 from harness import assert_same
 
@@ -173,7 +180,9 @@ def test_without_swaps_single_ops() -> None:
     ops = P.LOSSLESS_OPS.without({"upsample", "dupup_add"})
     assert ops.upsample is P.REFERENCE_OPS.upsample and ops.dupup_add is P.REFERENCE_OPS.dupup_add
     assert ops.causal_pad is P.LOSSLESS_OPS.causal_pad and ops.upsample_interleave is P.LOSSLESS_OPS.upsample_interleave
-    assert set(ops.differs_from_reference()) == {"causal_pad", "norm_causal_pad", "upsample_interleave", "avgdown_add"}
+    assert set(ops.differs_from_reference()) == {
+        "causal_pad", "norm_causal_pad", "upsample_interleave", "avgdown_add", "residual_add"
+    }
     assert P.LOSSLESS_OPS.without(()) is P.LOSSLESS_OPS
     with pytest.raises(ValueError, match="unknown op names"):
         P.LOSSLESS_OPS.without({"upsampel"})
@@ -378,12 +387,18 @@ def test_unfolded_weight_of_an_inference_tensor_is_cached_by_identity() -> None:
 
 
 def test_biases_are_deferred_only_where_the_fused_kernels_run() -> None:
-    """A CPU tensor without the Triton interpreter: every fast kernel declines, so the fast tier
-    keeps each conv's bias in the conv (and the exact sets never defer)."""
+    """A CPU tensor without the Triton interpreter: every fused kernel declines, so both tiers
+    keep each conv's bias in the conv. The fast tier defers at every site; the lossless one only
+    where its reader rounds as the conv's own bias pass (conv2, the time_conv, Wan2.2's
+    upsampler); the plain-torch set never."""
     x = torch.randn(1, 4, 1, 2, 2)
-    assert P.FAST_OPS.defer_bias and not P.LOSSLESS_OPS.defer_bias and not P.REFERENCE_OPS.defer_bias
-    assert not P.FAST_OPS.defers_bias_for(x)
-    assert not P.LOSSLESS_OPS.defers_bias_for(x)
+    assert P.FAST_OPS.defer_bias == ALL_BIAS_SITES == frozenset(BiasSite)
+    assert P.LOSSLESS_OPS.defer_bias == EXACT_BIAS_SITES == {
+        BiasSite.CONV2_RESIDUAL, BiasSite.TIME_CONV_UPSAMPLE, BiasSite.IMAGE_CONV_DUPUP
+    }
+    assert not P.REFERENCE_OPS.defer_bias
+    assert P.FAST_OPS.deferred_bias_sites(x) == frozenset()
+    assert P.LOSSLESS_OPS.deferred_bias_sites(x) == frozenset()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -421,9 +436,14 @@ def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, mon
         seen["dupup add with bias"] += bias is not None
         return P.REFERENCE_OPS.dupup_add(*args, bias=bias)
 
+    def upsample(x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen["upsample with bias"] += bias is not None
+        return P.REFERENCE_OPS.upsample2x(x, interleave, bias)
+
     deferring = dataclasses.replace(
-        P.REFERENCE_OPS, name="deferring", uses_triton=True, defer_bias=True, conv3d=conv3d, conv2d=conv2d,
-        norm_causal_pad=norm_causal_pad, residual_add=residual_add, dupup_add=dupup_add,
+        P.REFERENCE_OPS, name="deferring", exact=False, uses_triton=True, defer_bias=ALL_BIAS_SITES, conv3d=conv3d,
+        conv2d=conv2d, norm_causal_pad=norm_causal_pad, residual_add=residual_add, dupup_add=dupup_add,
+        upsample=upsample, upsample_interleave=upsample,
     )
     monkeypatch.setattr(ops_module.rt, "triton_available", lambda: True)
     monkeypatch.setattr(ops_module.rt, "device_ok", lambda t: True)
@@ -432,21 +452,100 @@ def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, mon
     conv_shortcuts = sum(1 for b in blocks if type(b.conv_shortcut).__name__ == "WanCausalConv3d")
     upsamplers = sum(1 for m in decoder.modules() if type(m).__name__ == "WanResample")
     wan21 = type(decoder.up_blocks[0]).__name__ == "WanUpBlock"
-    assert conv_shortcuts >= 1 and upsamplers == 3
+    time_convs = sum(1 for m in decoder.modules() if getattr(m, "mode", None) == "upsample3d")
+    assert conv_shortcuts >= 1 and upsamplers == 3 and time_convs >= 1
     with torch.no_grad():
         P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
         with P.using(deferring):
             got, _ = _chunked(vae, z)
     chunks = z.shape[2]
-    expect = {
-        "conv3d without bias": (2 * len(blocks) + conv_shortcuts) * chunks,
+    expect = {  # a time_conv runs from the second chunk on (the first leaves diffusers' "Rep")
+        "conv3d without bias": (2 * len(blocks) + conv_shortcuts) * chunks + time_convs * (chunks - 1),
         "conv2d without bias": upsamplers * chunks,
         "norm with x_bias": (len(blocks) + (upsamplers if wan21 else 0)) * chunks,
         "residual add with bias": len(blocks) * chunks,
         "dupup add with bias": 0 if wan21 else upsamplers * chunks,
+        "upsample with bias": time_convs * (chunks - 1),
     }
     assert seen == {k: n for k, n in expect.items() if n}, seen
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_deferred_biases_keep_stock_bits(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lossless tier's sites (bf16): convs that add their bias in a pass of their own (as
+    torch does after a cuDNN conv), and the plain-torch readers. Deferring at EXACT_BIAS_SITES
+    gives the very bytes of not deferring -- conv2's bias reaches the residual add (alone:
+    a shortcut's is added to the shortcut first), the time_conv's the upsample gather, Wan2.2's
+    upsampler's the DupUp3D add -- and no norm is handed a bias."""
+    from vaed.patches import ops as ops_module
+
+    vae = _vae(arch, torch.bfloat16)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4).to(torch.bfloat16)
+    seen: collections.Counter = collections.Counter()
+
+    def separate(conv_op: Any, conv: Any, x: torch.Tensor, bias: bool) -> torch.Tensor:
+        y = conv_op(conv, x, bias=False)
+        if bias and conv.bias is not None:  # torch's own bias pass after a cuDNN conv
+            y = y + conv.bias.view(1, -1, *([1] * (y.dim() - 2)))
+        return y
+
+    def conv3d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        seen["conv3d without bias"] += not bias
+        return separate(P.REFERENCE_OPS.conv3d, conv, x, bias)
+
+    def conv2d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+        seen["conv2d without bias"] += not bias
+        return separate(P.REFERENCE_OPS.conv2d, conv, x, bias)
+
+    def norm_causal_pad(x: torch.Tensor, cache: Any, pad: Any, **kw: Any) -> Any:
+        seen["norm with x_bias"] += kw["norm"].x_bias is not None
+        return P.REFERENCE_OPS.norm_causal_pad(x, cache, pad, **kw)
+
+    def residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen["residual add with bias"] += bias is not None
+        return P.REFERENCE_OPS.residual_add(x, h, bias)
+
+    def dupup_add(*args: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen["dupup add with bias"] += bias is not None
+        return P.REFERENCE_OPS.dupup_add(*args, bias=bias)
+
+    def upsample(x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen["upsample with bias"] += bias is not None
+        return P.REFERENCE_OPS.upsample2x(x, interleave, bias)
+
+    fields = dict(
+        conv3d=conv3d, conv2d=conv2d, norm_causal_pad=norm_causal_pad, residual_add=residual_add,
+        dupup_add=dupup_add, upsample=upsample, upsample_interleave=upsample,
+    )
+    keeping = dataclasses.replace(P.REFERENCE_OPS, name="keeping", uses_triton=True, **fields)
+    deferring = dataclasses.replace(keeping, name="deferring", defer_bias=EXACT_BIAS_SITES)
+    monkeypatch.setattr(ops_module.rt, "triton_available", lambda: True)
+    monkeypatch.setattr(ops_module.rt, "device_ok", lambda t: True)
+    monkeypatch.setattr(ops_module, "conv_bias_added_separately", lambda t: True)  # as `separate` does
+    decoder = vae.decoder
+    blocks = [m for m in decoder.modules() if type(m).__name__ == "WanResidualBlock"]
+    time_convs = sum(1 for m in decoder.modules() if getattr(m, "mode", None) == "upsample3d")
+    upsamplers = sum(1 for m in decoder.modules() if type(m).__name__ == "WanResample")
+    wan21 = type(decoder.up_blocks[0]).__name__ == "WanUpBlock"
+    with torch.no_grad():
+        P.prepare_decoder(vae, layout="channels_last", ops=P.REFERENCE_OPS)
+        with P.using(keeping):
+            want, want_cache = _chunked(vae, z)
+        assert not +seen, seen  # not deferring: every bias in its conv (zero counts dropped)
+        with P.using(deferring):
+            got, got_cache = _chunked(vae, z)
+    chunks = z.shape[2]
+    expect = {
+        "conv3d without bias": len(blocks) * chunks + time_convs * (chunks - 1),
+        "conv2d without bias": 0 if wan21 else upsamplers * chunks,
+        "residual add with bias": len(blocks) * chunks,
+        "upsample with bias": time_convs * (chunks - 1),
+        "dupup add with bias": 0 if wan21 else upsamplers * chunks,
+    }
+    assert +seen == {k: n for k, n in expect.items() if n}, seen
+    assert_same(got, want)
+    _same_cache(got_cache, want_cache)
 
 
 # --- the one decoder tree ---------------------------------------------------------------

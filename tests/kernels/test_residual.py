@@ -1,6 +1,7 @@
 """The residual add with conv2's bias (``bias_residual_add``: ``(x + bias) + h`` in fp32, one
 rounding; the fast tier's): bit-exact against its fp32 reference, aten's strides, no further
-from a float64 sum than stock's two roundings, and declining what is not channels-last.
+from a float64 sum than stock's two roundings, and declining what is not channels-last. With
+``exact`` (the lossless tier's): stock's two roundings, bit for bit against stock's aten adds.
 
 Both backends (tests/backends.py). The interpreter truncates the final fp32->bf16 cast, so its
 bf16 results are held within a bf16 ulp; fp32 and fp16 are bit-exact on both.
@@ -66,3 +67,37 @@ def test_bias_residual_add_layouts(backend: Backend) -> None:
     got = K.bias_residual_add(x1, h1, b7)
     assert got is not None and got.stride() == (x1 + h1).stride()
     assert torch.equal(got, K.bias_residual_add_reference(x1, h1, b7))
+
+
+@kernel_cases(
+    "dtype, channels, bias_dtype, batch",
+    cuda=grid(DTYPES, (96, 384), ("x", "fp32", None), (1,)),
+    interpreter=grid(DTYPES, (7,), ("x", "fp32", None), (1, 2)),
+)
+def test_exact_residual_add_is_stocks_two_adds(backend: Backend, dtype, channels, bias_dtype, batch) -> None:
+    """exact=True: ``x + bias`` rounded to x's dtype (the bias rounded to it first, as the conv's
+    own bias pass), then ``+ h`` -- REFERENCE_OPS.residual_add's bytes and strides, and the
+    lossless tier's op."""
+    t, h, w = (4, 30, 52) if not backend.interpreter else (3, 4, 5)
+    g = backend.generator(channels + batch)
+    x = lay(torch.randn(batch, channels, t, h, w, device=backend.device, generator=g) * 3, "cl3d").to(dtype)
+    hh = lay(torch.randn(batch, channels, t, h, w, device=backend.device, generator=g) * 3, "cl3d").to(dtype)
+    bias = None
+    if bias_dtype is not None:
+        bias = torch.randn(channels, device=backend.device, generator=g)
+        bias = bias.to(dtype) if bias_dtype == "x" else bias
+    got = K.bias_residual_add(x, hh, bias, exact=True)
+    assert got is not None and got.dtype == dtype
+    stock = P.REFERENCE_OPS.residual_add(x, hh, bias)
+    reference = K.bias_residual_add_reference(x, hh, bias, exact=True)
+    assert_same(reference, stock)  # the reference is stock's arithmetic, on any device
+    if backend.exact(dtype, bf16_cast=True):
+        assert_same(got, stock)
+        lossless = P.LOSSLESS_OPS.residual_add(x, hh, bias)
+        assert_same(lossless, stock)
+    else:  # the interpreter truncates fp32 -> bf16
+        assert got.stride() == stock.stride()
+        torch.testing.assert_close(got.float(), stock.float(), atol=6e-2, rtol=2e-2)
+    if bias is not None and backend.exact(dtype, bf16_cast=True) and dtype != torch.float32:
+        # the one-rounding kernel is another sum: the exact one is not it by accident
+        assert not torch.equal(K.bias_residual_add(x, hh, bias), stock)

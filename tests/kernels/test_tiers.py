@@ -56,7 +56,8 @@ def test_tiny_decodes_under_each_tier(backend: Backend, monkeypatch: Any, arch, 
         with P.using(rep.ops_for("fast")):
             fast = vae.decode(z, return_dict=False)[0]
         assert residual_calls and all(residual_calls), (arch, residual_calls)
-        with P.using(P.LOSSLESS_TILED_OPS.without({"norm_causal_pad", "dupup_add"})):
+        # the ops that round to bf16 in a kernel (the interpreter truncates): held exact on the GPU
+        with P.using(P.LOSSLESS_TILED_OPS.without({"norm_causal_pad", "dupup_add", "residual_add"})):
             tiled = vae.decode(z, return_dict=False)[0]
     assert fast.stride() == want.stride() and tiled.stride() == want.stride()
     assert torch.equal(tiled, want), (arch, dtype)

@@ -1,4 +1,4 @@
-"""A residual block's output ``x + bias + h`` in one pass (the fast tier's residual add).
+"""A residual block's output ``x + bias + h`` in one pass, lossy (the fast tier's) or exact.
 
 torch adds a cuDNN conv's bias in a pass of its own over the conv output
 (``aten::add_`` after the conv kernel), and the block then reads that output
@@ -6,9 +6,12 @@ again for ``x + h``. With conv2's bias left out of the conv, this kernel adds
 the bias and the shortcut in the same read: per 480x832 steady chunk of
 Wan2.1 the bias passes took 5.2 ms of 40 ms on an H200 (fast tier, bf16).
 
-The sum is taken in fp32 with one rounding at the end, where stock rounds
-after the bias add and again after the shortcut add: not bit-exact (the fast
-tier only), and no less accurate. Layout: ``x`` and ``h`` dense
+The fast tier's sum is taken in fp32 with one rounding at the end, where
+stock rounds after the bias add and again after the shortcut add: not
+bit-exact, and no less accurate. With ``exact`` the kernel rounds where stock
+does: ``x + bias`` to x's dtype first (the conv's own bias pass, the bias
+itself rounded to x's dtype as aten's in-place add would), then ``+ h`` --
+stock's bytes in one pass instead of three (the lossless tier's). Layout: ``x`` and ``h`` dense
 channels_last_3d (the decoder's layout; strides of size-1 dims may differ),
 viewed as [pixels, channels] tiles; anything else is declined (None) and the
 caller runs the reference.
@@ -32,18 +35,25 @@ libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under t
 _MAX_C = 4096
 
 
-def bias_residual_add_reference(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's arithmetic in plain torch: (x + bias) + h in fp32, one rounding."""
+def bias_residual_add_reference(
+    x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None, *, exact: bool = False
+) -> torch.Tensor:
+    """The kernel's arithmetic in plain torch: (x + bias) + h in fp32, one rounding; with
+    ``exact``, rounded to x's dtype after the bias add as well (stock's two aten adds)."""
     acc = x.float()
     if bias is not None:
-        acc = acc + bias.float().view(1, -1, 1, 1, 1)
+        b = bias.to(x.dtype) if exact else bias
+        acc = acc + b.float().view(1, -1, 1, 1, 1)
+        if exact:
+            acc = acc.to(x.dtype).float()
     return (acc + h.float()).to(x.dtype)
 
 
 def _bias_residual_add_kernel(
     x_ptr, h_ptr, b_ptr, o_ptr,
     P, C,
-    HAS_BIAS: tl.constexpr, IDX64: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROUND_BIAS: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     c = tl.arange(0, BLOCK_C)
@@ -58,7 +68,10 @@ def _bias_residual_add_kernel(
         # loaded at the tile's shape: a [BLOCK_C] load gets a layout of its own, and the
         # conversion between the two goes through shared memory
         bias = tl.load(tl.broadcast_to(b_ptr + c[None, :], (BLOCK_P, BLOCK_C)), mask=c[None, :] < C, other=0.0)
-        acc = acc + bias.to(tl.float32)
+        if ROUND_BIAS:  # the conv's own bias pass: the bias in x's dtype, the sum rounded to it
+            acc = (acc + bias.to(v.dtype).to(tl.float32)).to(v.dtype).to(tl.float32)
+        else:
+            acc = acc + bias.to(tl.float32)
     acc = acc + tl.load(h_ptr + offs, mask=live, other=0.0).to(tl.float32)
     tl.store(o_ptr + offs, acc.to(v.dtype), mask=live)
 
@@ -66,7 +79,9 @@ def _bias_residual_add_kernel(
 _kernel = rt.jit_lazy(_bias_residual_add_kernel, globals())
 
 
-def bias_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def bias_residual_add(
+    x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None, *, exact: bool = False
+) -> torch.Tensor | None:
     """``bias_residual_add_reference`` in one kernel; None when not handled (caller falls back)."""
     if not rt.triton_available() or x.dim() != 5 or h.shape != x.shape or x.numel() == 0:
         return None
@@ -94,7 +109,7 @@ def bias_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | Non
     pixels = x.numel() // c
     _kernel()[(-(-pixels // block_p),)](
         x, h, x if bias is None else bias, out, pixels, c,
-        HAS_BIAS=bias is not None, IDX64=not rt.offsets_fit_int32((x,), slack=block_p * c),
+        HAS_BIAS=bias is not None, ROUND_BIAS=exact, IDX64=not rt.offsets_fit_int32((x,), slack=block_p * c),
         BLOCK_P=block_p, BLOCK_C=block_c, num_warps=num_warps,
         **rt.launch_opts(x),
     )

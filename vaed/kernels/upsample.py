@@ -7,6 +7,12 @@ nearest-exact picks source pixel ``dst // 2`` exactly and the fp32 round trip
 is lossless, so one bf16 gather gives identical bytes. With ``interleave`` the
 input is the time_conv output (b, 2c, t, h, w) and the op also does the
 reshape/stack that doubles the frame count.
+
+``bias`` is the time_conv's bias, left out of that conv: each source value
+gets it added and rounded to x's dtype before the gather, exactly what the
+conv's own bias pass (torch adds a cuDNN conv's bias in an aten pass of its
+own) would have stored -- one read and one write of the time_conv output
+fewer, for stock's bytes.
 """
 
 from __future__ import annotations
@@ -43,8 +49,13 @@ def frames_to_images(x: torch.Tensor, interleave: bool) -> torch.Tensor:
     return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
 
 
-def upsample_nearest2x_reference(x: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """Flatten frames (see ``frames_to_images``) then WanUpsample(scale 2, nearest-exact)."""
+def upsample_nearest2x_reference(
+    x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Flatten frames (see ``frames_to_images``) then WanUpsample(scale 2, nearest-exact); a
+    ``bias`` ([C] of x) is added first, as the producing conv's own bias pass (aten, one rounding)."""
+    if bias is not None:
+        x = x + bias.view(1, -1, 1, 1, 1)
     x4 = frames_to_images(x, interleave)
     return F.interpolate(x4.float(), scale_factor=(2.0, 2.0), mode="nearest-exact").type_as(x4)
 
@@ -59,10 +70,10 @@ def _out_layout(
 
 
 def _upsample_kernel(
-    x_ptr, o_ptr,
+    x_ptr, b_ptr, o_ptr,
     C, H, W, N1, N2, INNER, DIV, ROWDIV,
     s0, s1, s2, sc, sh, sw,
-    CL: tl.constexpr, BLOCK: tl.constexpr,
+    CL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -83,6 +94,10 @@ def _upsample_kernel(
     n0 = n // (N2 * N1)
     src = n0 * s0 + n1 * s1 + n2 * s2 + c * sc + (y // 2) * sh + (xo // 2) * sw
     v = tl.load(x_ptr + src, mask=live, other=0.0)
+    if HAS_BIAS:  # source channel n2 * C + c (the interleave's channel block n2)
+        # a scalar in the NCHW case (c is the row's): broadcast to the block for the mask
+        b = tl.load(b_ptr + (n2 * C + c + q * 0), mask=live, other=0.0)
+        v = (v.to(tl.float32) + b.to(tl.float32)).to(v.dtype)
     tl.store(o_ptr + row * INNER + i, v, mask=live)
 
 
@@ -90,7 +105,7 @@ _kernel = rt.jit_lazy(_upsample_kernel, globals())
 
 
 def upsample_nearest2x(
-    x: torch.Tensor, interleave: bool = False, *, channels_last: bool = False
+    x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None, *, channels_last: bool = False
 ) -> torch.Tensor | None:
     """Fused ``upsample_nearest2x_reference``: returns (b*t', c, 2h, 2w) or None (caller falls back).
 
@@ -107,6 +122,10 @@ def upsample_nearest2x(
         return None
     b, c, t, h, w = x.shape
     if interleave and c % 2:
+        return None
+    if bias is not None and (
+        bias.shape != (c,) or bias.dtype != x.dtype or bias.device != x.device or not bias.is_contiguous()
+    ):
         return None
     shape, stride = _out_layout(tuple(x.shape), tuple(x.stride()), interleave)
     if channels_last:
@@ -131,9 +150,9 @@ def upsample_nearest2x(
     rows = out.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
     _kernel()[grid](
-        x, out,
+        x, x if bias is None else bias, out,
         co, h, w, n1, n2, inner, co if cl else wo, ho if cl else co,
         sxb, sxt, s2, sxc, sxh, sxw,
-        CL=cl, BLOCK=_BLOCK, num_warps=4,
+        CL=cl, HAS_BIAS=bias is not None, BLOCK=_BLOCK, num_warps=4,
     )
     return out

@@ -166,7 +166,7 @@ def shard_ops(ctx: ShardContext) -> OpSet:
         norm_causal_conv=unfused_norm_causal_conv,
         conv2d=functools.partial(conv2d, ctx),
         attention=functools.partial(attention, ctx),
-        defer_bias=False,
+        defer_bias=frozenset(),
     )
 
 

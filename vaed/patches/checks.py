@@ -11,13 +11,19 @@ any op set on a CPU under the Triton interpreter, whose exp is numpy's and
 whose bf16 cast truncates) with a dtype-scaled tolerance, and a lossy op may
 return another dense layout than aten's. A failing op is
 reported by name; the installer switches that op alone to its reference.
+
+An exact set that defers conv biases rests on one more fact, checked by
+:func:`check_bias_deferral`: that torch's conv with its bias gives the bytes
+of the conv without it plus an aten add of the bias (torch adds a cuDNN
+conv's bias in a pass of its own). Where it does not hold, the set keeps
+every bias in its conv.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -70,6 +76,8 @@ def _cases(name: str, device: torch.device, dtype: torch.dtype) -> list[Case]:
     elif name in ("upsample", "upsample_interleave"):
         for cl in (True, False):
             cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, cl), name == "upsample_interleave"), {}))
+        time_bias = torch.randn(4, generator=g).to(device=device, dtype=dtype)  # the time_conv's deferred bias
+        cases.append(((_t((1, 4, 2, 3, 5), g, device, dtype, True), name == "upsample_interleave", time_bias), {}))
     elif name == "dupup_add":
         for first in (False, True):
             src = _t((1, 4, 2, 3, 4), g, device, dtype, True)
@@ -172,6 +180,33 @@ def check_op(ops: OpSet, name: str, device: torch.device, dtype: torch.dtype) ->
                 if why:
                     return f"case {i}: {why}"
     except Exception as e:  # noqa: BLE001 - compile errors, driver issues, launch failures: the op is reported
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_bias_deferral(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when a Conv3d and a Conv2d with their biases equal (torch.equal) the convs without
+    them followed by the bias add that the deferring readers reproduce."""
+    g = torch.Generator().manual_seed(1)
+    conv3 = nn.Conv3d(6, 4, 3).to(device=device, dtype=dtype)
+    conv3.weight.data = conv3.weight.data.contiguous(memory_format=CL)
+    conv2 = nn.Conv2d(4, 4, 3, padding=1).to(device=device, dtype=dtype)
+    conv2.weight.data = conv2.weight.data.contiguous(memory_format=torch.channels_last)
+    image = torch.randn(2, 4, 5, 7, generator=g).to(device=device, dtype=dtype)
+    cases: tuple[tuple[nn.Conv3d | nn.Conv2d, torch.Tensor], ...] = (
+        (conv3, _t((1, 6, 4, 5, 7), g, device, dtype, True)),
+        (conv2, image.contiguous(memory_format=torch.channels_last)),
+    )
+    try:
+        with torch.no_grad():
+            for i, (conv, x) in enumerate(cases):
+                want = conv(x)
+                raw = conv._conv_forward(x, conv.weight, None)
+                bias = cast(torch.Tensor, conv.bias)  # nn.Conv*d's default: bias=True
+                got = raw + bias.view(1, -1, *([1] * (raw.dim() - 2)))
+                if not torch.equal(got, want):  # values: the readers write their own layouts
+                    return f"case {i}: a conv's bias added after it differs from the conv's own (torch.equal)"
+    except Exception as e:  # noqa: BLE001 - as in check_op: a failure is reported, not raised
         return f"{type(e).__name__}: {e}"
     return None
 

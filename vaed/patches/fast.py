@@ -18,14 +18,17 @@ causal-input site, the exact norm prologue included (aten's denominator, the
 (26 % of a steady 480p chunk, ~350 us a call) once measured.
 
 * ``defer_bias``: convs run without their bias where the next op reading
-  the output adds it. A residual block's conv1 bias is added in norm2's
-  prologue (in the tile kernel, before the norm); conv2's and a 1x1x1
-  shortcut conv's in ``residual_add``, one kernel for ``x + bias + h``
+  the output adds it -- at every site (``ALL_BIAS_SITES``), where the
+  lossless tier defers only to ops that round as the conv's own bias pass.
+  A residual block's conv1 bias is added in norm2's prologue (in the tile
+  kernel, before the norm); conv2's and a 1x1x1 shortcut conv's in
+  ``residual_add``, one kernel for ``x + bias + h`` with one rounding
   (``bias_residual_add``); an upsampler's image conv bias in the next
-  block's norm1 and residual add (Wan2.1) or in the DupUp3D add (Wan2.2).
-  torch adds a cuDNN conv's bias in a pass of its own: 5.2 ms of a 40.1 ms
-  steady 480p chunk, 10.3 of 126 ms at Wan2.2 704x1280 (H200, bf16); 0.2 /
-  0.3 ms are left (time_conv, attention, conv_in, conv_out).
+  block's norm1 and residual add (Wan2.1) or in the DupUp3D add (Wan2.2);
+  the time_conv's in the upsample gather. torch adds a cuDNN conv's bias in
+  a pass of its own: 5.2 ms of a 40.1 ms steady 480p chunk, 10.3 of 126 ms
+  at Wan2.2 704x1280 (H200, bf16); 0.2 / 0.3 ms were left before the
+  time_conv's moved (attention, conv_in, conv_out).
 * ``norm_causal_conv``: at norm sites whose conv is 3x3x3 with at most
   ``UNFOLD_MAX_CHANNELS`` channels in and out (Wan2.1's six full-resolution
   96-channel convs per chunk), the conv input kernel above writes the three
@@ -57,6 +60,7 @@ from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.residual import bias_residual_add
 from vaed.patches.derived import derived
 from vaed.patches.ops import (
+    ALL_BIAS_SITES,
     LOSSLESS_OPS,
     FusedOp,
     NormSilu,
@@ -181,16 +185,20 @@ def unfolded_causal_conv(
     return y.as_strided(shape, (shape[2] * h * w_ * c, 1, h * w_ * c, w_ * c, c)), nxt
 
 
-def channels_last_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor | None:
+def channels_last_upsample(
+    x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Layout only: the upsample's images in NHWC whatever aten's chain would give (the
     upsample3d interleave gives NCHW), so the resample conv2d writes channels-last and the
     frames after it stay channels_last_3d; NCHW there cost the next block its tile kernels and
     cuDNN its layout conversions. Other strides, another conv2d algorithm: fast tier only."""
-    return K.upsample_nearest2x(x, interleave, channels_last=True)
+    return K.upsample_nearest2x(x, interleave, bias, channels_last=True)
 
 
-def channels_last_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> torch.Tensor | None:
-    return K.upsample_nearest2x(x, interleave, channels_last=True)
+def channels_last_upsample_interleave(
+    x: torch.Tensor, interleave: bool = True, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    return K.upsample_nearest2x(x, interleave, bias, channels_last=True)
 
 
 def fused_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -216,5 +224,5 @@ FAST_OPS: OpSet = dataclasses.replace(
     upsample_interleave=FusedOp(
         "upsample_interleave", channels_last_upsample_interleave, reference_upsample_interleave
     ),
-    defer_bias=True,
+    defer_bias=ALL_BIAS_SITES,
 )

@@ -31,7 +31,7 @@ from vaed.patches.tree import Act, Walk, op_path_ok
 
 def _walk(self: Any, x: torch.Tensor, feat_cache: list | None, feat_idx: list, first_chunk: Any = None) -> Walk:
     ops = ops_for(self)
-    return Walk(ops, feat_cache, feat_idx, first_chunk, defer=ops.defers_bias_for(x))
+    return Walk(ops, feat_cache, feat_idx, first_chunk, defer=ops.deferred_bias_sites(x))
 
 
 def causal_conv_forward(self: Any, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,7 +68,7 @@ def resample_forward(self: Any, x: torch.Tensor, feat_cache: list | None = None,
     """WanResample.forward for upsample2d/upsample3d and downsample2d/downsample3d."""
     if not tree.resample_ok(self) or not op_path_ok(x):
         return type(self).forward(self, x, feat_cache, feat_idx)
-    w = Walk(ops_for(self), feat_cache, feat_idx, None, defer=False)
+    w = Walk(ops_for(self), feat_cache, feat_idx, None, defer=frozenset())
     return tree.resample(w, self, Act(x)).settled()
 
 

@@ -9,7 +9,8 @@ Order of decisions, each logged and kept in the :class:`FastPathReport`:
    a ``using`` block): tiers that need Triton are dropped when it cannot run
    (CPU without the interpreter, no triton, ``kernels="off"``); per-op
    switch-offs (``disabled_ops``) and start-up check failures swap single ops
-   for their references;
+   for their references; an exact tier whose convs' biases cannot be left to
+   their readers bit for bit keeps them in the convs;
 4. the table's forwards are bound on the instance, with the default op set.
 
 Installing is idempotent (a second call starts from a clean instance) and
@@ -19,6 +20,7 @@ turns every "could not" above into :class:`FastPathError`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Iterable
@@ -30,7 +32,7 @@ from torch import nn
 
 from vaed.choices import Kernels, Layout, Precision
 from vaed.kernels import _runtime as rt
-from vaed.patches.checks import check_op_set
+from vaed.patches.checks import check_bias_deferral, check_op_set
 from vaed.patches.context import OPS_ATTR
 from vaed.patches.layout import convert_conv3d_weights, resolve_layout, vae_parts
 from vaed.patches.ops import OP_NAMES, OpSet
@@ -167,7 +169,16 @@ def prepare_decoder(
         for name, why in failed.items():
             skipped.append(f"{tier} {name}: start-up check failed ({why})")
         off_ops |= set(failed)
-        usable[tier] = masked.without(frozenset(failed))
+        checked = masked.without(frozenset(failed))
+        if checked.exact and checked.defer_bias and device.type == "cuda":
+            bias_why = check_bias_deferral(device, dtype)
+            if bias_why is not None:
+                if kernels == Kernels.TRITON:
+                    raise FastPathError(f"--kernels triton requested but start-up checks failed: {bias_why}")
+                log.warning("op set %s: conv biases stay in their convs: %s", checked.name, bias_why)
+                skipped.append(f"{tier} deferred conv biases: start-up check failed ({bias_why})")
+                checked = dataclasses.replace(checked, defer_bias=frozenset())
+        usable[tier] = checked
     for name in sorted(disabled):
         skipped.append(f"{name}: disabled by flag")
 

@@ -19,10 +19,11 @@ Op signatures (every op set honours all of them):
     ``zero_history`` the upsample time_conv's first-chunk "Rep" marker;
     ``emit_cache=False`` returns None for the next cache. The conv input may
     alias ``x`` when ``pad`` is all zero: callers never write into it.
-``upsample(x, interleave=False)`` / ``upsample_interleave(x, interleave=True)``
+``upsample(x, interleave=False, bias=None)`` / ``upsample_interleave(x, interleave=True, bias=None)``
     -> images [B*T', C', 2H, 2W]: WanResample's frame flattening (and, with
     ``interleave``, the upsample3d channel->time interleave of the time_conv
-    output) followed by nearest-exact 2x.
+    output) followed by nearest-exact 2x; ``bias``: the time_conv's deferred
+    bias, added to x and rounded first, as the conv's own pass would have.
 ``dupup_add(main, source, factor_t, factor_s, first_chunk, bias=None)``
     -> ``main + DupUp3D(source)`` (Wan2.2 residual up-block shortcut);
     ``(main + bias) + DupUp3D(source)`` with the upsampler conv's deferred bias.
@@ -38,8 +39,9 @@ Op signatures (every op set honours all of them):
     (it pads itself; a sharded variant swaps in halo rows and one-sided padding
     here); ``bias=False`` as for ``conv3d``.
 ``residual_add(x, h, bias=None)`` -> ``x + h`` (the residual block's output),
-    ``(x + bias) + h`` with the deferred per-channel biases reaching it (conv2's, the
-    shortcut conv's, the block input's): x's dtype, or fp32 when several were summed.
+    ``(x + bias) + h`` with the deferred per-channel biases reaching it: in the
+    exact sets conv2's alone, ``x + bias`` rounded first; in the fast set also
+    the shortcut conv's and the block input's, summed once (fp32).
 ``attention(attn, x)`` -> the mid-block attention of ``x`` (a site hook, not
     in ``OP_NAMES``: the one-device sets call the module; the sharded set
     attends over the gathered frame and slices its rows back).
@@ -51,23 +53,24 @@ Op signatures (every op set honours all of them):
     own ``norm_causal_pad`` and ``conv3d``.
 
 A ``NormSilu`` may carry ``x_bias``: the producing conv's bias, not yet added
-to ``x``; the norm ops add it before the norm. ``OpSet.defer_bias`` makes the
-forwards leave conv biases to the op that next reads the conv's output: a
-residual block's conv1 bias to norm2, conv2's and the shortcut conv's to the
-residual add, an upsampler's image conv bias to the next block (Wan2.1) or
-the DupUp3D add (Wan2.2). False in the exact sets, whose fused paths would
-round differently. (torch adds a cuDNN conv's bias in a pass of its own over
-the rounded output, so an op that adds the bias and rounds before anything
-else reproduces it bit for bit: the DupUp3D add does.)
+to ``x``; the norm ops add it before the norm. ``OpSet.defer_bias`` names the
+sites (:class:`BiasSite`) where the forwards leave a conv's bias to the op
+that next reads the conv's output. torch adds a cuDNN conv's bias in an aten
+pass of its own over the rounded conv output, so an op that adds the bias and
+rounds before anything else reproduces it bit for bit: the exact sets defer
+only to such ops (``EXACT_BIAS_SITES``: the residual add, the upsample gather,
+the DupUp3D add), each saving that pass; the fast set defers everywhere
+(``ALL_BIAS_SITES``), folding biases into its own arithmetic.
 
 ``REFERENCE_OPS`` holds the plain-torch chains, op for op what stock diffusers
-runs. ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
+runs (a deferred bias is added first, in its own aten add, as the conv's own pass). ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
 falls back to its reference per call (bit-identical: every kernel is exact).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +86,32 @@ from vaed.kernels.rms_silu import NormSilu
 from vaed.kernels.upsample import upsample_nearest2x_reference
 
 PadTuple = tuple[int, int, int, int, int, int]
+
+
+class BiasSite(enum.Enum):
+    """A conv whose bias the forwards may leave to the op that next reads its output (value:
+    conv -> reader)."""
+
+    # the norm prologue folds it into the fp32 norm (lossy); an exact norm would need the
+    # biased tensor for aten's reduction anyway, so deferring there saves no pass
+    CONV1_NORM = "residual block conv1 -> norm2"
+    # x + bias rounded, then + h: stock's two roundings in one kernel (exact)
+    CONV2_RESIDUAL = "residual block conv2 -> residual add"
+    # the 1x1x1 conv passes W @ (its input's bias) on, summed with its own (lossy)
+    SHORTCUT_RESIDUAL = "1x1x1 shortcut conv -> residual add"
+    # added and rounded per source value in the gather (exact)
+    TIME_CONV_UPSAMPLE = "upsample3d time_conv -> upsample gather"
+    # Wan2.1: the next block's norm1 and residual add take it (lossy)
+    IMAGE_CONV_BLOCK = "upsampler image conv -> next block"
+    # Wan2.2: the DupUp3D add adds and rounds it first (exact)
+    IMAGE_CONV_DUPUP = "upsampler image conv -> DupUp3D add"
+
+
+ALL_BIAS_SITES: frozenset[BiasSite] = frozenset(BiasSite)
+# where the reader rounds as the conv's own bias pass would: stock's bytes
+EXACT_BIAS_SITES: frozenset[BiasSite] = frozenset(
+    {BiasSite.CONV2_RESIDUAL, BiasSite.TIME_CONV_UPSAMPLE, BiasSite.IMAGE_CONV_DUPUP}
+)
 
 
 def with_input_bias(x: torch.Tensor, norm: NormSilu | None) -> tuple[torch.Tensor, NormSilu | None]:
@@ -108,7 +137,7 @@ class CausalPadOp(Protocol):
 
 
 class UpsampleOp(Protocol):
-    def __call__(self, x: torch.Tensor, interleave: bool = False) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class DupUpAddOp(Protocol):
@@ -191,12 +220,14 @@ def reference_causal_pad(
     return K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=norm, emit_cache=emit_cache)
 
 
-def reference_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    return upsample_nearest2x_reference(x, interleave)
+def reference_upsample(x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return upsample_nearest2x_reference(x, interleave, bias)
 
 
-def reference_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> torch.Tensor:
-    return upsample_nearest2x_reference(x, interleave)
+def reference_upsample_interleave(
+    x: torch.Tensor, interleave: bool = True, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return upsample_nearest2x_reference(x, interleave, bias)
 
 
 reference_dupup_add: DupUpAddOp = K.dupup_add_reference
@@ -287,12 +318,26 @@ def triton_causal_pad(
     return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)
 
 
-def triton_upsample(x: torch.Tensor, interleave: bool = False) -> torch.Tensor | None:
-    return K.upsample_nearest2x(x, interleave)
+def triton_upsample(x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    return K.upsample_nearest2x(x, interleave, bias)
 
 
-def triton_upsample_interleave(x: torch.Tensor, interleave: bool = True) -> torch.Tensor | None:
-    return K.upsample_nearest2x(x, interleave)
+def triton_upsample_interleave(
+    x: torch.Tensor, interleave: bool = True, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    return K.upsample_nearest2x(x, interleave, bias)
+
+
+def exact_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Exact: ``(x + bias) + h`` with stock's two roundings, in one pass (None: the reference)."""
+    return K.bias_residual_add(x, h, bias, exact=True)
+
+
+def conv_bias_added_separately(x: torch.Tensor) -> bool:
+    """Whether torch's convs on ``x``'s device add their bias in an aten pass of their own over
+    the rounded output (what an exact reader of a deferred bias reproduces): on CUDA, where
+    the start-up checks confirm it (``check_bias_deferral``); a CPU conv adds it inside its sum."""
+    return x.is_cuda
 
 
 # --- the bundle ---------------------------------------------------------------------
@@ -315,9 +360,9 @@ class OpSet:
     conv2d: Conv2dOp
     residual_add: ResidualAddOp
     norm_causal_conv: NormCausalConvOp
-    # the forwards leave conv biases to the op that next reads the conv output (module
-    # docstring): one pass over each such output fewer, one rounding fewer (lossy)
-    defer_bias: bool = False
+    # the sites where the forwards leave a conv's bias to the op that next reads its output
+    # (module docstring): one pass over each such output fewer
+    defer_bias: frozenset[BiasSite] = frozenset()
     # a site hook, not a switchable op (not in OP_NAMES): every one-device set calls the
     # module; the sharded set attends over the gathered frame
     attention: AttentionOp = module_attention
@@ -356,14 +401,21 @@ class OpSet:
         padded, nxt = self.causal_conv_input(x, cache, pad, norm=norm)
         return self.conv3d(conv, padded, bias=bias), nxt
 
-    def defers_bias_for(self, x: torch.Tensor) -> bool:
-        """Whether the forwards defer conv biases on ``x``'s device: only where the kernels
-        that fold them in can run (elsewhere every fused op declines, and a conv adds its
-        own bias as cheaply as a later op would, so the set keeps its reference's bytes)."""
-        return self.defer_bias and self.uses_triton and rt.triton_available() and rt.device_ok(x)
+    def deferred_bias_sites(self, x: torch.Tensor) -> frozenset[BiasSite]:
+        """The sites where the forwards defer conv biases on ``x``'s device: none where the
+        kernels that take them cannot run (there every fused op declines, and a conv adds
+        its own bias as cheaply as a later op would, so the set keeps its reference's bytes).
+        An exact set defers only where torch adds a conv's bias in a pass of its own."""
+        if not (self.defer_bias and self.uses_triton and rt.triton_available() and rt.device_ok(x)):
+            return frozenset()
+        if self.exact and not conv_bias_added_separately(x):
+            return frozenset()
+        return self.defer_bias
 
-    def upsample2x(self, x: torch.Tensor, interleave: bool) -> torch.Tensor:
-        return self.upsample_interleave(x, True) if interleave else self.upsample(x, False)
+    def upsample2x(self, x: torch.Tensor, interleave: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if interleave:
+            return self.upsample_interleave(x, True, bias)
+        return self.upsample(x, False, bias)
 
     def without(self, names: frozenset[str] | set[str] | tuple[str, ...]) -> OpSet:
         """This op set with ``names`` switched to their plain-torch references."""
@@ -380,8 +432,8 @@ class OpSet:
         return tuple(n for n in OP_NAMES if getattr(self, n) is not getattr(REFERENCE_OPS, n))
 
 
-# every switchable op, in forward order; the first six (avgdown_add: the encoder's) and the
-# last are the fused paths
+# every switchable op, in forward order; the first six (avgdown_add: the encoder's), the
+# residual add and the last are the fused paths
 OP_NAMES: tuple[str, ...] = (
     "causal_pad",
     "norm_causal_pad",
@@ -423,6 +475,7 @@ LOSSLESS_OPS = OpSet(
     avgdown_add=FusedOp("avgdown_add", K.avgdown_add, reference_avgdown_add),
     conv3d=reference_conv3d,
     conv2d=reference_conv2d,
-    residual_add=reference_residual_add,
+    residual_add=FusedOp("residual_add", exact_residual_add, reference_residual_add),
     norm_causal_conv=unfused_norm_causal_conv,
+    defer_bias=EXACT_BIAS_SITES,
 )

@@ -18,19 +18,21 @@ body in the same walk; any other child is called as a module, the way stock
 calls it, with a plain tensor. The walk never asks which forward a module has
 bound, so a sharded decode works on a decoder whose forwards are stock.
 
-Deferred conv biases (the fast tier, ``OpSet.defer_bias``) travel as the
-carrier :class:`Act`: a conv at a site marked ``leave_bias`` may hand its
+Deferred conv biases (``OpSet.defer_bias``) travel as the carrier
+:class:`Act`: a conv at a :class:`~vaed.patches.ops.BiasSite` may hand its
 output on with its bias still to add, and every op reading an ``Act`` either
 takes the bias into its own pass (a norm's ``x_bias``, the residual add, the
-DupUp3D add, a 1x1x1 shortcut conv) or adds it first (:meth:`Act.settled`,
-aten's add, one rounding). Whether a conv leaves its bias is the walk's
-choice (``Walk.defer``: the op set defers and its kernels run on this
-device), made once per call; the bodies only pass the carrier along. The
-marked sites are the residual blocks' two convs and 1x1x1 shortcut, and the
-upsamplers' image convs: each is read by an op that can take the bias.
-conv_in, conv_out and the time convs keep their biases (their readers are the
-decoder's output and the upsample gather, or, for conv_in, one small latent
-pass not worth a second rounding path).
+upsample gather, the DupUp3D add, a 1x1x1 shortcut conv) or adds it first
+(:meth:`Act.settled`, aten's add, one rounding -- the conv's own bias pass,
+so settling never changes a byte). Which sites leave their bias is the
+walk's choice (``Walk.defer``: the op set's sites where its kernels run on
+this device), made once per call; the bodies only name their sites and pass
+the carrier along. An exact set defers only where its reader rounds as the
+conv's own pass would (conv2 -> the residual add, the time_conv -> the
+upsample gather, Wan2.2's upsampler -> the DupUp3D add), and never lets a
+reader sum two biases: h's pending bias is settled before the residual add.
+conv_in and conv_out keep their biases (their readers are one small latent
+pass and the decoder's output).
 
 The encoder runs the same bodies, not a second copy. ``WanEncoder3d`` is
 built from the same modules: its causal convs, residual blocks and mid block
@@ -61,7 +63,7 @@ from torch import nn
 
 from vaed.patches.derived import derived
 from vaed.patches.layout import is_dense
-from vaed.patches.ops import NormSilu, OpSet
+from vaed.patches.ops import BiasSite, NormSilu, OpSet
 
 # dtypes the op-set path takes; others (e.g. float8 activations, where diffusers'
 # norm has its own rule) go through the stock forward
@@ -116,7 +118,14 @@ class Walk:
     __slots__ = ("ops", "cache", "idx", "first_chunk", "defer", "strict")
 
     def __init__(
-        self, ops: OpSet, cache: list | None, idx: list, first_chunk: Any, *, defer: bool, strict: bool = False
+        self,
+        ops: OpSet,
+        cache: list | None,
+        idx: list,
+        first_chunk: Any,
+        *,
+        defer: frozenset[BiasSite],
+        strict: bool = False,
     ) -> None:
         self.ops = ops
         self.cache = cache
@@ -125,12 +134,13 @@ class Walk:
         self.defer = defer
         self.strict = strict
 
-    def visit(self, module: nn.Module, x: Act, *, up_block: bool = False) -> Act:
-        """A child module on ``x``: its body when the tree ports it, else the module as stock
-        calls it (``up_block``: stock passes ``first_chunk`` too)."""
+    def visit(self, module: nn.Module, x: Act, *, up_block: bool = False, **site: Any) -> Act:
+        """A child module on ``x``: its body when the tree ports it (``site``: keywords of that
+        body, e.g. which reader an upsampler's output has), else the module as stock calls it
+        (``up_block``: stock passes ``first_chunk`` too)."""
         port = ports().get(type(module))
         if port is not None and port.covers(module, self):
-            return port.body(self, module, x)
+            return port.body(self, module, x, **site)
         if self.strict:
             raise TypeError(f"{type(module).__name__} is not a module the decoder tree ports here")
         plain = x.settled()
@@ -139,12 +149,14 @@ class Walk:
         kw: dict[str, Any] = {"first_chunk": self.first_chunk} if up_block else {}
         return Act(module(plain, feat_cache=self.cache, feat_idx=self.idx, **kw))
 
-    def conv(self, conv: Any, x: Act, norm: tuple[Any, Any] | None = None, *, leave_bias: bool = False) -> Act:
+    def conv(
+        self, conv: Any, x: Act, norm: tuple[Any, Any] | None = None, *, site: BiasSite | None = None
+    ) -> Act:
         """conv([cache | x]), or of SiLU(norm(x)) when ``norm`` = (norm, activation): one cached
         call site (the cache slot at the cursor is read and replaced). The norm goes into the
-        op when it is the standard one, and ``x``'s pending bias with it; ``leave_bias`` lets
-        the conv hand its own bias on when the walk defers."""
-        pending = conv.bias if leave_bias and self.defer and conv.bias is not None else None
+        op when it is the standard one, and ``x``'s pending bias with it; at a ``site`` the
+        walk defers, the conv hands its own bias on."""
+        pending = conv.bias if site in self.defer else None
         spec = None
         if norm is None:
             inp = x.settled()
@@ -200,7 +212,7 @@ def shortcut(w: Walk, sc: Any, x: Act) -> Act:
         if w.strict:
             raise TypeError(f"{type(sc).__name__} is not a shortcut the decoder tree ports")
         return Act(sc(x.settled()))
-    if not (w.defer and _pointwise(sc)):
+    if not (BiasSite.SHORTCUT_RESIDUAL in w.defer and _pointwise(sc)):
         return Act(causal_conv(w.ops, sc, x.settled()))
     h = w.ops.conv3d(sc, x.x, bias=False)  # no padding: the conv input is x itself
     if x.bias is None:
@@ -210,7 +222,10 @@ def shortcut(w: Walk, sc: Any, x: Act) -> Act:
 
 
 def residual_add(w: Walk, owner: nn.Module, x: Act, h: Act) -> Act:
-    """x + h, every pending bias of both added in the same pass (summed once, fp32, per module)."""
+    """x + h, every pending bias of both added in the same pass (summed once, fp32, per module);
+    an exact set adds h's to h first (its conv's own pass), leaving x's bias alone to the op."""
+    if w.ops.exact and h.bias is not None:
+        h = Act(h.settled())
     b, hb = x.bias, h.bias
     bias = b if hb is None else hb if b is None else (
         derived(owner, "residual_bias", (b, hb), lambda: _opmath(b) + _opmath(hb))
@@ -222,8 +237,8 @@ def residual_block(w: Walk, rb: Any, x: Act) -> Act:
     """WanResidualBlock.forward: shortcut, norm1+SiLU -> conv1, norm2+SiLU -> conv2, + shortcut."""
     h = shortcut(w, rb.conv_shortcut, x)
     act = rb.nonlinearity
-    x = w.conv(rb.conv1, x, (rb.norm1, act), leave_bias=True)
-    x = w.conv(rb.conv2, x, (rb.norm2, act), leave_bias=True)  # dropout: identity (see PORTS)
+    x = w.conv(rb.conv1, x, (rb.norm1, act), site=BiasSite.CONV1_NORM)
+    x = w.conv(rb.conv2, x, (rb.norm2, act), site=BiasSite.CONV2_RESIDUAL)  # dropout: identity (see PORTS)
     return residual_add(w, rb, x, h)
 
 
@@ -237,15 +252,17 @@ def mid_block(w: Walk, mid: Any, x: Act) -> Act:
     return x
 
 
-def resample(w: Walk, rs: Any, x_in: Act) -> Act:
+def resample(w: Walk, rs: Any, x_in: Act, *, image_conv_site: BiasSite = BiasSite.IMAGE_CONV_BLOCK) -> Act:
     """WanResample.forward for upsample2d/upsample3d: the time_conv with diffusers' "Rep" cache
-    marker (first call: no time upsampling), the frame interleave, nearest 2x, the image conv.
-    The downsample modes are :func:`downsample`."""
+    marker (first call: no time upsampling), the frame interleave, nearest 2x, the image conv
+    (``image_conv_site``: who reads its output, so whether it may leave its bias). The
+    downsample modes are :func:`downsample`."""
     if rs.mode in DOWNSAMPLE_MODES:
         return downsample(w, rs, x_in)
     x = x_in.settled()
     b, t = x.size(0), x.size(2)
     interleave = False
+    time_bias = None  # the time_conv's, left to the upsample gather
     if rs.mode == "upsample3d" and w.cache is not None:
         idx = w.idx[0]
         prev = w.cache[idx]
@@ -256,13 +273,15 @@ def resample(w: Walk, rs: Any, x_in: Act) -> Act:
             padded, nxt = w.ops.causal_conv_input(
                 x, None if rep else prev.to(x.device), tuple(rs.time_conv._padding), zero_history=rep
             )
-            x = w.ops.conv3d(rs.time_conv, padded)
+            if BiasSite.TIME_CONV_UPSAMPLE in w.defer:
+                time_bias = rs.time_conv.bias
+            x = w.ops.conv3d(rs.time_conv, padded, bias=time_bias is None)
             w.cache[idx] = nxt
             interleave = True
         w.idx[0] += 1
-    images = w.ops.upsample2x(x, interleave)
+    images = w.ops.upsample2x(x, interleave, time_bias)
     conv = rs.resample[1]
-    pending = conv.bias if w.defer else None  # leave_bias: the next block's ops take it
+    pending = conv.bias if image_conv_site in w.defer else None
     y = w.ops.conv2d(conv, images) if pending is None else w.ops.conv2d(conv, images, bias=False)
     t_out = t * 2 if interleave else t
     return Act(y.view(b, t_out, y.size(1), y.size(2), y.size(3)).permute(0, 2, 1, 3, 4), pending)
@@ -317,7 +336,8 @@ def residual_up_block(w: Walk, up: Any, x_in: Act) -> Act:
         h = w.visit(resnet, h)
     sc = up.avg_shortcut
     if up.upsampler is not None:
-        h = w.visit(up.upsampler, h)
+        site = BiasSite.IMAGE_CONV_DUPUP if sc is not None else BiasSite.IMAGE_CONV_BLOCK
+        h = w.visit(up.upsampler, h, image_conv_site=site)
         if sc is None:  # nothing below takes the bias (diffusers builds both or neither)
             h = Act(h.settled())
     if sc is None:
@@ -364,14 +384,14 @@ def decode(
     ops: OpSet, dec: nn.Module, x: torch.Tensor, cache: list, first_chunk: bool, *, strict: bool = False
 ) -> torch.Tensor:
     """One decoder call on one latent frame (post_quant_conv'd), cache list in diffusers' layout."""
-    w = Walk(ops, cache, [0], first_chunk, defer=ops.defers_bias_for(x), strict=strict)
+    w = Walk(ops, cache, [0], first_chunk, defer=ops.deferred_bias_sites(x), strict=strict)
     return decoder(w, dec, x)
 
 
 def encode(ops: OpSet, enc: nn.Module, x: torch.Tensor, cache: list, *, strict: bool = False) -> torch.Tensor:
     """One encoder call (frame 0, or the next four frames; patchified for Wan2.2), cache list in
     diffusers' layout; returns one latent frame of the encoder's output (before quant_conv)."""
-    w = Walk(ops, cache, [0], None, defer=ops.defers_bias_for(x), strict=strict)
+    w = Walk(ops, cache, [0], None, defer=ops.deferred_bias_sites(x), strict=strict)
     return encoder(w, enc, x)
 
 
@@ -412,7 +432,7 @@ def dropout_off(rb: Any) -> bool:
 class Port:
     """A diffusers class the tree ports: its body, and when the body covers an instance."""
 
-    body: Callable[[Walk, Any, Act], Act]
+    body: Callable[..., Act]  # (walk, module, x, **site keywords) -> Act
     covers: Callable[[Any, Walk], bool] = lambda m, w: True
 
 
