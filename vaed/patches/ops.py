@@ -63,7 +63,8 @@ the DupUp3D add), each saving that pass; the fast set defers everywhere
 (``ALL_BIAS_SITES``), folding biases into its own arithmetic.
 
 ``REFERENCE_OPS`` holds the plain-torch chains, op for op what stock diffusers
-runs (a deferred bias is added first, in its own aten add, as the conv's own pass). ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
+runs (a deferred bias is added first, in its own aten add, as the conv's own
+pass). ``LOSSLESS_OPS`` holds the Triton kernels, each a :class:`FusedOp` that
 falls back to its reference per call (bit-identical: every kernel is exact).
 """
 
