@@ -6,7 +6,8 @@ reference beside it. Triton is imported on first use only. Every op is
 bit-exact against its reference except the fast tier's arithmetic:
 ``causal_pad_cl``'s ``norm_cl`` prologue, the one-pass RMS-norm+SiLU (see
 causal_input_cl), and ``bias_residual_add``, one rounding for ``x + bias + h``
-(its reference is its own arithmetic in plain torch, not stock's chain).
+(its reference is its own arithmetic in plain torch, not stock's chain; with
+``exact=True`` it rounds where stock does, the lossless tier's residual add).
 """
 
 from vaed.kernels._runtime import interpreter_active, triton_available
