@@ -401,28 +401,22 @@ def test_biases_are_deferred_only_where_the_fused_kernels_run() -> None:
     assert P.LOSSLESS_OPS.deferred_bias_sites(x) == frozenset()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reference ops with ``defer_bias`` forced on (fp64): every residual block runs conv1,
-    conv2 and a conv shortcut without their bias, norm2 gets conv1's as ``x_bias`` and the
-    residual add the rest; every upsampler's image conv runs without its bias, which reaches
-    the next block's norm1 and residual add (Wan2.1) or the DupUp3D add (Wan2.2). The decode
-    equals stock up to fp64 rounding (the biases are added where the next op reads)."""
-    from vaed.patches import ops as ops_module
+def _bias_counting_ops(seen: collections.Counter, *, separate_bias: bool = False) -> dict[str, Any]:
+    """OpSet fields: the plain-torch ops, each counting into ``seen`` the calls that leave a
+    conv's bias out or hand one on. ``separate_bias``: convs add their bias in an aten pass
+    of their own after the conv, as torch does after a cuDNN conv (a CPU conv adds it in its sum)."""
 
-    vae = _vae(arch, torch.float64)
-    z = torch.randn(1, vae.config.z_dim, 3, 4, 4, dtype=torch.float64)
-    with torch.no_grad():
-        want, _ = _chunked(vae, z)
-    seen: collections.Counter = collections.Counter()
+    def conv(op: Any, kind: str) -> Any:
+        def run(module: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+            seen[f"{kind} without bias"] += not bias
+            if not separate_bias:
+                return op(module, x, bias=bias)
+            y = op(module, x, bias=False)
+            if bias and module.bias is not None:
+                y = y + module.bias.view(1, -1, *([1] * (y.dim() - 2)))
+            return y
 
-    def conv3d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
-        seen["conv3d without bias"] += not bias
-        return P.REFERENCE_OPS.conv3d(conv, x, bias=bias)
-
-    def conv2d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
-        seen["conv2d without bias"] += not bias
-        return P.REFERENCE_OPS.conv2d(conv, x, bias=bias)
+        return run
 
     def norm_causal_pad(x: torch.Tensor, cache: Any, pad: Any, **kw: Any) -> Any:
         seen["norm with x_bias"] += kw["norm"].x_bias is not None
@@ -440,10 +434,30 @@ def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, mon
         seen["upsample with bias"] += bias is not None
         return P.REFERENCE_OPS.upsample2x(x, interleave, bias)
 
-    deferring = dataclasses.replace(
-        P.REFERENCE_OPS, name="deferring", exact=False, uses_triton=True, defer_bias=ALL_BIAS_SITES, conv3d=conv3d,
-        conv2d=conv2d, norm_causal_pad=norm_causal_pad, residual_add=residual_add, dupup_add=dupup_add,
+    return dict(
+        conv3d=conv(P.REFERENCE_OPS.conv3d, "conv3d"), conv2d=conv(P.REFERENCE_OPS.conv2d, "conv2d"),
+        norm_causal_pad=norm_causal_pad, residual_add=residual_add, dupup_add=dupup_add,
         upsample=upsample, upsample_interleave=upsample,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference ops with ``defer_bias`` forced on (fp64): every residual block runs conv1,
+    conv2 and a conv shortcut without their bias, norm2 gets conv1's as ``x_bias`` and the
+    residual add the rest; every upsampler's image conv runs without its bias, which reaches
+    the next block's norm1 and residual add (Wan2.1) or the DupUp3D add (Wan2.2). The decode
+    equals stock up to fp64 rounding (the biases are added where the next op reads)."""
+    from vaed.patches import ops as ops_module
+
+    vae = _vae(arch, torch.float64)
+    z = torch.randn(1, vae.config.z_dim, 3, 4, 4, dtype=torch.float64)
+    with torch.no_grad():
+        want, _ = _chunked(vae, z)
+    seen: collections.Counter = collections.Counter()
+    deferring = dataclasses.replace(
+        P.REFERENCE_OPS, name="deferring", exact=False, uses_triton=True, defer_bias=ALL_BIAS_SITES,
+        **_bias_counting_ops(seen),
     )
     monkeypatch.setattr(ops_module.rt, "triton_available", lambda: True)
     monkeypatch.setattr(ops_module.rt, "device_ok", lambda t: True)
@@ -483,46 +497,13 @@ def test_exact_deferred_biases_keep_stock_bits(arch: str, monkeypatch: pytest.Mo
     vae = _vae(arch, torch.bfloat16)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4).to(torch.bfloat16)
     seen: collections.Counter = collections.Counter()
-
-    def separate(conv_op: Any, conv: Any, x: torch.Tensor, bias: bool) -> torch.Tensor:
-        y = conv_op(conv, x, bias=False)
-        if bias and conv.bias is not None:  # torch's own bias pass after a cuDNN conv
-            y = y + conv.bias.view(1, -1, *([1] * (y.dim() - 2)))
-        return y
-
-    def conv3d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
-        seen["conv3d without bias"] += not bias
-        return separate(P.REFERENCE_OPS.conv3d, conv, x, bias)
-
-    def conv2d(conv: Any, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
-        seen["conv2d without bias"] += not bias
-        return separate(P.REFERENCE_OPS.conv2d, conv, x, bias)
-
-    def norm_causal_pad(x: torch.Tensor, cache: Any, pad: Any, **kw: Any) -> Any:
-        seen["norm with x_bias"] += kw["norm"].x_bias is not None
-        return P.REFERENCE_OPS.norm_causal_pad(x, cache, pad, **kw)
-
-    def residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        seen["residual add with bias"] += bias is not None
-        return P.REFERENCE_OPS.residual_add(x, h, bias)
-
-    def dupup_add(*args: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-        seen["dupup add with bias"] += bias is not None
-        return P.REFERENCE_OPS.dupup_add(*args, bias=bias)
-
-    def upsample(x: torch.Tensor, interleave: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
-        seen["upsample with bias"] += bias is not None
-        return P.REFERENCE_OPS.upsample2x(x, interleave, bias)
-
-    fields = dict(
-        conv3d=conv3d, conv2d=conv2d, norm_causal_pad=norm_causal_pad, residual_add=residual_add,
-        dupup_add=dupup_add, upsample=upsample, upsample_interleave=upsample,
+    keeping = dataclasses.replace(
+        P.REFERENCE_OPS, name="keeping", uses_triton=True, **_bias_counting_ops(seen, separate_bias=True)
     )
-    keeping = dataclasses.replace(P.REFERENCE_OPS, name="keeping", uses_triton=True, **fields)
     deferring = dataclasses.replace(keeping, name="deferring", defer_bias=EXACT_BIAS_SITES)
     monkeypatch.setattr(ops_module.rt, "triton_available", lambda: True)
     monkeypatch.setattr(ops_module.rt, "device_ok", lambda t: True)
-    monkeypatch.setattr(ops_module, "conv_bias_added_separately", lambda t: True)  # as `separate` does
+    monkeypatch.setattr(ops_module, "conv_bias_added_separately", lambda t: True)  # as separate_bias does
     decoder = vae.decoder
     blocks = [m for m in decoder.modules() if type(m).__name__ == "WanResidualBlock"]
     time_convs = sum(1 for m in decoder.modules() if getattr(m, "mode", None) == "upsample3d")
