@@ -36,6 +36,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -45,7 +46,8 @@ from typing import Any
 
 import torch
 
-from .choices import CudaGraphs, Kernels, Layout
+from .choices import ConvPlans, CudaGraphs, Kernels, Layout, Precision
+from .patches.conv_plans import PLAN_FILE
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fused kernels for vaed-lossless")
     parser.add_argument("--cuda-graphs", choices=CudaGraphs.values(), default=CudaGraphs.OFF,
                         help="vaed variants replay captured decoder calls (vaed serve --cuda-graphs)")
+    parser.add_argument("--conv-plans", choices=ConvPlans.values(), default=ConvPlans.OFF,
+                        help="vaed-fast's convs on tuned cuDNN plans (vaed serve --conv-plans); the plan "
+                             "file is the kernel cache's")
     parser.add_argument("--seed", type=int, default=0, help="latents seed")
     parser.add_argument("--psnr", action="store_true", help="PSNR / max abs error against an fp32 stock decode")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write rows as JSON")
@@ -147,21 +152,43 @@ WarmUp = Callable[[torch.Tensor], None]
 
 
 def vaed_decoder(
-    vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = CudaGraphs.OFF
-) -> tuple[Decode, WarmUp] | None:
+    vae: Any, spec: str, kernels: str, precision: str, cuda_graphs: str = CudaGraphs.OFF,
+    conv_plans: str = ConvPlans.OFF,
+) -> tuple[Decode, WarmUp, Callable[[], None]] | None:
     """The server's own decode path (DecodeEngine: session-owned cache, one decoder call per
-    latent frame, fast paths installed, clamp), as a decode function and its warm-up."""
+    latent frame, fast paths installed, clamp), as a decode function, its warm-up (the conv
+    plans' tuning first, with ``conv_plans`` tune) and its close."""
     from vaed.engine import DecodeEngine, OutputSpec, warm_up
     from vaed.models import LoadedModel
+    from vaed.startup import kernel_cache_dir
 
+    plan_file = None
+    if conv_plans == ConvPlans.TUNE:  # the tuning's progress lines (the command logs warnings only)
+        logging.getLogger("vaed.engine").setLevel(logging.INFO)
+    if conv_plans != ConvPlans.OFF and (cache := kernel_cache_dir()) is not None:
+        os.makedirs(cache, exist_ok=True)
+        plan_file = os.path.join(cache, PLAN_FILE)
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
-                          kernels=kernels, layout=Layout.CHANNELS_LAST, cuda_graphs=cuda_graphs)
+                          kernels=kernels, layout=Layout.CHANNELS_LAST, cuda_graphs=cuda_graphs,
+                          conv_plans=conv_plans, conv_plan_file=plan_file)
     if precision not in engine.precisions:
         log.warning("vaed-%s skipped: tier not available here (%s)", precision, engine.fast_paths.summary)
+        engine.close()
         return None
     log.info("vaed-%s: %s%s", precision, engine.fast_paths.summary, ", CUDA graphs" if engine.graphs else "")
     raw = OutputSpec(rgb8=False, raw_dtype=None, raw_latents=True, precision=precision)
-    return (lambda _vae, z: engine.decode_video(z, raw)), (lambda z: warm_up(engine, tuple(z.shape[-2:]), precision))
+
+    def warm(z: torch.Tensor) -> None:
+        hw = (int(z.shape[-2]), int(z.shape[-1]))
+        if precision == Precision.FAST:
+            engine.prepare_conv_plans([hw])
+        warm_up(engine, hw, precision)
+
+    return (lambda _vae, z: engine.decode_video(z, raw)), warm, engine.close
+
+
+def _nothing() -> None:
+    """A stock variant's close: it holds no engine."""
 
 
 def _rgb8(x: torch.Tensor) -> torch.Tensor:
@@ -296,14 +323,17 @@ def run_case(case: Case, args: argparse.Namespace, variants: tuple[str, ...]) ->
             prepare_decoder(vae, kernels=Kernels.OFF, layout=layout)
             zi, fn, ref_key = to_decoder_layout(z, layout), stock_decode, variant
             warm = functools.partial(stock_warm_up, vae)
+            close = _nothing
         else:
-            engine_fns = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"), args.cuda_graphs)
+            engine_fns = vaed_decoder(vae, spec, args.kernels, variant.removeprefix("vaed-"), args.cuda_graphs,
+                                      args.conv_plans)
             if engine_fns is None:
                 continue
-            (fn, warm), zi, ref_key = engine_fns, to_decoder_layout(z, Layout.CHANNELS_LAST), "stock-cl3d"
+            (fn, warm, close), zi, ref_key = engine_fns, to_decoder_layout(z, Layout.CHANNELS_LAST), "stock-cl3d"
         with torch.inference_mode():
             warm(zi)  # up to the steady chunk: Triton compiles, cuDNN plans (and captures, with graphs)
             secs, peak, out = _time(functools.partial(fn, vae, zi), args.reps, device)
+        close()
         out_cpu = out.cpu()
         del out
         ident = _bit_identity(refs, variant, ref_key, out_cpu)

@@ -68,6 +68,15 @@ class CudaGraphs(Choice):
     OFF = "off"
 
 
+class ConvPlans(Choice):
+    """The fast tier's convs on cuDNN engines timed per shape (vaed.patches.conv_plans): replay
+    the choices found in the plan file, also time the warm-up shapes it lacks, or torch's pick."""
+
+    CACHED = "cached"
+    TUNE = "tune"
+    OFF = "off"
+
+
 class Parallel(Choice):
     """One request per device, or large requests sharded over all devices."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from vaed_client import wire
 
-from .choices import ComputeDtype, CudaGraphs, Kernels, Layout, LogLevel, Parallel, Precision, SpatialAxis
+from .choices import ComputeDtype, ConvPlans, CudaGraphs, Kernels, Layout, LogLevel, Parallel, Precision, SpatialAxis
 from .flags import coerce_choices, option, positive_int, seconds, shapes
 
 DEFAULT_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
@@ -137,6 +137,11 @@ class ServerConfig:
         CudaGraphs.OFF, "replay decoder calls from captured CUDA graphs, one per call signature "
         "(bit-identical; more GPU memory for the graphs' buffers): on = every call, first = each "
         "video's first chunk only (the first frame's launches), off = none", choices=CudaGraphs)
+    conv_plans: ConvPlans = option(
+        ConvPlans.CACHED, "the fast tier's convs on the cuDNN engine timed fastest per conv shape "
+        "(needs nvidia-cudnn-frontend): cached = replay the choices in the kernel cache's plan file, "
+        "tune = also time the warm-up sizes' convs it lacks at start-up (tens of seconds, once per "
+        "GPU model and cache) and add them, off = torch's pick", choices=ConvPlans)
     kernel_cache: str | None = option(
         None, "directory Triton keeps its compiled kernels in (TRITON_CACHE_DIR of this process): a "
         "restart that finds them there skips the compiles; mount it on a volume that outlives the pod",

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from . import patches
-from .choices import ComputeDtype, CudaGraphs, Kernels, Layout, Precision
+from .choices import ComputeDtype, ConvPlans, CudaGraphs, Kernels, Layout, Precision
 from .engine_protocol import (
     DecodedGroup,
     EncodedGroup,
@@ -59,6 +59,7 @@ from .engine_protocol import (
 )
 from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
 from .models import LoadedModel, load_model
+from .patches import conv_plans
 from .startup import phase
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class DecodeEngine(Engine):
         cuda_graphs: str = CudaGraphs.OFF,
         encode_dtype: torch.dtype | None = None,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
+        conv_plans: str = ConvPlans.OFF,
+        conv_plan_file: str | None = None,
     ) -> None:
         self.loaded = loaded
         self.vae = loaded.vae
@@ -132,8 +135,65 @@ class DecodeEngine(Engine):
         if graph_mode != CudaGraphs.OFF and self.device.type == "cuda":
             self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs,
                                         first_chunk_only=graph_mode == CudaGraphs.FIRST)
-        log.info("decoder ready on %s: %s%s", self.device, self.fast_paths.summary,
-                 f", CUDA graphs {graph_mode}" if self.graphs is not None else "")
+        self.conv_plans = ConvPlans.parse(conv_plans, "conv_plans")
+        self.conv_planner = self._open_conv_planner(conv_plan_file)
+        log.info("decoder ready on %s: %s%s%s", self.device, self.fast_paths.summary,
+                 f", CUDA graphs {graph_mode}" if self.graphs is not None else "",
+                 f", conv plans {self.conv_plans} ({len(self.conv_planner.choices)} in the file)"
+                 if self.conv_planner is not None else "")
+
+    def _open_conv_planner(self, plan_file: str | None) -> conv_plans.ConvPlanner | None:
+        """The fast tier's conv planner on this device (`vaed.patches.conv_plans`), installed;
+        None when off, without the fast tier, or where the frontend cannot run (logged)."""
+        if self.conv_plans == ConvPlans.OFF or Precision.FAST not in self.fast_paths.op_sets:
+            return None
+        if self.device.type != "cuda":
+            return None
+        planner = conv_plans.ConvPlanner.open(
+            self.device, conv_plans.PlanFile(plan_file) if plan_file is not None else None)
+        if isinstance(planner, str):
+            log.warning("conv plans off on %s: %s", self.device, planner)
+            return None
+        conv_plans.install(planner)
+        return planner
+
+    def close(self) -> None:
+        """Take this engine's conv planner off its device (the registry holds one per device)."""
+        if self.conv_planner is not None and conv_plans.planner_for(self.device) is self.conv_planner:
+            conv_plans.uninstall(self.device)
+        self.conv_planner = None
+
+    def prepare_conv_plans(self, latent_hws: list[tuple[int, int]]) -> None:
+        """`--conv-plans tune`: decode each size once in the fast tier to see its convs, time
+        those the plan file lacks, and write what won to the file. The pass runs eagerly: CUDA
+        graphs are captured by the warm-up after it, with the plans."""
+        planner = self.conv_planner
+        if planner is None or self.conv_plans != ConvPlans.TUNE:
+            return
+        with phase("conv plans"):
+            graphs, self.graphs = self.graphs, None
+            try:
+                for hw in latent_hws:
+                    warm_up(self, hw, Precision.FAST)
+            finally:
+                self.graphs = graphs
+            todo = len(planner.unplanned)
+            if not todo:
+                log.info("conv plans on %s: every conv of the warm-up sizes is in the file", self.device)
+                return
+            log.info("conv plans on %s: timing %d conv shapes on cuDNN's engines", self.device, todo)
+
+            def progress(done: int, total: int, call: conv_plans.ConvCall, choice: conv_plans.PlanChoice) -> None:
+                verdict = f"{choice.name} {choice.gain:.2f}x" if choice.engine_id is not None else "torch's pick"
+                log.info("conv plans on %s: %d/%d %s: torch %.3f ms -> %s", self.device, done, total,
+                         call.label(), choice.torch_ms, verdict)
+
+            report = planner.tune(progress=progress)
+            log.info("conv plans on %s: %d of %d shapes on another engine, their convs %.2f -> %.2f ms "
+                     "(one launch each), %.1f s", self.device, report.planned, report.calls, report.torch_ms,
+                     report.chosen_ms, report.seconds)
+            for failure in report.failed:
+                log.warning("conv plans on %s: the frontend refused %s", self.device, failure)
 
     @classmethod
     def load(

@@ -375,6 +375,10 @@ class Engine(ABC):
         """Extra health-service entries (name suffix -> serving) beside the device's own."""
         return {}
 
+    def prepare_conv_plans(self, latent_hws: list[tuple[int, int]]) -> None:  # noqa: B027  (optional hook)
+        """Before the warm-up decodes: time the fast tier's convs at these sizes on cuDNN's
+        engines where asked (`--conv-plans tune`); nothing for an engine without a planner."""
+
     def keepalive(self) -> None:  # noqa: B027  (an optional hook: a one-device engine has nothing to do)
         """Called by the device worker on every pass of its loop, idle or not: an engine that
         must show its group it is alive does so when due (cheap otherwise)."""

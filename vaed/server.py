@@ -36,6 +36,7 @@ from .logs import installed as installed_log_handler
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
+from .patches.conv_plans import PLAN_FILE
 from .service import VaeDecoderService
 from .startup import StartupTimes, kernel_cache_dir, kernel_cache_entries, phase, use_kernel_cache
 from .video import PackagingPool
@@ -45,6 +46,15 @@ log = logging.getLogger(__name__)
 
 class StartupError(RuntimeError):
     """The server could not start (port taken, model failed to load, bad TLS/auth files)."""
+
+
+def conv_plan_file(device: str) -> str | None:
+    """The fast tier's conv plan file (`vaed.patches.conv_plans`): beside Triton's compiled kernels,
+    on the volume `--kernel-cache` names; None on a CPU device or without a cache directory."""
+    if not device.startswith("cuda"):
+        return None
+    cache = kernel_cache_dir()
+    return os.path.join(cache, PLAN_FILE) if cache is not None else None
 
 
 def engine_factory(config: ServerConfig) -> EngineFactory:
@@ -57,6 +67,7 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
             config.model, device=device, dtype=config.compute_dtype_name,
             kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
             cuda_graphs=config.cuda_graphs, encoder=config.encode, encode_dtype=config.encode_dtype,
+            conv_plans=config.conv_plans, conv_plan_file=conv_plan_file(device),
         )
         if config.parallel != Parallel.SPATIAL:
             return engine

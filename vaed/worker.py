@@ -240,7 +240,10 @@ class DeviceWorker:
         at that shape does not pay cuDNN plan selection, Triton compiles (the fast tier's kernels
         specialise per shape too) or allocator growth."""
         frames = WARMUP_LATENT_FRAMES if self.is_cuda else 2
-        for h, w in self._warm_shapes(engine):
+        shapes = self._warm_shapes(engine)
+        if self.is_cuda:
+            engine.prepare_conv_plans(shapes)  # before the warm-up: it then runs (and captures) the plans
+        for h, w in shapes:
             started = time.perf_counter()
             for precision in engine.precisions:
                 warm_up(engine, (h, w), precision, frames)

@@ -39,9 +39,13 @@ causal-input site, the exact norm prologue included (aten's denominator, the
 * ``upsample`` / ``upsample_interleave``: the lossless gather, its images
   always NHWC (the interleave's reference layout is NCHW, which made every
   up block's first frames leave channels_last_3d).
+* ``conv3d`` / ``conv2d`` (and the unfolded conv2d above): on the cuDNN plan
+  tuned for the call's shape where the device has a planner with one
+  (``vaed.patches.conv_plans``, ``vaed serve --conv-plans``); torch's pick
+  otherwise, the lossless tier's conv.
 
-Everything else (DupUp3D add, the encoder's AvgDown3D add, the other cuDNN
-convs) is the lossless ops.
+Everything else (DupUp3D add, the encoder's AvgDown3D add) is the lossless
+ops.
 Each fast op falls back per call to the lossless op, then to the reference,
 so a contiguous-layout or CPU decoder still runs (where no kernel can run,
 the biases are not deferred either: ``OpSet.defers_bias_for``).
@@ -50,6 +54,7 @@ the biases are not deferred either: ``OpSet.defers_bias_for``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +63,7 @@ from torch import nn
 from vaed import kernels as K
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.residual import bias_residual_add
+from vaed.patches.conv_plans import planned_conv
 from vaed.patches.derived import derived
 from vaed.patches.ops import (
     ALL_BIAS_SITES,
@@ -67,6 +73,8 @@ from vaed.patches.ops import (
     OpSet,
     PadTuple,
     reference_causal_pad,
+    reference_conv2d,
+    reference_conv3d,
     reference_residual_add,
     reference_upsample,
     reference_upsample_interleave,
@@ -175,7 +183,7 @@ def unfolded_causal_conv(
     if r is None:
         return None
     images, nxt = r
-    y = F.conv2d(images, unfolded_weight(conv), conv.bias if bias else None)
+    y = conv_with_plan(images, unfolded_weight(conv), conv.bias if bias else None)
     if not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     # [B*TO, C, H, W] channels-last is [B, TO, H, W, C] in memory: channels_last_3d [B, C, TO, H, W]
@@ -183,6 +191,39 @@ def unfolded_causal_conv(
     n, c, h, w_ = y.shape
     shape = (x.shape[0], c, n // x.shape[0], h, w_)
     return y.as_strided(shape, (shape[2] * h * w_ * c, 1, h * w_ * c, w_ * c, c)), nxt
+
+
+def conv_with_plan(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1, padding: Any = 0,
+    dilation: Any = 1, groups: int = 1,
+) -> torch.Tensor:
+    """``F.conv2d/3d`` on the device's tuned cuDNN plan when it has one for the call
+    (``vaed.patches.conv_plans``), else torch's; the bias, if any, in a pass of its own after
+    the plan, as torch adds it after a cuDNN conv."""
+    y = planned_conv(x, w, stride, padding, dilation, groups)
+    if y is None:
+        conv = F.conv3d if w.dim() == 5 else F.conv2d
+        return conv(x, w, bias, stride, padding, dilation, groups)
+    if bias is not None:
+        y += bias.view(1, -1, *([1] * (y.dim() - 2)))
+    return y
+
+
+def planned_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+    """Lossy: a Conv3d's convolution of its (pre-padded) input on the tuned plan, if any."""
+    c = cast(nn.Conv3d, conv)
+    if isinstance(c.padding, str) or c.padding_mode != "zeros":
+        return reference_conv3d(conv, x, bias=bias)
+    return conv_with_plan(x, c.weight, c.bias if bias else None, c.stride, c.padding, c.dilation, c.groups)
+
+
+def planned_conv2d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+    """Lossy: WanResample's image conv on the tuned plan, if any; the module call when it has
+    hooks or a non-zero padding mode (what stock's ``conv(x)`` would honour)."""
+    c = cast(nn.Conv2d, conv)
+    if isinstance(c.padding, str) or c.padding_mode != "zeros" or c._forward_hooks or c._forward_pre_hooks:
+        return reference_conv2d(conv, x, bias=bias)
+    return conv_with_plan(x, c.weight, c.bias if bias else None, c.stride, c.padding, c.dilation, c.groups)
 
 
 def channels_last_upsample(
@@ -220,6 +261,8 @@ FAST_OPS: OpSet = dataclasses.replace(
     norm_causal_pad=FusedOp("norm_causal_pad", fast_norm_causal_pad, reference_causal_pad),
     norm_causal_conv=FusedOp("norm_causal_conv", unfolded_norm_causal_conv, unfused_norm_causal_conv),
     residual_add=FusedOp("residual_add", fused_residual_add, reference_residual_add),
+    conv3d=planned_conv3d,
+    conv2d=planned_conv2d,
     upsample=FusedOp("upsample", channels_last_upsample, reference_upsample),
     upsample_interleave=FusedOp(
         "upsample_interleave", channels_last_upsample_interleave, reference_upsample_interleave

@@ -1,0 +1,532 @@
+"""The fast tier's convs on the cuDNN engine that times fastest per shape, where it beats torch's.
+
+torch runs every conv on the plan cuDNN's heuristics rank first. On the Wan decoder's own
+shapes other engines are faster: on an H200 (Wan2.1, a steady 480x832 fast-tier chunk,
+``benchmarks/bench_convs.py``) the fastest plan per shape took the chunk's convs from 23.9 to
+22.4 ms; 384->384 3x3x3 convs ran 1.21-1.23x faster, 192->384 ones 1.24x.
+
+How (``nvidia-cudnn-frontend``, an optional dependency):
+
+* a :class:`ConvCall` is one conv signature: input and weight shapes and strides, stride,
+  padding, dilation, groups, dtype;
+* :meth:`ConvPlanner.tune` builds the frontend's graph of a call, builds its candidate plans
+  (heuristics A, then the fallback list; cuDNN backend engines only), checks each against
+  torch's output and times each against torch's own call (CUDA events, the median of
+  ``TIMING_ITERS``); the fastest wins only if it beats torch by ``MIN_GAIN``, else the call
+  keeps torch;
+* the choice is the frontend's replay record (engine id and knobs), kept in a JSON file
+  (:class:`PlanFile`) next to Triton's compiled kernels, under a fingerprint of the GPU,
+  cuDNN, the frontend and torch; a restart replays it (one plan built and checked per
+  shape, no timing) and a file written elsewhere is ignored;
+* :func:`planned_conv` runs a call's plan when its device's planner has one, else returns
+  None and torch runs it.
+
+The fast tier only: another engine sums in another order, so its bits are not stock's; the
+lossless tier's convs never come here. torch's own benchmark mode
+(``torch.backends.cudnn.benchmark``) would time engines too, but it is one process-wide
+flag, read by every thread's convs, the lossless tier's included.
+
+A plan runs on torch's current stream (set on the handle per call) with a workspace from
+torch's allocator, so a CUDA graph capture records it like any other kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "vaed-conv-plans.json"  # in the kernel cache directory (vaed.startup.kernel_cache_dir)
+FILE_FORMAT = 1
+# A plan replaces torch's pick only when at least this much faster: the medians of repeated
+# timings of one conv move by ~1 %, and a plan's host path costs a few microseconds more.
+MIN_GAIN = 0.03
+# max |plan - torch| / max |torch|: ~0.004 is one bf16 ulp at the largest output; a correct
+# engine lands within a few ulps, a broken one far outside
+MAX_REL_ERR = 0.02
+MAX_PLANS = 16  # candidate plans timed per call (heuristics order: the likely winners first)
+MAX_WORKSPACE_BYTES = 256 << 20
+TIMING_ITERS = 10
+WARMUP_ITERS = 2
+SLEEP_CYCLES = 1_000_000  # a GPU sleep before each timed launch (~0.5 ms) hides its host cost
+MAX_RECORDED = 4096  # calls without a choice remembered for tuning; bounds the set
+_FE_DTYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF", torch.float32: "FLOAT"}
+
+
+# --- one conv signature -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """One conv as torch is asked to run it, bias aside (a planned conv adds it in a pass of its
+    own, as torch does after a cuDNN conv)."""
+
+    x_shape: tuple[int, ...]
+    x_stride: tuple[int, ...]
+    w_shape: tuple[int, ...]
+    w_stride: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    dtype: str  # "bfloat16"
+
+    @classmethod
+    def of(
+        cls, x: torch.Tensor, w: torch.Tensor, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+        groups: int = 1,
+    ) -> ConvCall | None:
+        """The call of ``F.conv2d/3d(x, w, None, stride, padding, dilation, groups)``; None for
+        what a plan does not take (string padding, dtypes outside ``_FE_DTYPES``)."""
+        n = w.dim() - 2
+        if isinstance(padding, str) or x.dtype not in _FE_DTYPES or x.dim() != w.dim() or n not in (2, 3):
+            return None
+        return cls(tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), _ntuple(stride, n), _ntuple(padding, n),
+                   _ntuple(dilation, n), int(groups), str(x.dtype).removeprefix("torch."))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def out_shape(self) -> tuple[int, ...]:
+        dims = []
+        for i, size in enumerate(self.x_shape[2:]):
+            span = (self.w_shape[i + 2] - 1) * self.dilation[i] + 1
+            dims.append((size + 2 * self.padding[i] - span) // self.stride[i] + 1)
+        return (self.x_shape[0], self.w_shape[0], *dims)
+
+    def key(self) -> str:
+        """The call as a JSON text (the plan file's key)."""
+        return json.dumps(dataclasses.astuple(self), separators=(",", ":"))
+
+    @classmethod
+    def from_key(cls, key: str) -> ConvCall:
+        v = json.loads(key)
+        if not isinstance(v, list) or len(v) != len(dataclasses.fields(cls)):
+            raise ValueError(f"not a conv call: {key!r}")
+        fields: list[Any] = [tuple(f) if isinstance(f, list) else f for f in v]
+        return cls(*fields)
+
+    def label(self) -> str:
+        """e.g. ``conv3d 384->384 k3x3x3 in 1x384x3x62x106``."""
+        kind = f"conv{len(self.w_shape) - 2}d"
+        kernel = "x".join(map(str, self.w_shape[2:]))
+        dims = "x".join(map(str, self.x_shape))
+        return f"{kind} {self.w_shape[1] * self.groups}->{self.w_shape[0]} k{kernel} in {dims}"
+
+    def run_torch(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        conv = torch.nn.functional.conv3d if len(self.w_shape) == 5 else torch.nn.functional.conv2d
+        return conv(x, w, None, self.stride, self.padding, self.dilation, self.groups)
+
+
+def _ntuple(value: Any, n: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * n
+    t = tuple(int(v) for v in value)
+    return t * n if len(t) == 1 else t
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """What tuning found for one call: the plan to replay, or None (torch's pick stays)."""
+
+    engine_id: int | None
+    knobs: tuple[tuple[int, int], ...]  # (knob type, value), the frontend's replay record
+    y_stride: tuple[int, ...]  # the output strides torch's conv gives (the plan writes the same)
+    torch_ms: float
+    plan_ms: float | None
+    name: str = ""
+
+    @property
+    def gain(self) -> float:
+        """torch's time over the plan's (1.0 without a plan)."""
+        return self.torch_ms / self.plan_ms if self.plan_ms else 1.0
+
+
+def choose(torch_ms: float, plans: Iterable[tuple[float, float]], min_gain: float = MIN_GAIN,
+           max_rel_err: float = MAX_REL_ERR) -> int | None:
+    """Index (into ``plans``, pairs of (ms, rel err)) of the fastest plan within ``max_rel_err``
+    that beats ``torch_ms`` by ``min_gain``; None keeps torch. NaN errors never qualify."""
+    best = None
+    for i, (ms, err) in enumerate(plans):
+        if not (err <= max_rel_err) or not (ms > 0):
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, i)
+    if best is None or best[0] * (1 + min_gain) > torch_ms:
+        return None
+    return best[1]
+
+
+# --- the plan file --------------------------------------------------------------------------------
+
+
+def fingerprint(device: torch.device, frontend_version: str) -> dict[str, Any]:
+    """What a choice depends on: the GPU model, cuDNN, the frontend and torch."""
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+            "cudnn": torch.backends.cudnn.version(), "frontend": frontend_version, "torch": torch.__version__}
+
+
+@dataclass
+class PlanFile:
+    """Choices per fingerprint, on disk as JSON: {"format", "fingerprints": [{"fingerprint", "plans"}]}.
+    Several fingerprints share one file (a cache volume seen by nodes of different GPU models)."""
+
+    path: str
+
+    def read(self, fp: dict[str, Any]) -> dict[ConvCall, PlanChoice]:
+        """This fingerprint's choices; {} when the file is absent, unreadable or of another format."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("conv plans: cannot read %s (%s); starting without its choices", self.path, exc)
+            return {}
+        if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
+            return {}
+        for entry in doc.get("fingerprints", []):
+            if entry.get("fingerprint") == fp:
+                out = {}
+                for key, c in entry.get("plans", {}).items():
+                    try:
+                        out[ConvCall.from_key(key)] = PlanChoice(
+                            c["engine_id"], tuple(tuple(k) for k in c["knobs"]), tuple(c["y_stride"]),
+                            float(c["torch_ms"]), c["plan_ms"], c.get("name", ""))
+                    except (KeyError, TypeError, ValueError) as exc:
+                        log.warning("conv plans: skipping an unreadable entry of %s (%s)", self.path, exc)
+                return out
+        return {}
+
+    def write(self, fp: dict[str, Any], choices: dict[ConvCall, PlanChoice]) -> None:
+        """Replace this fingerprint's choices, keep the others'; atomic (a temp file renamed)."""
+        doc: dict[str, Any] = {"format": FILE_FORMAT, "fingerprints": []}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                old = json.load(f)
+            if isinstance(old, dict) and old.get("format") == FILE_FORMAT:
+                doc["fingerprints"] = [e for e in old.get("fingerprints", []) if e.get("fingerprint") != fp]
+        except (OSError, ValueError):
+            pass
+        plans = {call.key(): {"engine_id": c.engine_id, "knobs": [list(k) for k in c.knobs],
+                              "y_stride": list(c.y_stride), "torch_ms": c.torch_ms, "plan_ms": c.plan_ms,
+                              "name": c.name, "label": call.label()}
+                 for call, c in choices.items()}
+        doc["fingerprints"].append({"fingerprint": fp, "plans": plans})
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+# --- the cuDNN frontend side ----------------------------------------------------------------------
+
+
+def import_frontend() -> Any | str:
+    """The ``cudnn`` module, or why it cannot be used."""
+    try:
+        import cudnn
+    except ImportError as exc:
+        return f"the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend): {exc}"
+    except Exception as exc:  # noqa: BLE001 - e.g. it found no libcudnn to load
+        return f"the cuDNN frontend did not load: {type(exc).__name__}: {exc}"
+    return cudnn
+
+
+@dataclass
+class _Graph:
+    """A conv graph of one call and the plan it runs (built and selected)."""
+
+    graph: Any
+    tensors: tuple[Any, Any, Any]  # the graph's X, W, Y
+    out_shape: tuple[int, ...]
+    y_stride: tuple[int, ...]
+    workspace: int = 0
+
+
+def _build_graph(cudnn: Any, handle: Any, call: ConvCall, y_stride: tuple[int, ...]) -> _Graph:
+    io = getattr(cudnn.data_type, _FE_DTYPES[call.torch_dtype])
+    f32 = cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+    x = g.tensor(name="X", dim=list(call.x_shape), stride=list(call.x_stride), data_type=io)
+    w = g.tensor(name="W", dim=list(call.w_shape), stride=list(call.w_stride), data_type=io)
+    y = g.conv_fprop(image=x, weight=w, padding=list(call.padding), stride=list(call.stride),
+                     dilation=list(call.dilation), compute_data_type=f32, name="conv")
+    y.set_output(True)
+    y.set_data_type(io)
+    y.set_dim(list(call.out_shape()))
+    y.set_stride(list(y_stride))
+    g.validate()
+    g.build_operation_graph()
+    return _Graph(g, (x, w, y), call.out_shape(), y_stride)
+
+
+def _is_backend_engine(engine_id: int) -> bool:
+    """The frontend also ranks Python (JIT) engines; only cuDNN's own are used here."""
+    try:
+        from cudnn.engines.engine_ids import is_python_engine
+    except ImportError:  # frontends before the Python engines: every plan is the backend's
+        return True
+    return not is_python_engine(engine_id)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.float().abs().max().item()
+    diff = (got.float() - want.float()).abs().max().item()
+    if math.isnan(diff):
+        return math.nan
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def gpu_ms(fn: Callable[[], Any], iters: int = TIMING_ITERS) -> float:
+    """Median GPU milliseconds of single launches of ``fn``, each between its own CUDA events
+    behind a GPU sleep (so the host's launch cost is not what is timed)."""
+    for _ in range(WARMUP_ITERS):
+        fn()
+    pairs = []
+    for _ in range(iters):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def _random(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+            std: float) -> torch.Tensor:
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return t.normal_(0.0, std)
+
+
+# --- the planner --------------------------------------------------------------------------------
+
+
+@dataclass
+class TuneReport:
+    calls: int = 0
+    planned: int = 0  # calls that got a plan
+    seconds: float = 0.0
+    torch_ms: float = 0.0  # sum over the calls of torch's ms (one launch each)
+    chosen_ms: float = 0.0  # the same with each call's choice
+    failed: list[str] = dataclasses.field(default_factory=list)  # labels whose graph the frontend refused
+
+
+class ConvPlanner:
+    """One device's choices and built plans. Thread-safe (one lock: calls come from the device's
+    worker thread, tuning from its start-up)."""
+
+    def __init__(self, device: torch.device, cudnn: Any, choices: dict[ConvCall, PlanChoice] | None = None,
+                 plan_file: PlanFile | None = None) -> None:
+        self.device = device
+        self._cudnn = cudnn
+        self._handle = cudnn.create_handle()
+        self.fingerprint = fingerprint(device, str(getattr(cudnn, "__version__", "?")))
+        self.plan_file = plan_file
+        self.choices: dict[ConvCall, PlanChoice] = dict(choices or {})
+        self._graphs: dict[ConvCall, _Graph | None] = {}  # built on first use; None: replay failed
+        self.unplanned: set[ConvCall] = set()  # calls seen without a choice (what `tune` times)
+        self._lock = threading.RLock()
+
+    @classmethod
+    def open(cls, device: torch.device, plan_file: PlanFile | None) -> ConvPlanner | str:
+        """A planner with the file's choices for this device, or why there cannot be one."""
+        if device.type != "cuda" or not torch.backends.cudnn.is_available():
+            return "conv plans need CUDA and cuDNN"
+        cudnn = import_frontend()
+        if isinstance(cudnn, str):
+            return cudnn
+        with torch.cuda.device(device):
+            try:
+                planner = cls(device, cudnn, plan_file=plan_file)
+            except Exception as exc:  # noqa: BLE001 - a frontend that cannot make a handle
+                return f"the cuDNN frontend did not start: {type(exc).__name__}: {exc}"
+        if plan_file is not None:
+            planner.choices = plan_file.read(planner.fingerprint)
+        return planner
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run(self, call: ConvCall, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """The conv on the call's chosen plan; None when it has none (torch runs it)."""
+        choice = self.choices.get(call)
+        if choice is None:
+            if len(self.unplanned) < MAX_RECORDED:
+                self.unplanned.add(call)
+            return None
+        if choice.engine_id is None:
+            return None
+        with self._lock:
+            if call not in self._graphs:
+                if torch.cuda.is_current_stream_capturing():
+                    return None  # replaying checks against torch (a sync): never inside a capture
+                self._graphs[call] = self._replay(call, choice)
+            g = self._graphs[call]
+            if g is None:
+                return None
+            return self._execute(g, x, w)
+
+    def _execute(self, g: _Graph, x: torch.Tensor, w: torch.Tensor, index: int | None = None) -> torch.Tensor:
+        y = torch.empty_strided(g.out_shape, g.y_stride, dtype=x.dtype, device=x.device)
+        workspace = torch.empty(max(g.workspace, 1), dtype=torch.uint8, device=x.device)
+        # torch's current stream: the caller's, or a graph capture's
+        self._cudnn.set_stream(handle=self._handle, stream=torch.cuda.current_stream(x.device).cuda_stream)
+        pack = dict(zip(g.tensors, (x, w, y), strict=True))
+        if index is None:
+            g.graph.execute(pack, workspace, handle=self._handle)
+        else:
+            g.graph.execute_plan_at_index(pack, workspace, index, self._handle)
+        return y
+
+    def _replay(self, call: ConvCall, choice: PlanChoice) -> _Graph | None:
+        """The chosen plan rebuilt and checked once against torch; None (torch stays) when the
+        frontend refuses it or it lands outside MAX_REL_ERR."""
+        assert choice.engine_id is not None
+        cudnn = self._cudnn
+        try:
+            g = _build_graph(cudnn, self._handle, call, choice.y_stride)
+            knobs = {cudnn.knob_type(k): v for k, v in choice.knobs}
+            g.graph.create_execution_plan(choice.engine_id, knobs)
+            index = g.graph.get_execution_plan_count() - 1
+            g.graph.build_plan_at_index(index)
+            g.workspace = int(g.graph.get_workspace_size())
+            err = self._check(call, g)
+        except Exception as exc:  # noqa: BLE001 - frontend versions raise their own types
+            log.warning("conv plans: %s: replaying %s failed (%s: %s); torch's pick runs it",
+                        call.label(), choice.name, type(exc).__name__, exc)
+            return None
+        if not err <= MAX_REL_ERR:
+            log.warning("conv plans: %s: %s is off torch's output by %.3g (> %g); torch's pick runs it",
+                        call.label(), choice.name, err, MAX_REL_ERR)
+            return None
+        return g
+
+    def _check(self, call: ConvCall, g: _Graph) -> float:
+        x, w = self._inputs(call)
+        want = call.run_torch(x, w)
+        got = self._execute(g, x, w)
+        return _rel_err(got, want)
+
+    def _inputs(self, call: ConvCall) -> tuple[torch.Tensor, torch.Tensor]:
+        fan_in = math.prod(call.w_shape[1:])
+        x = _random(call.x_shape, call.x_stride, call.torch_dtype, self.device, 1.0)
+        w = _random(call.w_shape, call.w_stride, call.torch_dtype, self.device, fan_in**-0.5)
+        return x, w
+
+    # -- tuning ----------------------------------------------------------------------------------
+
+    def tune(self, calls: Iterable[ConvCall] | None = None,
+             progress: Callable[[int, int, ConvCall, PlanChoice], None] | None = None,
+             min_gain: float = MIN_GAIN) -> TuneReport:
+        """Time each call (default: those seen without a choice) and keep its choice; saves the
+        plan file after each call, so an interrupted start keeps what it found. ``min_gain``
+        below -1 takes the fastest plan that runs whatever torch's time (the tests' way to get
+        plans on small shapes)."""
+        todo = sorted(set(self.unplanned if calls is None else calls) - set(self.choices), key=ConvCall.key)
+        report = TuneReport(calls=len(todo))
+        started = time.perf_counter()
+        with self._lock, torch.cuda.device(self.device):
+            for i, call in enumerate(todo):
+                choice = self._tune_one(call, report, min_gain)
+                self.choices[call] = choice
+                self._graphs.pop(call, None)
+                self.unplanned.discard(call)
+                report.planned += choice.engine_id is not None
+                report.torch_ms += choice.torch_ms
+                report.chosen_ms += choice.plan_ms if choice.plan_ms is not None else choice.torch_ms
+                if self.plan_file is not None:
+                    self.plan_file.write(self.fingerprint, self.choices)
+                if progress is not None:
+                    progress(i + 1, len(todo), call, choice)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _tune_one(self, call: ConvCall, report: TuneReport, min_gain: float) -> PlanChoice:
+        x, w = self._inputs(call)
+        want = call.run_torch(x, w)
+        torch_ms = gpu_ms(lambda: call.run_torch(x, w))
+        keep_torch = PlanChoice(None, (), want.stride(), torch_ms, None, "torch")
+        cudnn = self._cudnn
+        try:
+            g = _build_graph(cudnn, self._handle, call, want.stride())
+            g.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            count = int(g.graph.get_execution_plan_count())
+        except Exception as exc:  # noqa: BLE001 - a graph the frontend refuses keeps torch
+            report.failed.append(f"{call.label()}: {type(exc).__name__}: {exc}")
+            return keep_torch
+        tried: list[tuple[float, float]] = []
+        records: list[tuple[int, tuple[tuple[int, int], ...], str]] = []
+        seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+        for index in range(count):
+            if len(records) >= MAX_PLANS:
+                break
+            try:
+                engine_id, knobs = g.graph.get_engine_and_knobs_at_index(index)
+                record = (int(engine_id), tuple(sorted((int(k), int(v)) for k, v in knobs.items())))
+                if not _is_backend_engine(record[0]) or record in seen:
+                    continue
+                seen.add(record)
+                g.graph.build_plan_at_index(index)
+                need = int(g.graph.get_workspace_size_plan_at_index(index))
+                if need > MAX_WORKSPACE_BYTES:
+                    continue
+                g.workspace = need
+                got = self._execute(g, x, w, index)
+                err = _rel_err(got, want)
+                ms = gpu_ms(lambda: self._execute(g, x, w, index)) if err <= MAX_REL_ERR else math.inf  # noqa: B023
+            except Exception:  # noqa: BLE001 - plans that do not build or run are skipped
+                continue
+            tried.append((ms, err))
+            records.append((*record, str(g.graph.get_plan_name_at_index(index))))
+        best = choose(torch_ms, tried, min_gain)
+        if best is None:
+            return keep_torch
+        engine_id, knobs, name = records[best]
+        return PlanChoice(engine_id, knobs, want.stride(), torch_ms, tried[best][0], name)
+
+
+# --- the per-device registry and the op -----------------------------------------------------------
+
+_PLANNERS: dict[torch.device, ConvPlanner] = {}
+
+
+def install(planner: ConvPlanner) -> None:
+    """Make ``planner`` the one :func:`planned_conv` uses on its device (one per device and
+    process: the engine that installs it takes it off again when it closes)."""
+    _PLANNERS[planner.device] = planner
+
+
+def uninstall(device: torch.device) -> None:
+    _PLANNERS.pop(device, None)
+
+
+def planner_for(device: torch.device) -> ConvPlanner | None:
+    return _PLANNERS.get(device)
+
+
+def planned_conv(
+    x: torch.Tensor, w: torch.Tensor, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1
+) -> torch.Tensor | None:
+    """``F.conv2d/3d(x, w, None, ...)`` on the device's chosen plan; None when there is none (no
+    planner on the device, no choice for the call, or torch's pick won)."""
+    planner = _PLANNERS.get(x.device) if x.is_cuda else None
+    if planner is None or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return None
+    call = ConvCall.of(x, w, stride, padding, dilation, groups)
+    return None if call is None else planner.run(call, x, w)
