@@ -192,6 +192,10 @@ class DecodeEngine(Engine):
             log.info("conv plans on %s: %d of %d shapes on another engine, their convs %.2f -> %.2f ms "
                      "(one launch each), %.1f s", self.device, report.planned, report.calls, report.torch_ms,
                      report.chosen_ms, report.seconds)
+            if report.left:
+                log.warning("conv plans on %s: %d shapes left untimed after %.0f s (torch's pick runs them; "
+                            "the next start with --conv-plans tune times them)", self.device, report.left,
+                            report.seconds)
             for failure in report.failed:
                 log.warning("conv plans on %s: the frontend refused %s", self.device, failure)
 

@@ -204,8 +204,12 @@ def test_cuda_tuned_plans_are_accurate_and_replay_from_the_file_bit_for_bit(tmp_
         assert planner.run(call, x, w) is None  # no choice yet: recorded, torch runs it
         calls.append(call)
     assert set(calls) == planner.unplanned
+    # out of time before the first call: nothing timed, everything left for a later start
+    report = planner.tune(min_gain=-math.inf, seconds=-1.0)
+    assert (report.calls, report.left, report.planned) == (0, len(calls), 0)
+    assert planner.unplanned == set(calls) and planner.choices == {}
     report = planner.tune(min_gain=-math.inf)  # a plan wherever one runs, to exercise every path
-    assert report.calls == len(calls) and report.planned == len(calls), report.failed
+    assert (report.calls, report.left, report.planned) == (len(calls), 0, len(calls)), report.failed
     assert not planner.unplanned
     firsts = []
     for call, (x, w, _) in zip(calls, convs, strict=True):

@@ -61,6 +61,10 @@ MAX_WORKSPACE_BYTES = 256 << 20
 TIMING_ITERS = 10
 WARMUP_ITERS = 2
 SLEEP_CYCLES = 1_000_000  # a GPU sleep before each timed launch (~0.5 ms) hides its host cost
+# Seconds one start spends tuning at most. A call costs ~0.5 s at Wan2.1 480x832, ~2 s at
+# 720x1280 and ~8 s at Wan2.2 704x1280 (H200); the file keeps each result as it comes, so a start
+# that runs out leaves the rest to the next one instead of holding SERVING back.
+TUNE_SECONDS = 120.0
 MAX_RECORDED = 4096  # calls without a choice remembered for tuning; bounds the set
 _FE_DTYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF", torch.float32: "FLOAT"}
 
@@ -320,7 +324,8 @@ def _random(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
 
 @dataclass
 class TuneReport:
-    calls: int = 0
+    calls: int = 0  # calls timed
+    left: int = 0  # calls not timed: the time was up (``tune``'s ``seconds``)
     planned: int = 0  # calls that got a plan
     seconds: float = 0.0
     torch_ms: float = 0.0  # sum over the calls of torch's ms (one launch each)
@@ -433,16 +438,21 @@ class ConvPlanner:
 
     def tune(self, calls: Iterable[ConvCall] | None = None,
              progress: Callable[[int, int, ConvCall, PlanChoice], None] | None = None,
-             min_gain: float = MIN_GAIN) -> TuneReport:
+             min_gain: float = MIN_GAIN, seconds: float = TUNE_SECONDS) -> TuneReport:
         """Time each call (default: those seen without a choice) and keep its choice; saves the
-        plan file after each call, so an interrupted start keeps what it found. ``min_gain``
-        below -1 takes the fastest plan that runs whatever torch's time (the tests' way to get
-        plans on small shapes)."""
+        plan file after each call, so an interrupted start keeps what it found. Stops starting
+        new calls after ``seconds``; those left keep torch's pick and stay unplanned (a later
+        start tunes them). ``min_gain`` below -1 takes the fastest plan that runs whatever
+        torch's time (the tests' way to get plans on small shapes)."""
         todo = sorted(set(self.unplanned if calls is None else calls) - set(self.choices), key=ConvCall.key)
-        report = TuneReport(calls=len(todo))
+        report = TuneReport()
         started = time.perf_counter()
         with self._lock, torch.cuda.device(self.device):
             for i, call in enumerate(todo):
+                if time.perf_counter() - started > seconds:
+                    report.left = len(todo) - i
+                    break
+                report.calls += 1
                 choice = self._tune_one(call, report, min_gain)
                 self.choices[call] = choice
                 self._graphs.pop(call, None)
