@@ -24,9 +24,9 @@ question):
   timed. A plan whose error exceeds ``--max-err`` (or that writes NaN) is listed but
   never counted as the best.
 
-Timing: ``--iters`` single launches after 3 warm-ups, each between its own pair of CUDA
-events, median reported. Before each launch the stream is held by a ~1 ms GPU sleep
-(``torch.cuda._sleep``), so the host cost of a launch (the frontend's Python execute
+Timing: the planner's own (``vaed.patches.conv_plans.gpu_ms``): ``--iters`` single
+launches after 2 warm-ups, each between its own pair of CUDA events, median reported.
+Before each launch the stream is held by a ~0.5 ms GPU sleep (``torch.cuda._sleep``), so the host cost of a launch (the frontend's Python execute
 path, torch's dispatch) is hidden and the events measure GPU time only. Tensors stay
 resident between launches (L2 is not flushed), the same for torch and for every plan.
 
@@ -60,12 +60,11 @@ from typing import Any
 import torch
 
 from vaed.models import RANDOM_CONFIGS
+from vaed.patches.conv_plans import gpu_ms
 
 DEVICE = "cuda"
 VIDEO_SIZE = (480, 832)  # the default --latent is this size over the model's spatial scale
 VIDEO_CHUNKS = 21  # latent frames of an 81-frame video (temporal scale 4)
-WARMUP = 3
-SLEEP_CYCLES = 2_000_000  # torch.cuda._sleep before each timed launch: ~1 ms at the H200's ~2 GHz
 DEFAULT_HEURISTICS = "A,FALLBACK"
 DEFAULT_MAX_ERR = 0.02  # max |plan - torch| / max |torch|; ~5 bf16 ulps at the largest output
 FE_DTYPES = {torch.bfloat16: "BFLOAT16", torch.float16: "HALF", torch.float32: "FLOAT"}
@@ -262,26 +261,6 @@ def latents_for(vae: Any, hw: tuple[int, int], frames: int, device: str = DEVICE
 # ---------------------------------------------------------------------------------------------
 # Timing and tensors
 # ---------------------------------------------------------------------------------------------
-
-
-def gpu_ms(fn: Callable[[], Any], iters: int) -> float:
-    """Median GPU ms of `iters` single launches of `fn` (after WARMUP), each between its own
-    event pair behind a GPU sleep, so host launch cost is not counted."""
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    sleep = getattr(torch.cuda, "_sleep", None)
-    pairs = []
-    for _ in range(iters):
-        if sleep is not None:
-            sleep(SLEEP_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
 def random_strided(
