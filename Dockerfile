@@ -135,6 +135,9 @@ ENV PYTHONUNBUFFERED=1 \
 # Dependency layer: rebuilt only when pyproject.toml changes. The base
 # image's torch/triton are pinned as constraints so pip keeps them (a
 # resolver upgrade would pull a multi-GB CUDA build and a mismatched triton).
+# The cuDNN frontend serves the fast tier's tuned conv plans (--conv-plans): its
+# Python binding alone (--no-deps), as vaed runs cuDNN's own engines only and not
+# the frontend's CUTLASS-DSL ones (their CUDA 13 packages: ~110 MB of wheels).
 COPY pyproject.toml /tmp/deps/pyproject.toml
 RUN python -c 'import importlib.metadata as md, tomllib; \
 deps = tomllib.load(open("/tmp/deps/pyproject.toml", "rb"))["project"]["dependencies"]; \
@@ -142,6 +145,7 @@ have = {d.metadata["Name"].lower(): d.version for d in md.distributions()}; \
 open("/tmp/deps/requirements.txt", "w").write("\n".join(deps) + "\n"); \
 open("/tmp/deps/constraints.txt", "w").write("".join(f"{n}=={have[n]}\n" for n in ("torch", "triton") if n in have))' \
     && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
+    && pip install --no-cache-dir --no-deps "nvidia-cudnn-frontend==1.32.0" \
     && rm -rf /tmp/deps
 
 # Source layer: the vaed wheel alone, without touching the dependencies.
