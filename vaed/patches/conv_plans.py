@@ -245,7 +245,7 @@ def import_frontend() -> Any | str:
     try:
         import cudnn
     except ImportError as exc:
-        return f"the cuDNN frontend is not installed (pip install nvidia-cudnn-frontend): {exc}"
+        return f"the cuDNN frontend is not installed (pip install --no-deps nvidia-cudnn-frontend): {exc}"
     except Exception as exc:  # noqa: BLE001 - e.g. it found no libcudnn to load
         return f"the cuDNN frontend did not load: {type(exc).__name__}: {exc}"
     return cudnn
