@@ -140,8 +140,8 @@ class ServerConfig:
     conv_plans: ConvPlans = option(
         ConvPlans.CACHED, "the fast tier's convs on the cuDNN engine timed fastest per conv shape "
         "(needs nvidia-cudnn-frontend): cached = replay the choices in the kernel cache's plan file, "
-        "tune = also time the warm-up sizes' convs it lacks at start-up (tens of seconds, once per "
-        "GPU model and cache) and add them, off = torch's pick", choices=ConvPlans)
+        "tune = also time the warm-up sizes' convs it lacks at start-up (at most 120 s a start; once "
+        "per GPU model and cache) and add them, off = torch's pick", choices=ConvPlans)
     kernel_cache: str | None = option(
         None, "directory Triton keeps its compiled kernels in (TRITON_CACHE_DIR of this process): a "
         "restart that finds them there skips the compiles; mount it on a volume that outlives the pod",
