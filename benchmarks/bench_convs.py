@@ -26,8 +26,9 @@ question):
 
 Timing: the planner's own (``vaed.patches.conv_plans.gpu_ms``): ``--iters`` single
 launches after 2 warm-ups, each between its own pair of CUDA events, median reported.
-Before each launch the stream is held by a ~0.5 ms GPU sleep (``torch.cuda._sleep``), so the host cost of a launch (the frontend's Python execute
-path, torch's dispatch) is hidden and the events measure GPU time only. Tensors stay
+Before each launch the stream is held by a ~0.5 ms GPU sleep (``torch.cuda._sleep``), so
+the host cost of a launch (the frontend's Python execute path, torch's dispatch) is
+hidden and the events measure GPU time only. Tensors stay
 resident between launches (L2 is not flushed), the same for torch and for every plan.
 
 Per shape it prints the signature (conv kind, channels in -> out, kernel, input dims,

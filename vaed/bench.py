@@ -36,7 +36,6 @@ import functools
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
@@ -47,7 +46,7 @@ from typing import Any
 import torch
 
 from .choices import ConvPlans, CudaGraphs, Kernels, Layout, Precision
-from .patches.conv_plans import PLAN_FILE
+from .patches.conv_plans import default_plan_file
 
 log = logging.getLogger(__name__)
 
@@ -160,14 +159,10 @@ def vaed_decoder(
     plans' tuning first, with ``conv_plans`` tune) and its close."""
     from vaed.engine import DecodeEngine, OutputSpec, warm_up
     from vaed.models import LoadedModel
-    from vaed.startup import kernel_cache_dir
 
-    plan_file = None
     if conv_plans == ConvPlans.TUNE:  # the tuning's progress lines (the command logs warnings only)
         logging.getLogger("vaed.engine").setLevel(logging.INFO)
-    if conv_plans != ConvPlans.OFF and (cache := kernel_cache_dir()) is not None:
-        os.makedirs(cache, exist_ok=True)
-        plan_file = os.path.join(cache, PLAN_FILE)
+    plan_file = default_plan_file() if conv_plans != ConvPlans.OFF else None
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
                           kernels=kernels, layout=Layout.CHANNELS_LAST, cuda_graphs=cuda_graphs,
                           conv_plans=conv_plans, conv_plan_file=plan_file)

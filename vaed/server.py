@@ -36,7 +36,7 @@ from .logs import installed as installed_log_handler
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
-from .patches.conv_plans import PLAN_FILE
+from .patches.conv_plans import default_plan_file
 from .service import VaeDecoderService
 from .startup import StartupTimes, kernel_cache_dir, kernel_cache_entries, phase, use_kernel_cache
 from .video import PackagingPool
@@ -51,10 +51,7 @@ class StartupError(RuntimeError):
 def conv_plan_file(device: str) -> str | None:
     """The fast tier's conv plan file (`vaed.patches.conv_plans`): beside Triton's compiled kernels,
     on the volume `--kernel-cache` names; None on a CPU device or without a cache directory."""
-    if not device.startswith("cuda"):
-        return None
-    cache = kernel_cache_dir()
-    return os.path.join(cache, PLAN_FILE) if cache is not None else None
+    return default_plan_file() if device.startswith("cuda") else None
 
 
 def engine_factory(config: ServerConfig) -> EngineFactory:

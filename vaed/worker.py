@@ -241,8 +241,7 @@ class DeviceWorker:
         specialise per shape too) or allocator growth."""
         frames = WARMUP_LATENT_FRAMES if self.is_cuda else 2
         shapes = self._warm_shapes(engine)
-        if self.is_cuda:
-            engine.prepare_conv_plans(shapes)  # before the warm-up: it then runs (and captures) the plans
+        engine.prepare_conv_plans(shapes)  # before the warm-up: it then runs (and captures) the plans
         for h, w in shapes:
             started = time.perf_counter()
             for precision in engine.precisions:

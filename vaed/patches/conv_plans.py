@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from vaed.startup import kernel_cache_dir
+
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "vaed-conv-plans.json"  # in the kernel cache directory (vaed.startup.kernel_cache_dir)
@@ -184,6 +186,13 @@ def fingerprint(device: torch.device, frontend_version: str) -> dict[str, Any]:
             "cudnn": torch.backends.cudnn.version(), "frontend": frontend_version, "torch": torch.__version__}
 
 
+def default_plan_file() -> str | None:
+    """``PLAN_FILE`` in Triton's kernel cache directory (``--kernel-cache``, the volume the
+    manifests mount); None without one."""
+    cache = kernel_cache_dir()
+    return os.path.join(cache, PLAN_FILE) if cache is not None else None
+
+
 @dataclass
 class PlanFile:
     """Choices per fingerprint, on disk as JSON: {"format", "fingerprints": [{"fingerprint", "plans"}]}.
@@ -217,7 +226,9 @@ class PlanFile:
         return {}
 
     def write(self, fp: dict[str, Any], choices: dict[ConvCall, PlanChoice]) -> None:
-        """Replace this fingerprint's choices, keep the others'; atomic (a temp file renamed)."""
+        """Replace this fingerprint's choices, keep the others'; atomic (a temp file renamed). The
+        directory is made if missing ($TRITON_CACHE_DIR need not exist before Triton's first
+        compile)."""
         doc: dict[str, Any] = {"format": FILE_FORMAT, "fingerprints": []}
         try:
             with open(self.path, encoding="utf-8") as f:
@@ -231,6 +242,7 @@ class PlanFile:
                               "name": c.name, "label": call.label()}
                  for call, c in choices.items()}
         doc["fingerprints"].append({"fingerprint": fp, "plans": plans})
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
@@ -337,14 +349,13 @@ class ConvPlanner:
     """One device's choices and built plans. Thread-safe (one lock: calls come from the device's
     worker thread, tuning from its start-up)."""
 
-    def __init__(self, device: torch.device, cudnn: Any, choices: dict[ConvCall, PlanChoice] | None = None,
-                 plan_file: PlanFile | None = None) -> None:
+    def __init__(self, device: torch.device, cudnn: Any, plan_file: PlanFile | None = None) -> None:
         self.device = device
         self._cudnn = cudnn
         self._handle = cudnn.create_handle()
         self.fingerprint = fingerprint(device, str(getattr(cudnn, "__version__", "?")))
         self.plan_file = plan_file
-        self.choices: dict[ConvCall, PlanChoice] = dict(choices or {})
+        self.choices: dict[ConvCall, PlanChoice] = plan_file.read(self.fingerprint) if plan_file else {}
         self._graphs: dict[ConvCall, _Graph | None] = {}  # built on first use; None: replay failed
         self.unplanned: set[ConvCall] = set()  # calls seen without a choice (what `tune` times)
         self._lock = threading.RLock()
@@ -362,8 +373,6 @@ class ConvPlanner:
                 planner = cls(device, cudnn, plan_file=plan_file)
             except Exception as exc:  # noqa: BLE001 - a frontend that cannot make a handle
                 return f"the cuDNN frontend did not start: {type(exc).__name__}: {exc}"
-        if plan_file is not None:
-            planner.choices = plan_file.read(planner.fingerprint)
         return planner
 
     # -- running ---------------------------------------------------------------------------------
@@ -461,7 +470,12 @@ class ConvPlanner:
                 report.torch_ms += choice.torch_ms
                 report.chosen_ms += choice.plan_ms if choice.plan_ms is not None else choice.torch_ms
                 if self.plan_file is not None:
-                    self.plan_file.write(self.fingerprint, self.choices)
+                    try:
+                        self.plan_file.write(self.fingerprint, self.choices)
+                    except OSError as exc:  # a read-only cache: keep the choices for this process
+                        log.warning("conv plans: cannot write %s (%s); this start keeps its choices in memory",
+                                    self.plan_file.path, exc)
+                        self.plan_file = None
                 if progress is not None:
                     progress(i + 1, len(todo), call, choice)
         report.seconds = time.perf_counter() - started
