@@ -10,6 +10,7 @@ torch's CPU conv2d (tests/backends.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -111,13 +112,61 @@ def test_unfolded_conv_leaves_a_deferred_bias_out_on_request(backend: Backend) -
 
 @kernel_cases("", cuda=[()], interpreter=[()])
 def test_unfolded_conv_takes_only_the_measured_shape(backend: Backend) -> None:
-    """Channels in = out <= UNFOLD_MAX_CHANNELS, stride 1, a 3x3x3 kernel; anything else declines."""
-    x = lay(torch.randn(1, 5, 1, 4, 6, device=backend.device, dtype=torch.bfloat16), "cl3d")
+    """Channels in = out <= UNFOLD_MAX_CHANNELS, stride 1, a 3x3x3 kernel; anything else declines
+    in a steady chunk (cached frames). A first chunk's one frame takes any channel counts, and
+    still declines another stride or kernel."""
+    g = backend.generator(5)
+    x = lay(torch.randn(1, 5, 2, 4, 6, device=backend.device, dtype=torch.bfloat16, generator=g), "cl3d")
+    cache = lay(torch.randn(1, 5, 2, 4, 6, device=backend.device, dtype=torch.bfloat16, generator=g), "cl3d")
+    first = x[:, :, :1]
     gamma = (torch.rand(5, 1, 1, 1, device=backend.device) + 0.5).to(torch.bfloat16)
+    ns = NormSilu(gamma, 5**0.5, 0.0)
     for kw in ({"c_out": 4}, {"stride": (1, 2, 2)}, {"kernel_size": (1, 3, 3)}):
         conv = _conv(backend, 5, kw.pop("c_out", 5), torch.bfloat16, **kw)
-        assert unfolded_causal_conv(conv, x, None, PAD, NormSilu(gamma, 5**0.5, 0.0)) is None, conv
-    wide = lay(torch.randn(1, 128, 1, 2, 2, device=backend.device, dtype=torch.bfloat16), "cl3d")
+        assert unfolded_causal_conv(conv, x, cache, PAD, ns) is None, conv
+        taken = unfolded_causal_conv(conv, first, None, PAD, ns) is not None
+        assert taken == (conv.out_channels == 4), conv
+    wide = lay(torch.randn(1, 128, 2, 2, 2, device=backend.device, dtype=torch.bfloat16), "cl3d")
     g128 = torch.ones(128, 1, 1, 1, device=backend.device, dtype=torch.bfloat16)
     conv = _conv(backend, 128, 128, torch.bfloat16)
-    assert unfolded_causal_conv(conv, wide, None, PAD, NormSilu(g128, 128**0.5, 0.0)) is None
+    assert unfolded_causal_conv(conv, wide[:, :, 1:], wide[:, :, :1], PAD, NormSilu(g128, 128**0.5, 0.0)) is None
+    assert unfolded_causal_conv(conv, wide[:, :, :1], None, PAD, NormSilu(g128, 128**0.5, 0.0)) is not None
+
+
+@kernel_cases("dtype, channels", cuda=[(torch.bfloat16, (96, 96)), (torch.bfloat16, (384, 192)), (torch.float16, (192, 3))],
+              interpreter=[(torch.bfloat16, (5, 4)), (torch.float16, (6, 6))])
+def test_first_frame_conv_runs_only_the_last_tap_and_matches_the_fast_pair(
+    backend: Backend, dtype, channels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first chunk's one frame (no cache, B = 2): the last time tap's conv2d against the fast
+    pair (zero-padded norm conv input, then conv3d): conv3d's output layout, the same next
+    cache, values within a rounding and no further from float64 than the pair; the conv2d sees
+    C_in channels, not the unfolded KT * C_in."""
+    c_in, c_out = channels
+    g = backend.generator(c_in)
+    h, w = (30, 52) if backend.name == "cuda" else (4, 6)
+    x = lay(torch.randn(2, c_in, 1, h, w, device=backend.device, generator=g) * 3, "cl3d").to(dtype)
+    gamma = (torch.rand(c_in, 1, 1, 1, device=backend.device, generator=g) + 0.5).to(dtype)
+    conv = _conv(backend, c_in, c_out, dtype)
+    ns = NormSilu(gamma, c_in**0.5, 0.0)
+    seen: list[int] = []  # the input channels of each conv2d the op runs
+    conv2d = F.conv2d
+
+    def spy(inp: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        seen.append(weight.shape[1])
+        return conv2d(inp, weight, *args, **kwargs)
+
+    with torch.no_grad():
+        monkeypatch.setattr(F, "conv2d", spy)
+        got = unfolded_causal_conv(conv, x, None, PAD, ns)
+        monkeypatch.undo()
+        assert got is not None and seen == [c_in]
+        pair = P.FAST_OPS.without({"norm_causal_conv"}).causal_conv(conv, x, None, PAD, norm=ns)
+        assert got[0].shape == pair[0].shape and got[0].is_contiguous(memory_format=CL)
+        assert torch.equal(got[1], pair[1])
+        torch.testing.assert_close(got[0], pair[0], atol=3e-2, rtol=4e-2)
+        padded, _ = K.causal_pad_cl(x, None, PAD, norm_cl=K.NormSilu(gamma, c_in**0.5, 0.0))
+        truth = F.conv3d(padded.double(), conv.weight.double(), conv.bias.double())
+    err_first = (got[0].double() - truth).abs().mean()
+    err_pair = (pair[0].double() - truth).abs().mean()
+    assert err_first <= err_pair * 1.05, (err_first, err_pair)

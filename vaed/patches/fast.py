@@ -35,6 +35,11 @@ causal-input site, the exact norm prologue included (aten's denominator, the
   time taps unfolded into channels and the conv runs as one conv2d over
   3*C channels. cuDNN serves that conv2d from a Hopper kernel where conv3d
   gets an sm80-family one. Another kernel, so other rounding: fast only.
+  A first chunk's one frame (no cache: the causal padding is all zero frames) is the same op
+  with only the last time tap, whose weight is the only one that meets a frame: one conv2d
+  over C channels at any width, a third of the conv3d's work. Frame 0 is every video's first
+  output (what a client waits for before it sees anything), and its convs spent two thirds of
+  their time multiplying zeros.
 
 * ``upsample`` / ``upsample_interleave``: the lossless gather, its images
   always NHWC (the interleave's reference layout is NCHW, which made every
@@ -139,6 +144,17 @@ def unfolded_weight(conv: nn.Conv3d) -> torch.Tensor:
     return derived(conv, "unfolded_weight", (w,), build)
 
 
+def last_tap_weight(conv: nn.Conv3d) -> torch.Tensor:
+    """The conv3d weight's last time tap [C_out, C_in, kh, kw] as a channels-last conv2d weight:
+    the only tap a first chunk's one frame meets behind its zero padding."""
+    w = conv.weight
+
+    def build() -> torch.Tensor:
+        return w.detach()[:, :, -1].contiguous(memory_format=torch.channels_last)
+
+    return derived(conv, "last_tap_weight", (w,), build)
+
+
 def unfolded_norm_causal_conv(
     conv: nn.Conv3d,
     x: torch.Tensor,
@@ -148,14 +164,26 @@ def unfolded_norm_causal_conv(
     norm: NormSilu,
     bias: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Lossy: the fast norm+SiLU conv input with the time taps unfolded into channels, then one
-    conv2d; None (the op set's own input build and conv3d run) unless the conv qualifies.
+    """Lossy: the fast norm+SiLU conv input with the time taps unfolded into channels (only the
+    last tap for a first chunk's one frame), then one conv2d; None (the op set's own input
+    build and conv3d run) unless the conv qualifies.
 
     CUDA only: cuDNN's conv3d returns channels_last_3d for the decoder's channels_last_3d
     input, the layout this returns; a CPU conv3d picks its output layout by size."""
     if not x.is_cuda:
         return None
     return unfolded_causal_conv(conv, x, cache, pad, norm, bias=bias)
+
+
+def _causal_time_taps(conv: nn.Conv3d, pad: PadTuple) -> int:
+    """The time taps of a WanCausalConv3d-style conv (all time padding in front, none in the
+    module, stride and dilation 1, no groups), else 0."""
+    kt = conv.weight.shape[2]
+    plain = (
+        tuple(conv.stride) == (1, 1, 1) and tuple(conv.dilation) == (1, 1, 1)
+        and tuple(conv.padding) == (0, 0, 0) and conv.groups == 1
+    )
+    return kt if plain and kt >= 2 and pad[4] == kt - 1 else 0
 
 
 def unfolded_causal_conv(
@@ -172,18 +200,22 @@ def unfolded_causal_conv(
     w = conv.weight
     if w.dim() != 5 or x.dtype not in UNFOLD_DTYPES:
         return None
-    c_out, c_in, kt = w.shape[0], w.shape[1], w.shape[2]
-    if (
-        c_in != c_out or c_in > UNFOLD_MAX_CHANNELS or kt < 2 or pad[4] != kt - 1
-        or tuple(conv.stride) != (1, 1, 1) or tuple(conv.dilation) != (1, 1, 1)
-        or tuple(conv.padding) != (0, 0, 0) or conv.groups != 1
-    ):
+    kt = _causal_time_taps(conv, pad)
+    if not kt:
         return None
-    r = causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=kt)
+    if cache is None and x.shape[2] == 1:
+        # a first chunk: padded frames [0, .., 0, x0], so the one output frame is the last tap
+        # on x0; the next cache is x0's either way (diffusers caches the unpadded frames)
+        pad, taps, weight = (*pad[:4], 0, 0), 1, last_tap_weight(conv)
+    elif w.shape[0] == w.shape[1] <= UNFOLD_MAX_CHANNELS:
+        taps, weight = kt, unfolded_weight(conv)
+    else:
+        return None
+    r = causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=taps)
     if r is None:
         return None
     images, nxt = r
-    y = conv_with_plan(images, unfolded_weight(conv), conv.bias if bias else None)
+    y = conv_with_plan(images, weight, conv.bias if bias else None)
     if not y.is_contiguous(memory_format=torch.channels_last):
         y = y.contiguous(memory_format=torch.channels_last)
     # [B*TO, C, H, W] channels-last is [B, TO, H, W, C] in memory: channels_last_3d [B, C, TO, H, W]
