@@ -177,7 +177,10 @@ def main() -> int:
         streams = [first_fragment_s(endpoint, prepare_decode(latents, output_type="mp4")) for _ in range(args.reps)]
     finally:
         proc.terminate()
-        proc.communicate(timeout=60)
+        rest = proc.communicate(timeout=60)[0] or ""
+    for line in rest.splitlines():  # the server's view of each call: first_wait/step/gpu_ms, first_frame_ms
+        if " id=" in line and " status=" in line:
+            print("server |", line.strip(), flush=True)
     result = {
         "model": args.model, "shape": shape, "latents": args.latents, "frames": int(rgb8.shape[0]),
         "body_bytes": latents.numel() * 4,

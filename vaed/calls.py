@@ -515,12 +515,17 @@ class CallCore:
         if batch != 1:
             raise InvalidInput(f"MP4 output holds one video: send batch 1, got {batch}")
 
-    async def _video(self, pieces: AsyncGenerator[Out, None], options: VideoOptions) -> AsyncGenerator[Out, None]:
+    async def _video(
+        self, pieces: AsyncGenerator[Out, None], options: VideoOptions, frame_size: tuple[int, int] | None
+    ) -> AsyncGenerator[Out, None]:
         """The call's frame pieces encoded, in order, on the packaging pool: `VideoOut` bytes as
         each piece releases them (the init segment with the first), the rest at the CallEnd. A
-        piece's group credit goes back when the next piece is asked for: after its bytes went out."""
+        piece's group credit goes back when the next piece is asked for: after its bytes went out.
+        The encoder opens at once when `frame_size` (H, W) is known, while frame 0 decodes."""
         assert self.packaging is not None
         packager = self.packaging.packager(options)
+        if frame_size is not None:
+            packager.open_early(*frame_size)
         try:
             async for item in pieces:
                 if isinstance(item, FramesOut):
@@ -533,13 +538,18 @@ class CallCore:
                 yield item
         except VideoError as exc:
             raise InvalidInput(str(exc)) from None
+        finally:
+            packager.discard()
 
     def _output_of(self, session: Session, requested: RequestedOutput) -> AsyncGenerator[Out, None]:
-        """Frames, or their video when the call asked for it."""
+        """Frames, or their video when the call asked for it (its frame size from the latents
+        the session accepted)."""
         pieces = self._output(session, requested.skip_frames)
         if requested.video is None:
             return pieces
-        return self._video(pieces, requested.video)
+        shape, scale = session.record.shape, session.limits.scale_spatial
+        frame_size = None if shape is None else (shape[3] * scale, shape[4] * scale)
+        return self._video(pieces, requested.video, frame_size)
 
     @staticmethod
     def _accept(session: Session, latents: LatentsIn) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 
 import av
@@ -180,3 +181,61 @@ def test_pool_packages_sessions_in_parallel_each_in_order():
     assert together == alone
     with pytest.raises(ValueError, match=">= 1"):
         PackagingPool(threads=0)
+
+
+def test_an_encoder_opened_before_the_first_frame_gives_the_same_file():
+    """`open` (what a call does from the latents' header, while frame 0 decodes) changes no byte
+    of the file; a second open of the same size is nothing, another size or an odd side is refused."""
+    video = _smooth_video(9)
+    for options in (VideoOptions(crf=20), VideoOptions(lossless=True)):
+        early = Fmp4Packager(options)
+        early.open(H, W)
+        early.open(H, W)
+        parts = [early.add(group) for group in _wan_groups(video)] + [early.close()]
+        assert parts == _package(video, options)
+    with pytest.raises(VideoError, match="frame size changed"):
+        early = Fmp4Packager(VideoOptions())
+        early.open(H, W)
+        early.open(H, W + 2)
+    with pytest.raises(VideoError, match="even sides"):
+        Fmp4Packager(VideoOptions()).open(H, W + 1)
+    with pytest.raises(VideoError, match="no frames"):
+        opened = Fmp4Packager(VideoOptions())
+        opened.open(H, W)
+        opened.close()
+
+
+def test_an_early_open_on_the_pool_runs_before_the_first_step_and_reports_there():
+    """`AsyncPackager.open_early` starts the open on the pool without waiting: the first add
+    sees the encoder open and gives the plain bytes; an odd side fails that add (not the
+    open_early call); a discarded failed open leaves no unretrieved exception behind."""
+    video = _smooth_video(5)
+    options = VideoOptions(crf=20)
+    pool = PackagingPool(threads=1)
+    unhandled: list[dict] = []
+
+    async def run() -> tuple[list[bytes], str]:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        packager = pool.packager(options)
+        packager.open_early(H, W)
+        parts = [await packager.add(group) for group in _wan_groups(video)] + [await packager.close()]
+        odd = pool.packager(options)
+        odd.open_early(H, W + 1)
+        with pytest.raises(VideoError, match="even sides") as refused:
+            await odd.add(video[:1, :, :W])
+        dropped = pool.packager(options)
+        dropped.open_early(H + 1, W)
+        opening = dropped._opening
+        assert opening is not None
+        dropped.discard()
+        await asyncio.wait([opening])  # the open failed; asyncio.wait does not retrieve its exception
+        await asyncio.sleep(0)  # its done callbacks run
+        return parts, str(refused.value)
+
+    try:
+        parts, _ = asyncio.run(run())
+    finally:
+        pool.shutdown()
+    assert parts == _package(video, options)
+    gc.collect()  # an exception never retrieved is reported when its future is collected
+    assert not unhandled, unhandled
