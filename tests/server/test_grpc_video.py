@@ -142,6 +142,34 @@ def test_fragments_arrive_before_the_call_ends() -> None:
     assert np.array_equal(frames_of_mp4(data)[0], rgb8)
 
 
+def test_the_encoder_opens_while_frame_0_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call core opens the encoder from the latents' header, before frame 0 exists: the
+    server's decode is held right after latent frame 0 until the encoder is open (an event,
+    never a time), which a call that opened it at its first frame would never release. The
+    file is the frames vaed.video makes of the RGB8 frames."""
+    config = make_config("random:wan2.1-tiny", warmup=False)
+    opened = threading.Event()
+    sizes: list[tuple[int, int]] = []
+    real_open = Fmp4Packager.open
+
+    def recorded_open(self: Fmp4Packager, height: int, width: int) -> None:
+        real_open(self, height, width)
+        sizes.append((height, width))
+        opened.set()
+
+    def held_until_open() -> None:
+        assert opened.wait(60), "the encoder was not opened before frame 0 reached it"
+
+    monkeypatch.setattr(Fmp4Packager, "open", recorded_open)
+    x = latents("random:wan2.1-tiny", t=3, h=8, w=6, seed=3)
+    with serve_in_thread(config, build_engine=engine_calling_at(config, 0, held_until_open)) as running:
+        with VaeClient(running.target, timeout=120) as client:
+            mp4 = client.decode(x, output_type="mp4")
+            rgb8 = client.decode(x)[0].numpy()
+    assert sizes[0] == (64, 48)  # latents 8 x 6 at the tiny model's 8x
+    assert np.array_equal(frames_of_mp4(mp4)[0], frames_of_mp4(package(rgb8, VideoOptions(fps=16)))[0])
+
+
 @pytest.mark.parametrize("options, b, message", [
     (dict(format=pb.MP4, crf=52), 1, "crf must be in 0..51, got 52"),
     (dict(format=pb.MP4, fps=241), 1, "fps must be in 1..240, got 241"),
