@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from .choices import ConvPlans, CudaGraphs, Kernels, Layout, Precision
-from .patches.conv_plans import default_plan_file
+from .startup import conv_plan_file
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def vaed_decoder(
 
     if conv_plans == ConvPlans.TUNE:  # the tuning's progress lines (the command logs warnings only)
         logging.getLogger("vaed.engine").setLevel(logging.INFO)
-    plan_file = default_plan_file() if conv_plans != ConvPlans.OFF else None
+    plan_file = conv_plan_file() if conv_plans != ConvPlans.OFF else None
     engine = DecodeEngine(LoadedModel(vae=vae, spec=spec, random_weights=spec.startswith("random:")),
                           kernels=kernels, layout=Layout.CHANNELS_LAST, cuda_graphs=cuda_graphs,
                           conv_plans=conv_plans, conv_plan_file=plan_file)

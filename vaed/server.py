@@ -36,9 +36,15 @@ from .logs import installed as installed_log_handler
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
 from .models import is_tiny_model
 from .parallel.pool import WorkerPool
-from .patches.conv_plans import default_plan_file
 from .service import VaeDecoderService
-from .startup import StartupTimes, kernel_cache_dir, kernel_cache_entries, phase, use_kernel_cache
+from .startup import (
+    StartupTimes,
+    conv_plan_file,
+    kernel_cache_dir,
+    kernel_cache_entries,
+    phase,
+    use_kernel_cache,
+)
 from .video import PackagingPool
 from .worker import DeviceWorker
 
@@ -48,10 +54,9 @@ class StartupError(RuntimeError):
     """The server could not start (port taken, model failed to load, bad TLS/auth files)."""
 
 
-def conv_plan_file(device: str) -> str | None:
-    """The fast tier's conv plan file (`vaed.patches.conv_plans`): beside Triton's compiled kernels,
-    on the volume `--kernel-cache` names; None on a CPU device or without a cache directory."""
-    return default_plan_file() if device.startswith("cuda") else None
+def conv_plan_file_for(device: str) -> str | None:
+    """The fast tier's conv plan file (`vaed.startup.conv_plan_file`); None on a CPU device."""
+    return conv_plan_file() if device.startswith("cuda") else None
 
 
 def engine_factory(config: ServerConfig) -> EngineFactory:
@@ -64,7 +69,7 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
             config.model, device=device, dtype=config.compute_dtype_name,
             kernels=config.kernels, layout=config.layout, disabled_ops=config.disabled_ops,
             cuda_graphs=config.cuda_graphs, encoder=config.encode, encode_dtype=config.encode_dtype,
-            conv_plans=config.conv_plans, conv_plan_file=conv_plan_file(device),
+            conv_plans=config.conv_plans, conv_plan_file=conv_plan_file_for(device),
         )
         if config.parallel != Parallel.SPATIAL:
             return engine

@@ -149,6 +149,7 @@ def phase(name: str) -> Iterator[None]:
 # Triton reads this variable whenever it looks for a compiled kernel (triton.knobs.cache.dir),
 # so setting it before the first compile moves the whole cache.
 TRITON_CACHE_ENV = "TRITON_CACHE_DIR"
+CONV_PLAN_FILE = "vaed-conv-plans.json"  # in the kernel cache directory
 
 
 def use_kernel_cache(directory: str | None) -> None:
@@ -181,6 +182,14 @@ def kernel_cache_dir(ask_triton: bool = True) -> str | None:
     except ImportError:
         return None
     return str(knobs.cache.dir)
+
+
+def conv_plan_file() -> str | None:
+    """Where the fast tier's tuned cuDNN conv plans are kept (`vaed.patches.conv_plans`): beside
+    Triton's compiled kernels, on the volume `--kernel-cache` names (one cache to mount, warm
+    together); None without a cache directory."""
+    cache = kernel_cache_dir()
+    return os.path.join(cache, CONV_PLAN_FILE) if cache is not None else None
 
 
 def kernel_cache_entries(directory: str | None) -> int:

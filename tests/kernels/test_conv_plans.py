@@ -20,6 +20,7 @@ from vaed.choices import ConvPlans, Precision
 from vaed.patches import FAST_OPS, LOSSLESS_OPS, REFERENCE_OPS
 from vaed.patches import conv_plans as CP
 from vaed.patches.fast import conv_with_plan
+from vaed.startup import CONV_PLAN_FILE
 
 CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -77,7 +78,7 @@ def test_choose_forced_takes_any_plan_that_runs() -> None:
 
 def test_plan_file_keeps_other_fingerprints_and_ignores_a_foreign_one(tmp_path: Any) -> None:
     tmp_path = tmp_path / "kernel-cache"  # not made yet: the first write makes it
-    f = CP.PlanFile(str(tmp_path / CP.PLAN_FILE))
+    f = CP.PlanFile(str(tmp_path / CONV_PLAN_FILE))
     assert f.read({"gpu": "A"}) == {}  # absent
     call, other = _call(), _call(groups=2)
     chosen = CP.PlanChoice(7, ((1, 2), (3, 4)), (480, 1, 160, 16, 16), 1.25, 1.0, "eng7_k1=2")
@@ -90,13 +91,13 @@ def test_plan_file_keeps_other_fingerprints_and_ignores_a_foreign_one(tmp_path: 
     f.write({"gpu": "A"}, {other: chosen})  # replaces A's, keeps B's
     assert f.read({"gpu": "A"}) == {other: chosen}
     assert f.read({"gpu": "B"}) == {call: kept}
-    doc = json.loads((tmp_path / CP.PLAN_FILE).read_text())
+    doc = json.loads((tmp_path / CONV_PLAN_FILE).read_text())
     assert doc["format"] == CP.FILE_FORMAT and len(doc["fingerprints"]) == 2
     assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_plan_file_of_another_format_or_broken_is_empty(tmp_path: Any, caplog: Any) -> None:
-    path = tmp_path / CP.PLAN_FILE
+    path = tmp_path / CONV_PLAN_FILE
     path.write_text(json.dumps({"format": CP.FILE_FORMAT + 1, "fingerprints": [{"fingerprint": {}, "plans": {}}]}))
     assert CP.PlanFile(str(path)).read({}) == {}
     path.write_text("{not json")
@@ -176,7 +177,7 @@ def _decoder_calls() -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
 
 def _open(tmp_path: Any) -> CP.ConvPlanner:
     planner = CP.ConvPlanner.open(torch.device("cuda", torch.cuda.current_device()),
-                                  CP.PlanFile(str(tmp_path / CP.PLAN_FILE)))
+                                  CP.PlanFile(str(tmp_path / CONV_PLAN_FILE)))
     if isinstance(planner, str):
         pytest.skip(planner)  # the frontend is not installed: the feature is off, as in a server
     return planner
@@ -268,7 +269,7 @@ def test_cuda_engine_runs_fast_convs_on_plans_and_lossless_stays_stock(tmp_path:
     monkeypatch.setattr(CP.ConvPlanner, "tune", lambda self, calls=None, progress=None, min_gain=0.0:
                         real_tune(self, calls, progress, min_gain=-math.inf))
     engine = DecodeEngine(loaded, kernels="auto", layout="channels_last", conv_plans=ConvPlans.TUNE,
-                          conv_plan_file=str(tmp_path / CP.PLAN_FILE))
+                          conv_plan_file=str(tmp_path / CONV_PLAN_FILE))
     try:
         planner = engine.conv_planner
         if planner is None:

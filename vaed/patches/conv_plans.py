@@ -46,11 +46,8 @@ from typing import Any
 
 import torch
 
-from vaed.startup import kernel_cache_dir
-
 log = logging.getLogger(__name__)
 
-PLAN_FILE = "vaed-conv-plans.json"  # in the kernel cache directory (vaed.startup.kernel_cache_dir)
 FILE_FORMAT = 1
 # A plan replaces torch's pick only when at least this much faster: the medians of repeated
 # timings of one conv move by ~1 %, and a plan's host path costs a few microseconds more.
@@ -184,13 +181,6 @@ def fingerprint(device: torch.device, frontend_version: str) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(device)
     return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
             "cudnn": torch.backends.cudnn.version(), "frontend": frontend_version, "torch": torch.__version__}
-
-
-def default_plan_file() -> str | None:
-    """``PLAN_FILE`` in Triton's kernel cache directory (``--kernel-cache``, the volume the
-    manifests mount); None without one."""
-    cache = kernel_cache_dir()
-    return os.path.join(cache, PLAN_FILE) if cache is not None else None
 
 
 @dataclass
