@@ -21,7 +21,16 @@ import pytest
 from harness import serve_argv, start_serve
 from prometheus_client.parser import text_string_to_metric_families
 
-from vaed.startup import TRITON_CACHE_ENV, Phase, StartupTimes, phase, recording, use_kernel_cache
+from vaed.startup import (
+    CONV_PLAN_FILE,
+    TRITON_CACHE_ENV,
+    Phase,
+    StartupTimes,
+    conv_plan_file,
+    phase,
+    recording,
+    use_kernel_cache,
+)
 from vaed.worker import CPU_WARMUP_LATENT_HW
 
 SUMMARY = re.compile(r"start-up took (?P<total>\d+\.\d\d) s to SERVING: (?P<phases>.+)$")
@@ -166,6 +175,18 @@ def test_the_kernel_cache_flag_is_where_triton_looks(tmp_path: Path, monkeypatch
     assert cache.is_dir() and os.environ[TRITON_CACHE_ENV] == str(cache)
     knobs = pytest.importorskip("triton.knobs", reason="without Triton only the variable can be checked")
     assert knobs.cache.dir == str(cache)
+
+
+def test_the_conv_plan_file_lies_in_the_kernel_cache_of_a_gpu_server(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast tier's plan file is beside the compiled kernels (one volume to mount); a CPU
+    server has none."""
+    from vaed.server import conv_plan_file_for
+
+    monkeypatch.setenv(TRITON_CACHE_ENV, str(tmp_path))  # what --kernel-cache sets
+    assert conv_plan_file() == str(tmp_path / CONV_PLAN_FILE)
+    assert conv_plan_file_for("cuda:1") == str(tmp_path / CONV_PLAN_FILE)
+    assert conv_plan_file_for("cpu") is None
 
 
 @pytest.mark.cuda
