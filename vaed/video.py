@@ -19,6 +19,8 @@ Choices, and why:
   (`vaed.fmp4` says why). ~108 bytes of boxes per frame, under 0.1 % of a 480p frame's H.264.
 - The lossless choice is libx264rgb at CRF 0 in rgb24: exact RGB (yuv444p at CRF 0 is not — the
   RGB -> YUV conversion itself rounds). Browsers do not play it; it is for files.
+- The encoder opens before the first frame (`Fmp4Packager.open`): a call knows its frame size
+  from its latents, so x264 starts while frame 0 still decodes instead of after it.
 
 PyAV releases the GIL while it encodes, so packagers of several sessions run in parallel on a
 thread pool (`PackagingPool`, `vaed serve --video-threads`) beside the asyncio loop and the
