@@ -32,7 +32,7 @@ import requests
 import torch
 
 from profile_fast import smooth_latents
-from vaed_process import start_vaed
+from vaed_process import print_call_lines, start_vaed
 
 
 def free_port() -> int:
@@ -178,9 +178,7 @@ def main() -> int:
     finally:
         proc.terminate()
         rest = proc.communicate(timeout=60)[0] or ""
-    for line in rest.splitlines():  # the server's view of each call: first_wait/step/gpu_ms, first_frame_ms
-        if " id=" in line and " status=" in line:
-            print("server |", line.strip(), flush=True)
+    print_call_lines(rest)
     result = {
         "model": args.model, "shape": shape, "latents": args.latents, "frames": int(rgb8.shape[0]),
         "body_bytes": latents.numel() * 4,

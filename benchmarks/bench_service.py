@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vaed_process import find, start_vaed
+from vaed_process import find, print_call_lines, start_vaed
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, int]:
@@ -164,9 +164,7 @@ def run_encode(args: argparse.Namespace, shape: list[int]) -> int:
     finally:
         proc.terminate()
         rest = proc.communicate(timeout=60)[0] or ""
-    for line in rest.splitlines():  # the server's own view of each call: device_ms, first_frame_ms, total_ms
-        if " Encode id=" in line:
-            print("server |", line.strip(), flush=True)
+    print_call_lines(rest, "Encode")
     result: dict[str, Any] = {"model": args.model, "op": "encode", "shape": shape, "frames": args.frames,
                               "frames_bytes": frames.nbytes,
                               "service_s": min(times), "service_peak_gib": peak / 2**30 if peak is not None else None}
@@ -211,9 +209,7 @@ def main() -> int:
     finally:
         proc.terminate()
         rest, _ = proc.communicate(timeout=60)
-        for line in rest.splitlines():  # per-call lines: server-side first_frame_ms / total_ms
-            if "first_frame_ms=" in line:
-                print("server |", line, flush=True)
+        print_call_lines(rest)
     best = min(runs, key=lambda r: r["total_s"])
     best_decode = min(r["decode_total_s"] for r in runs)
     for call, key in (("stream()", "first_frame_s"), ("decode()", "decode_first_frame_s")):

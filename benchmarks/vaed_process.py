@@ -36,6 +36,16 @@ def start_vaed(model: str, gpu: str | None, extra: list[str]) -> tuple[subproces
     raise SystemExit("server exited before SERVING")
 
 
+def print_call_lines(log_text: str, method: str | None = None) -> None:
+    """Echo the server's one log line per call (`<Method> id=... status=...`, with its device_ms,
+    first_frame_ms and the first frame's wait/step/gpu/launch ms) from its log after it stopped;
+    only `method`'s calls when given."""
+    for line in log_text.splitlines():
+        m = re.search(r"\b(\w+) id=\S* status=", line)
+        if m and (method is None or m.group(1) == method):
+            print("server |", line.strip(), flush=True)
+
+
 def find(pattern: str, lines: list[str]) -> list[re.Match[str]]:
     """Every match of `pattern` in the start-up log lines."""
     return [m for line in lines if (m := re.search(pattern, line))]
