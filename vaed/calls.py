@@ -547,8 +547,8 @@ class CallCore:
         pieces = self._output(session, requested.skip_frames)
         if requested.video is None:
             return pieces
-        shape, scale = session.record.shape, session.limits.scale_spatial
-        frame_size = None if shape is None else (shape[3] * scale, shape[4] * scale)
+        shape = session.record.shape
+        frame_size = None if shape is None else session.limits.frame_size(shape[3], shape[4])
         return self._video(pieces, requested.video, frame_size)
 
     @staticmethod

@@ -45,6 +45,10 @@ class Limits:
 
     # -- a decode's latents ------------------------------------------------------------------
 
+    def frame_size(self, h: int, w: int) -> tuple[int, int]:
+        """The decoded frames' (H, W) for latents of h x w."""
+        return h * self.scale_spatial, w * self.scale_spatial
+
     def check_latents(
         self,
         shape: tuple[int, ...],
@@ -63,7 +67,7 @@ class Limits:
         if z != self.z_dim:
             raise InvalidInput(f"latents have z_dim {z} but the served model has z_dim {self.z_dim}")
         self._check_extent("latents", "B, T, h and w", shape, b, t, h, w)
-        self._check_pixels("output frame", h * self.scale_spatial, w * self.scale_spatial)
+        self._check_pixels("output frame", *self.frame_size(h, w))
         if self.max_latent_frames and frames_before + t > self.max_latent_frames:
             raise InvalidInput(
                 f"{frames_before + t} latent frames in this call are over the server limit of "
