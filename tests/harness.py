@@ -381,6 +381,7 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
         self.call_options: list[Any] = []  # each call's DecodeOptions (a stream's from its first message)
         self.cancelled = threading.Event()
         self.lock = threading.Lock()
+        self.compute_dtype = vaed_pb2.FLOAT32  # ModelInfo's: the client sends float32 latents as bf16 to BFLOAT16
 
     def _enter(self, context: grpc.ServicerContext) -> None:
         with self.lock:
@@ -410,7 +411,7 @@ class FakeDecoder(vaed_pb2_grpc.VaeDecoderServicer):
             scale_factor_spatial=SPATIAL,
             latents_mean=[0.5] * 16,
             latents_std=[2.0] * 16,
-            compute_dtype=vaed_pb2.FLOAT32,
+            compute_dtype=self.compute_dtype,
             device="cpu",
             random_weights=True,
             max_message_bytes=vchannel.MAX_MESSAGE_BYTES,

@@ -42,6 +42,7 @@ from .core import (
     StreamedLatents,
     call_spec,
     chunk_result,
+    normalize_latents,
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
@@ -174,10 +175,11 @@ class AsyncVaeClient:
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
-        streamed = stream_latents(spec, latents)
+        latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
+        info = await self._cached_info()
+        streamed = stream_latents(spec, latents, info.compute_dtype)
         assembly: Assembly | Mp4Output | None = mp4_output(spec.output_type, mp4_path)
         if assembly is None:
-            info = await self._cached_info()
             assembly = Assembly(spec, streamed.as_torch, info.output_frames(streamed.latent_frames))
         progress = self._progress(report, spec.options.request_id)
         try:
@@ -256,7 +258,8 @@ class AsyncVaeClient:
         (a resumed attempt sends them all at once)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
-        streamed = stream_latents(spec, latents)
+        latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
+        streamed = stream_latents(spec, latents, (await self._cached_info()).compute_dtype)
         progress = self._progress(report, spec.options.request_id)
         while True:
             call, first_reply = self._open_stream(streamed, spec, progress)

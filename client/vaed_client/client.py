@@ -39,6 +39,7 @@ from .core import (
     call_spec,
     chunk_result,
     format_name,
+    normalize_latents,
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
@@ -194,9 +195,11 @@ class VaeClient:
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
-        streamed = stream_latents(spec, latents)
+        latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
+        info = self._cached_info()
+        streamed = stream_latents(spec, latents, info.compute_dtype)
         assembly = mp4_output(spec.output_type, mp4_path) or Assembly(
-            spec, streamed.as_torch, self._cached_info().output_frames(streamed.latent_frames))
+            spec, streamed.as_torch, info.output_frames(streamed.latent_frames))
         progress = self._progress(report, spec.options.request_id)
         try:
             while True:
@@ -281,7 +284,8 @@ class VaeClient:
         A resumed attempt sends everything at once (its first frames are skipped)."""
         spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                          raw_dtype=raw_dtype, request_id=request_id)
-        streamed = stream_latents(spec, latents)
+        latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
+        streamed = stream_latents(spec, latents, self._cached_info().compute_dtype)
         progress = self._progress(report, spec.options.request_id)
         # The call starts here, not at the first next(): the decode runs while the caller sets up.
         return self._resumed_chunks(spec, streamed, progress, self._open_stream(streamed, spec, progress))

@@ -30,7 +30,7 @@ from .dtypes import (  # noqa: F401  (re-exported: the old public names of this 
 __all__ = [
     "DTYPE_NAMES", "NUMPY_STORAGE", "WIRE_DTYPE_BY_NAME", "TensorFormatError", "dtype_name", "is_torch", "itemsize",
     "torch_dtype", "wire_dtype", "validate", "payload", "to_message", "to_numpy", "to_torch", "storage_view",
-    "widen_bf16_bits", "storage_to_torch",
+    "widen_bf16_bits", "storage_to_torch", "to_bf16_message",
 ]
 
 
@@ -90,6 +90,23 @@ def _torch_to_message(tensor: Any) -> vaed_pb2.Tensor:
     # .contiguous() first (e.g. of a latents[:, :, :2] slice) would add a copy that wakes
     # torch's whole intra-op pool, which in a busy process costs milliseconds of jitter.
     return vaed_pb2.Tensor(dtype=wire, shape=list(tensor.shape), data=host.numpy().tobytes())
+
+
+def to_bf16_message(array: Any) -> vaed_pb2.Tensor:
+    """float32 numpy array or torch tensor -> BFLOAT16 wire Tensor, rounded as torch's
+    `.to(torch.bfloat16)` rounds (to nearest, ties to even; NaN stays NaN; past bf16's largest
+    finite value, Inf), so the server sees the bits its own cast would have made."""
+    if is_torch(array):
+        import torch
+
+        return _torch_to_message(array.to(torch.bfloat16))
+    bits = np.ascontiguousarray(array, dtype="<f4").view(np.uint32)
+    # Round to nearest even on the top 16 bits: add 0x7FFF plus the kept part's lowest bit.
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000  # the carry above would turn some NaNs into Inf or 0
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return vaed_pb2.Tensor(dtype=vaed_pb2.BFLOAT16, shape=list(bits.shape), data=rounded.tobytes())
 
 
 def to_numpy(message: vaed_pb2.Tensor) -> np.ndarray:

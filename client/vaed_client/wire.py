@@ -25,7 +25,7 @@ from .dtypes import (
     torch_dtype,
     wire_dtype,
 )
-from .tensors import payload, to_message, to_numpy, to_torch, validate
+from .tensors import payload, to_bf16_message, to_message, to_numpy, to_torch, validate
 
 SERVICE_NAME = "vaed.v1.VaeDecoder"
 # The port `vaed serve` listens on by default; client targets without a port get
@@ -108,6 +108,7 @@ __all__ = [
     "wire_dtype",
     "is_torch",
     "to_message",
+    "to_bf16_message",
     "to_numpy",
     "to_torch",
     "validate",

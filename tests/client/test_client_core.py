@@ -154,6 +154,55 @@ def test_float64_and_4d_latents(fake: tuple[FakeDecoder, str]) -> None:
             client.decode(np.zeros((1, 16, 1, 1, 1), np.int64))
 
 
+def test_latents_travel_in_a_bf16_servers_dtype(fake: tuple[FakeDecoder, str]) -> None:
+    """For a server computing in bfloat16, a whole-video call's float32 latents go as bf16 (the
+    server's own first step is that cast): every message, the head and the rest, holds torch's
+    rounding of the caller's values, from numpy and torch latents, through both clients.
+    Other dtypes, float32 servers and pushed session chunks go as given."""
+    servicer, target = fake
+    servicer.compute_dtype = vaed_client.wire.pb.BFLOAT16
+    z = latents_np(t=5, h=2, w=3)
+    want = torch.from_numpy(z).to(torch.bfloat16)
+
+    def sent_since(start: int) -> list[Any]:
+        return [m.latents for m in servicer.requests[start:]]
+
+    def assert_sent_as_bf16(start: int) -> None:
+        sent = sent_since(start)
+        assert [int(m.shape[2]) for m in sent] == [2, 3]  # the head, then the rest
+        assert all(m.dtype == vaed_client.wire.pb.BFLOAT16 for m in sent)
+        got = torch.cat([vaed_client.wire.to_torch(m) for m in sent], dim=2)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+    async def async_calls() -> None:
+        async with vaed_client.AsyncVaeClient(target) as client:
+            start = len(servicer.requests)
+            assert np.array_equal(await client.decode(z), expected_video(1, 5, 2, 3))
+            assert_sent_as_bf16(start)
+            start = len(servicer.requests)
+            assert len([c async for c in client.stream(torch.from_numpy(z))]) > 0
+            assert_sent_as_bf16(start)
+
+    with vaed_client.VaeClient(target) as client:
+        for latents in (z, torch.from_numpy(z)):
+            start = len(servicer.requests)
+            video = client.decode(latents)
+            assert np.array_equal(np.asarray(video), expected_video(1, 5, 2, 3))
+            assert_sent_as_bf16(start)
+            start = len(servicer.requests)
+            assert sum(c.num_frames for c in client.stream(latents)) == expected_video(1, 5, 2, 3).shape[1]
+            assert_sent_as_bf16(start)
+        start = len(servicer.requests)
+        client.decode(z.astype(np.float16))
+        assert {m.dtype for m in sent_since(start)} == {vaed_client.wire.pb.FLOAT16}
+        start = len(servicer.requests)
+        with client.session() as session:
+            session.push(z)
+            session.collect()
+        assert {m.dtype for m in sent_since(start)} == {vaed_client.wire.pb.FLOAT32}
+    asyncio.run(async_calls())
+
+
 # -- asyncio -----------------------------------------------------------------------
 def test_async_client_built_outside_a_loop(fake: tuple[FakeDecoder, str]) -> None:
     _, target = fake

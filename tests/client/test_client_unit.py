@@ -282,8 +282,10 @@ def test_stream_sends_its_head_first(fake: tuple[FakeDecoder, str], asynchronous
     assert servicer.requests[0].options.request_id == "split"
     assert frames_per_message(latents_np(t=2, h=2, w=2)) == [2]
     assert frames_per_message(latents_np(t=1, h=2, w=2)) == [1]
+    attempts = servicer.attempts
     with vaed_client.VaeClient(target) as client, pytest.raises(errors.LocalInputError):
         getattr(client, call)(np.zeros((1, 16, 2, 2, 2), np.int64))  # checked before any call
+    assert servicer.attempts == attempts  # a new client: not even its GetModelInfo went out
 
 
 def test_stream_rest_waits_for_the_first_reply() -> None:

@@ -152,3 +152,23 @@ def test_the_servers_frames_read_their_payload_once() -> None:
     frames = ProtoLatents(counted, "frames")
     assert frames.header() == ((1, 3, 5, 8, 8), torch.float32)
     assert torch.equal(frames.to_tensor(), x) and counted.reads == 1
+
+
+def test_bf16_messages_round_as_torch_does() -> None:
+    """float32 -> BFLOAT16 on the wire (numpy has no bf16: bit arithmetic) gives torch's own
+    `.to(torch.bfloat16)` bits for every finite value and Inf, ties to even, overflow to Inf and
+    subnormals included, and keeps NaN a NaN; torch tensors take torch's cast."""
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e-45, -1e-40,
+                      3.3961775e38, 3.4028235e38, -3.4028235e38, np.nan, -np.nan], dtype=np.float32)
+    negative_nan = np.array([0xFFFFFFFF, 0xFFFF8000, 0x7FFFFFFF], dtype=np.uint32).view(np.float32)
+    x = np.concatenate([patterns, edges, negative_nan]).reshape(1, -1)
+    ours = wire.to_torch(wire.to_bf16_message(x))
+    theirs = torch.from_numpy(x).to(torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and ours.shape == theirs.shape
+    finite_or_inf = ~torch.from_numpy(np.isnan(x))
+    assert torch.equal(ours[finite_or_inf].view(torch.int16), theirs[finite_or_inf].view(torch.int16))
+    assert torch.isnan(ours[~finite_or_inf]).all() and int((~finite_or_inf).sum()) > 3
+    from_torch = wire.to_torch(wire.to_bf16_message(torch.from_numpy(x)))
+    assert torch.equal(from_torch.view(torch.int16), theirs.view(torch.int16))

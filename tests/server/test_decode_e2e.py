@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vaed_client import AsyncVaeClient, VaeClient
-from harness import diffusers_decode, rgb8
+from harness import diffusers_decode, make_config, rgb8, serve_in_thread
 
 # (B, T, h, w): T=1, 2, 5, B=2, odd h and w. Spatial sizes stay at h*w >= 35:
 # below that, aten's CPU conv3d takes another kernel whose 1x1x1
@@ -97,6 +97,25 @@ def test_bf16_latents_travel_as_bf16(tiny_server, ref21):
     assert raw.dtype == torch.bfloat16
     expected = diffusers_decode(ref21, z, raw_latents=False).to(torch.bfloat16)
     assert torch.equal(raw, expected)
+
+
+def test_float32_latents_to_a_bf16_server_keep_stocks_bits():
+    """A bf16 server: the client sends float32 latents as bf16 (what the server's own cast
+    makes of them) and the frames stay stock's (WanPipeline casts its float32 latents to the
+    VAE's dtype first), equal to a session whose pushed float32 chunks the server casts."""
+    with serve_in_thread(make_config("random:wan2.1-tiny", dtype="bfloat16")) as running:
+        ref = running.reference_vae()
+        z = latents_for(ref, 1, 5, 5, 7, seed=12)
+        with VaeClient(running.target) as client:
+            raw = client.decode(z, format="raw")
+            frames = client.decode(z)
+            with client.session(format="raw") as session:
+                session.push(z)
+                pushed = session.collect()
+    stock = diffusers_decode(ref, z, raw_latents=False)
+    assert raw.dtype == torch.bfloat16 and torch.equal(raw, stock)
+    assert torch.equal(frames, rgb8(stock))
+    assert torch.equal(pushed, raw)
 
 
 def test_frames_arrive_before_the_decode_finishes(tiny_server, ref21, monkeypatch):
