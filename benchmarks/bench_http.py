@@ -3,7 +3,7 @@ streamed fMP4 route, and gRPC's MP4 formats (`VaeClient.decode(output_type="mp4"
 lossless) against the gRPC RGB8 decode of the same latents, through a real `vaed serve`.
 
     python benchmarks/bench_http.py --model random:wan2.1 --shape 1,16,21,60,104 --reps 3 \
-        [--precision fast] [--latents smooth]
+        [--precision fast] [--latents smooth] [--dtype bfloat16]
     python benchmarks/bench_http.py --device cpu --model random:wan2.1-tiny --shape 1,4,21,60,104
 
 Per output: seconds until the whole answer is at the client (median of --reps), bytes on the
@@ -134,6 +134,9 @@ def main() -> int:
     parser.add_argument("--precision", choices=["lossless", "fast"], help="the server's --precision (its default if unset)")
     parser.add_argument("--latents", choices=["white", "smooth"], default="white",
                         help="white noise, or low-frequency latents (structured frames, as real videos compress)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the latents' dtype (the gRPC client sends float32 as bf16 to a bf16 server; "
+                             "HTTP bodies go as given)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("server_args", nargs="*", help="extra `vaed serve` flags after --")
     args = parser.parse_args()
@@ -147,6 +150,7 @@ def main() -> int:
         latents = smooth_latents(tuple(shape), generator)
     else:
         latents = torch.randn(*shape, generator=generator)
+    latents = latents.to(getattr(torch, args.dtype))
     http_port = free_port()
     extra = ["--http-port", str(http_port)] + (["--device", "cpu"] if args.device else [])
     extra += ["--precision", args.precision] if args.precision else []
@@ -181,7 +185,7 @@ def main() -> int:
     print_call_lines(rest)
     result = {
         "model": args.model, "shape": shape, "latents": args.latents, "frames": int(rgb8.shape[0]),
-        "body_bytes": latents.numel() * 4,
+        "dtype": args.dtype, "body_bytes": latents.numel() * latents.element_size(),
         "grpc_rgb8_s": grpc_s, "rgb8_bytes": int(rgb8.nbytes),
         "http_pt_partial_s": frames_s, "http_pt_partial_first_frame_ms": statistics.median(pt_firsts) * 1e3,
         "server_cores_http_pt_partial": frames_cores, "server_cores_http_mp4": http_mp4_cores,

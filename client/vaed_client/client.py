@@ -122,8 +122,8 @@ class VaeClient:
         self._stub  # noqa: B018  (raises ClientClosedError once closed)
         return self._stub_objs[index]
 
-    def _progress(self, report: CallReport | None, request_id: str, policy: ResumePolicy | None = None) -> Progress:
-        return Progress(policy or self.resume, self._targets, report, self.timeout, request_id)
+    def _progress(self, report: CallReport | None, request_id: str) -> Progress:
+        return Progress(self.resume, self._targets, report, self.timeout, request_id)
 
     @property
     def closed(self) -> bool:
@@ -143,7 +143,9 @@ class VaeClient:
     # -- calls -------------------------------------------------------------
     def model_info(self) -> ModelInfo:
         # Each other target is tried once (the channel retries each one itself).
-        progress = self._progress(None, "", ResumePolicy(max_resumes=len(self.targets) - 1))
+        # GetModelInfo takes no decode's turn (`Targets.first`).
+        progress = Progress(ResumePolicy(max_resumes=len(self.targets) - 1), self._targets, None, self.timeout, "",
+                            takes_turn=False)
         while True:
             try:
                 reply = self._stub_at(progress.target).GetModelInfo(
@@ -196,10 +198,10 @@ class VaeClient:
                          raw_dtype=raw_dtype, request_id=request_id, fps=fps, crf=crf, preset=preset,
                          lossless=lossless)
         latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
+        mp4 = mp4_output(spec.output_type, mp4_path)
         info = self._cached_info()
         streamed = stream_latents(spec, latents, info.compute_dtype)
-        assembly = mp4_output(spec.output_type, mp4_path) or Assembly(
-            spec, streamed.as_torch, info.output_frames(streamed.latent_frames))
+        assembly = mp4 or Assembly(spec, streamed.as_torch, info.output_frames(streamed.latent_frames))
         progress = self._progress(report, spec.options.request_id)
         try:
             while True:

@@ -142,10 +142,13 @@ class Targets:
         round_robin channel sends the next call to the next address)."""
         return len(self.names) > 1 or self.names[0].startswith("dns:")
 
-    def first(self) -> int:
-        """The target of a new call: the next in turn that has not failed recently."""
+    def first(self, *, takes_turn: bool = True) -> int:
+        """The target of a new call: the next in turn that has not failed recently. A call that
+        decodes nothing (GetModelInfo: every replica has the same answer) leaves the turn to
+        the next decode."""
         start = self._next
-        self._next = (self._next + 1) % len(self.names)
+        if takes_turn:
+            self._next = (self._next + 1) % len(self.names)
         return self._healthiest(start, exclude=None)
 
     def after_failure(self, index: int) -> int:
@@ -169,7 +172,7 @@ class Progress:
     one call's frames arrive in order), the attempts, and what to do after a failure."""
 
     def __init__(self, policy: ResumePolicy, targets: Targets, report: CallReport | None,
-                 timeout: float | None, request_id: str) -> None:
+                 timeout: float | None, request_id: str, takes_turn: bool = True) -> None:
         self.policy = policy
         self.targets = targets
         self.report = report if report is not None else CallReport()
@@ -177,7 +180,7 @@ class Progress:
         self.deadline = None if timeout is None else self.started + timeout
         self.request_id = request_id
         self.delivered = 0        # frames handed to the application
-        self.target = targets.first()
+        self.target = targets.first(takes_turn=takes_turn)
         self.report.targets.append(targets.names[self.target])
         self._repeats: dict[int, int] = {}  # failures per target in this call
         self._failed_at: float | None = None

@@ -141,6 +141,8 @@ def test_targets_rotate_and_avoid_one_that_just_failed():
     assert [targets.first() for _ in range(4)] == [0, 1, 2, 0]
     assert targets.after_failure(1) == 2
     assert targets.first() == 2  # b (next in turn) failed just now: skipped while others are fresh
+    turn = Targets(["a", "b"])
+    assert [turn.first(takes_turn=False), turn.first(), turn.first()] == [0, 0, 1]  # info calls take no turn
 
 
 def test_encode_replies_pass_once_each_by_latent_frame():
