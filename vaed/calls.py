@@ -477,6 +477,8 @@ class CallCore:
         return OutputSpec(
             rgb8=requested.rgb8, raw_dtype=requested.raw_dtype, raw_latents=requested.raw_latents,
             precision=precision, allow_non_finite=requested.allow_non_finite,
+            # H.264 is encoded from yuv420p: converted on the device (`vaed.yuv`); lossless takes RGB
+            yuv420p=requested.video is not None and not requested.video.lossless,
         )
 
     # -- the stages a call goes through ------------------------------------------------------
@@ -528,8 +530,8 @@ class CallCore:
             packager.open_early(*frame_size)
         try:
             async for item in pieces:
-                if isinstance(item, FramesOut):
-                    data = await packager.add(item.frames[0].numpy())
+                if isinstance(item, FramesOut):  # the session's output: yuv420p planes unless lossless
+                    data = await packager.add(item.frames[0].numpy(), yuv420p=not options.lossless)
                     if data:
                         yield VideoOut(item.request_id, item.chunk_index, item.first_frame, data)
                     continue

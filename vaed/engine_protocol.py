@@ -51,6 +51,9 @@ class OutputSpec:
     raw_latents: bool               # True: latents already in VAE space
     precision: str = Precision.LOSSLESS  # op set tier
     allow_non_finite: bool = False  # False: NaN/Inf latents are refused
+    # RGB8 only: the session turns each group into yuv420p planes [B, t, 3H/2, W] on the device
+    # (`vaed.yuv`), for H.264 video; the engine itself always makes RGB8
+    yuv420p: bool = False
 
     @property
     def time_dim(self) -> int:

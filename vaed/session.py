@@ -78,6 +78,7 @@ from .engine import OutputSpec
 from .engine_protocol import Engine
 from .errors import ClientIdle, InvalidInput
 from .limits import Limits
+from .yuv import rgb8_to_yuv420p
 
 
 class SessionState(enum.Enum):
@@ -461,7 +462,8 @@ class Session:
         if not self.output.allow_non_finite:
             check_finite(latent_frame, state.next_latent_frame)
         group = engine.decode_frame(state, latent_frame, self.output)
-        return DeviceGroup(group.chunk_index, group.first_frame, group.frames)
+        frames = rgb8_to_yuv420p(group.frames) if self.output.yuv420p else group.frames
+        return DeviceGroup(group.chunk_index, group.first_frame, frames)
 
     def finish(self) -> None:
         """Every latent frame was decoded after the input ended: deliver the end."""

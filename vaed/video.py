@@ -9,6 +9,7 @@ fragment while the decode goes on.
 Choices, and why:
 - H.264 yuv420p through PyAV's libx264: H100/H200 have no hardware video encoder, so this is CPU
   work, and x264 is the encoder every browser can play. CRF 23 by default (x264's own default).
+  A server hands it yuv420p planes converted on its GPU (`vaed.yuv`), not RGB for swscale.
 - `tune=zerolatency`: no B-frames and no lookahead, so each frame's packet leaves the encoder with
   the frame. x264's default lookahead holds ~40 frames back — half a Wan video — before the first
   packet, which would turn streaming into "everything at the end".
@@ -33,11 +34,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
+import torch
 
 from . import fmp4
+from .yuv import rgb8_to_yuv420p
 
 DEFAULT_CRF = 23
 DEFAULT_PRESET = "veryfast"  # ~2x faster than x264's "medium" for ~10 % more bytes
@@ -140,18 +144,31 @@ class Fmp4Packager:
             return None
         return f'video/mp4; codecs="avc1.{avc1_profile(bytes(self._stream.codec_context.extradata or b""))}"'
 
-    def add(self, frames: np.ndarray) -> bytes:
-        """Encode uint8 frames `[t, H, W, 3]`; returns the bytes that became final (may be b"")."""
+    def add(self, frames: np.ndarray, *, yuv420p: bool = False) -> bytes:
+        """Encode uint8 frames, RGB `[t, H, W, 3]` or (`yuv420p`, H.264 only) their planes
+        `[t, 3H/2, W]` as `vaed.yuv.rgb8_to_yuv420p` makes them; returns the bytes that became
+        final (may be b""). RGB frames for H.264 are converted here with that same function, so
+        both forms of the same frames give the same bytes."""
         if self.closed:
             raise VideoError("the video is already closed")
-        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
-            raise VideoError(f"expected uint8 frames [t, H, W, 3], got {frames.dtype} {list(frames.shape)}")
-        self.open(frames.shape[1], frames.shape[2])
+        if yuv420p:
+            if self.options.lossless:
+                raise VideoError("lossless video is encoded from RGB frames, not yuv420p")
+            if frames.dtype != np.uint8 or frames.ndim != 3 or frames.shape[1] % 3:
+                raise VideoError(f"expected uint8 yuv420p frames [t, 3H/2, W], got {frames.dtype} {list(frames.shape)}")
+            self.open(frames.shape[1] * 2 // 3, frames.shape[2])
+        else:
+            if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+                raise VideoError(f"expected uint8 frames [t, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+            self.open(frames.shape[1], frames.shape[2])
+            if not self.options.lossless:
+                frames = rgb8_to_yuv420p(torch.from_numpy(np.ascontiguousarray(frames))).numpy()
         import av
 
+        pix_fmt = self._stream.pix_fmt
         out = []
         for image in frames:
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(image), format=pix_fmt)
             out += [self._fragment(packet) for packet in self._stream.encode(frame)]
             self.frames_in += 1
         return b"".join(out)
@@ -260,10 +277,11 @@ class AsyncPackager:
             self._opening = asyncio.get_running_loop().run_in_executor(
                 self._executor, self._packager.open, height, width)
 
-    async def add(self, frames: np.ndarray) -> bytes:
+    async def add(self, frames: np.ndarray, *, yuv420p: bool = False) -> bytes:
         async with self._lock:
             await self._opened()
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._packager.add, frames)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, functools.partial(self._packager.add, frames, yuv420p=yuv420p))
 
     async def close(self) -> bytes:
         async with self._lock:

@@ -87,9 +87,32 @@ def test_mp4_decodes_back_to_the_frames(server: RunningServer, capsys: pytest.Ca
     # loss is large, so the frames must also be what vaed.video makes of the same RGB8 frames.
     assert quality > 12
     assert np.array_equal(frames, frames_of_mp4(package(rgb8, VideoOptions(fps=int(rate))))[0])
+    assert mp4 == package(rgb8, VideoOptions(fps=int(rate)))  # the server's yuv420p planes are vaed.yuv's
     assert len(small) < len(mp4)  # crf and preset reached the encoder
     exact, rate = frames_of_mp4(lossless)
     assert rate == 8 and np.array_equal(exact, rgb8)
+
+
+def test_the_session_hands_h264_its_yuv420p_planes(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served H.264 call's groups reach the packager as yuv420p planes [t, 3H/2, W] made before
+    the host copy (on a GPU server: on the GPU); a lossless call's as RGB8 [t, H, W, 3]."""
+    seen: list[tuple[bool, tuple[int, ...]]] = []
+    add = Fmp4Packager.add
+
+    def spy(self: Fmp4Packager, frames: np.ndarray, *, yuv420p: bool = False) -> bytes:
+        seen.append((yuv420p, frames.shape))
+        return add(self, frames, yuv420p=yuv420p)
+
+    monkeypatch.setattr(Fmp4Packager, "add", spy)
+    x = latents(server.config.model, t=2, h=8, w=8, seed=2)
+    with VaeClient(server.target, timeout=120) as client:
+        size = client.decode(x)[0].shape[1:3]
+        client.decode(x, output_type="mp4")
+        h264, seen[:] = list(seen), []
+        client.decode(x, output_type="mp4", lossless=True)
+    h, w = size
+    assert h264 == [(True, (1, h * 3 // 2, w)), (True, (4, h * 3 // 2, w))]
+    assert seen == [(False, (1, h, w, 3)), (False, (4, h, w, 3))]
 
 
 def test_mp4_path_is_written_as_it_arrives_and_async_gives_the_same(server: RunningServer,
@@ -296,7 +319,8 @@ def test_grpc_and_http_mp4_are_one_implementation() -> None:
 @pytest.mark.parametrize("h, w", [(60, 104), (90, 160)])  # 480x832 and 720x1280
 def test_mp4_from_a_gpu_server(h: int, w: int, capsys: pytest.CaptureFixture[str]) -> None:
     """On CUDA a group's frames are in pinned host memory when the packager reads them: the
-    lossless MP4 is exactly the RGB8 frames, and the lossy one within the codec's loss."""
+    lossless MP4 is exactly the RGB8 frames, and the lossy one within the codec's loss, byte for
+    byte the file of the RGB8 frames converted on the CPU (the GPU's yuv420p planes are the same)."""
     config = make_config("random:wan2.1", device="cuda:0", warmup=False)
     x = torch.randn(1, 16, 5, h, w, generator=torch.Generator().manual_seed(1))
     with serve_in_thread(config) as running, VaeClient(running.target, timeout=600) as client:
@@ -310,3 +334,4 @@ def test_mp4_from_a_gpu_server(h: int, w: int, capsys: pytest.CaptureFixture[str
         print(f"\nGPU {list(x.shape)}: mp4 {len(mp4)} bytes vs RGB8 {rgb8.nbytes} (1/{rgb8.nbytes / len(mp4):.0f}), "
               f"PSNR {quality:.2f} dB; lossless {len(exact)} bytes")
     assert rate == 16 and frames.shape == rgb8.shape and quality > 12
+    assert mp4 == package(rgb8, VideoOptions(fps=16))
