@@ -518,20 +518,22 @@ class CallCore:
             raise InvalidInput(f"MP4 output holds one video: send batch 1, got {batch}")
 
     async def _video(
-        self, pieces: AsyncGenerator[Out, None], options: VideoOptions, frame_size: tuple[int, int] | None
+        self, pieces: AsyncGenerator[Out, None], options: VideoOptions, frame_size: tuple[int, int] | None,
+        yuv420p: bool,
     ) -> AsyncGenerator[Out, None]:
         """The call's frame pieces encoded, in order, on the packaging pool: `VideoOut` bytes as
         each piece releases them (the init segment with the first), the rest at the CallEnd. A
         piece's group credit goes back when the next piece is asked for: after its bytes went out.
-        The encoder opens at once when `frame_size` (H, W) is known, while frame 0 decodes."""
+        The encoder opens at once when `frame_size` (H, W) is known, while frame 0 decodes.
+        `yuv420p`: the pieces hold the planes the session made on the device (`OutputSpec`)."""
         assert self.packaging is not None
         packager = self.packaging.packager(options)
         if frame_size is not None:
             packager.open_early(*frame_size)
         try:
             async for item in pieces:
-                if isinstance(item, FramesOut):  # the session's output: yuv420p planes unless lossless
-                    data = await packager.add(item.frames[0].numpy(), yuv420p=not options.lossless)
+                if isinstance(item, FramesOut):
+                    data = await packager.add(item.frames[0].numpy(), yuv420p=yuv420p)
                     if data:
                         yield VideoOut(item.request_id, item.chunk_index, item.first_frame, data)
                     continue
@@ -551,7 +553,7 @@ class CallCore:
             return pieces
         shape = session.record.shape
         frame_size = None if shape is None else session.limits.frame_size(shape[3], shape[4])
-        return self._video(pieces, requested.video, frame_size)
+        return self._video(pieces, requested.video, frame_size, session.output.yuv420p)
 
     @staticmethod
     def _accept(session: Session, latents: LatentsIn) -> None:

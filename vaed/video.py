@@ -9,7 +9,7 @@ fragment while the decode goes on.
 Choices, and why:
 - H.264 yuv420p through PyAV's libx264: H100/H200 have no hardware video encoder, so this is CPU
   work, and x264 is the encoder every browser can play. CRF 23 by default (x264's own default).
-  A server hands it yuv420p planes converted on its GPU (`vaed.yuv`), not RGB for swscale.
+  A server hands it yuv420p planes converted on its device (`vaed.yuv`), not RGB for swscale.
 - `tune=zerolatency`: no B-frames and no lookahead, so each frame's packet leaves the encoder with
   the frame. x264's default lookahead holds ~40 frames back — half a Wan video — before the first
   packet, which would turn streaming into "everything at the end".
