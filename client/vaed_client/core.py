@@ -222,7 +222,7 @@ def normalize_latents(latents: Any) -> Any:
     return latents
 
 
-def latents_message(latents: Any, compute_dtype: str = "") -> Any:
+def latents_message(latents: Any, compute_dtype: str = "", out: Any = None) -> Any:
     """Normalized latents -> wire Tensor; float32 latents for a server that computes in bfloat16
     travel as bfloat16.
 
@@ -232,11 +232,12 @@ def latents_message(latents: Any, compute_dtype: str = "") -> Any:
     (Finite values past bf16's largest, 3.39e38, become Inf here as in the server's cast, and
     the server then refuses them as non-finite.) Callers are whole-video calls, whose
     `compute_dtype` is the one their client's ModelInfo names: the replicas of one target list
-    serve the same model in the same dtype, as resuming a call on another already assumes."""
+    serve the same model in the same dtype, as resuming a call on another already assumes.
+    `out`: a message's Tensor field, filled in place (`wire.to_message`)."""
     try:
         if compute_dtype == "bfloat16" and str(latents.dtype).removeprefix("torch.") == "float32":
-            return wire.to_bf16_message(latents)
-        return wire.to_message(latents)
+            return wire.to_bf16_message(latents, out)
+        return wire.to_message(latents, out)
     except TensorFormatError as e:
         raise LocalInputError(str(e)) from None
 
@@ -277,7 +278,9 @@ class StreamedLatents:
     compute_dtype: str = ""  # the server's (see `latents_message`)
 
     def rest_message(self) -> Any:
-        return pb.LatentChunk(latents=latents_message(self.rest, self.compute_dtype))
+        chunk = pb.LatentChunk()
+        latents_message(self.rest, self.compute_dtype, out=chunk.latents)
+        return chunk
 
     def all_messages(self, options: Any) -> list[Any]:
         """A resumed attempt's messages, sent at once with `options` (the frames it skips

@@ -190,7 +190,8 @@ def video_chunks(video: Video, options: Any, cap_bytes: int = wire.FRAME_MESSAGE
         frames.nbytes // count
     for i, (start, length) in enumerate(call_slices(count, frame_bytes, cap_bytes)):
         part = frames[:, :, start : start + length] if video.time_dim == 2 else frames[:, start : start + length]
-        chunk = pb.VideoChunk(frames=wire.to_message(part))
+        chunk = pb.VideoChunk()
+        wire.to_message(part, out=chunk.frames)  # in place: nesting a built Tensor copies it again
         if i == 0:
             chunk.options.CopyFrom(options)
         yield chunk

@@ -10,7 +10,7 @@ is `dtypes.py`; the public face of both is `vaed_client.wire`.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -59,10 +59,14 @@ def validate(message: vaed_pb2.Tensor, data: bytes | None = None) -> tuple[int, 
     return shape
 
 
-def to_message(array: Any) -> vaed_pb2.Tensor:
-    """numpy array or torch tensor (any device, bf16 included) -> wire Tensor."""
+def to_message(array: Any, out: vaed_pb2.Tensor | None = None) -> vaed_pb2.Tensor:
+    """numpy array or torch tensor (any device, bf16 included) -> wire Tensor.
+
+    `out`: the Tensor field of a message being built (`chunk.frames`), filled in place and
+    returned. Nesting a Tensor built apart copies its payload once more (protobuf's upb
+    runtime): 40 % of building and serializing a 4.8 MB FrameChunk (4 RGB8 480x832 frames)."""
     if is_torch(array):
-        return _torch_to_message(array)
+        return _torch_to_message(array, out)
     array = np.asarray(array)
     try:
         wire = wire_dtype(array.dtype)
@@ -71,10 +75,20 @@ def to_message(array: Any) -> vaed_pb2.Tensor:
     if wire == vaed_pb2.BFLOAT16:  # only reachable through ml_dtypes-style numpy bf16
         raise TensorFormatError("numpy bfloat16 is not supported; pass a torch tensor")
     data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-    return vaed_pb2.Tensor(dtype=wire, shape=list(array.shape), data=data)
+    return _filled(out, wire, array.shape, data)
 
 
-def _torch_to_message(tensor: Any) -> vaed_pb2.Tensor:
+def _filled(out: vaed_pb2.Tensor | None, wire: int, shape: tuple[int, ...], data: bytes) -> vaed_pb2.Tensor:
+    message = vaed_pb2.Tensor() if out is None else out
+    message.SetInParent()  # present even when empty (a 0-frame tensor of dtype 0 sets no field)
+    message.dtype = cast(vaed_pb2.DataType, wire)  # a checked DataType value
+    del message.shape[:]
+    message.shape.extend(int(d) for d in shape)
+    message.data = data
+    return message
+
+
+def _torch_to_message(tensor: Any, out: vaed_pb2.Tensor | None = None) -> vaed_pb2.Tensor:
     import torch
 
     try:
@@ -89,24 +103,25 @@ def _torch_to_message(tensor: Any) -> vaed_pb2.Tensor:
     # numpy's tobytes writes C order from any strides in one single-threaded copy; a torch
     # .contiguous() first (e.g. of a latents[:, :, :2] slice) would add a copy that wakes
     # torch's whole intra-op pool, which in a busy process costs milliseconds of jitter.
-    return vaed_pb2.Tensor(dtype=wire, shape=list(tensor.shape), data=host.numpy().tobytes())
+    return _filled(out, wire, tuple(tensor.shape), host.numpy().tobytes())
 
 
-def to_bf16_message(array: Any) -> vaed_pb2.Tensor:
+def to_bf16_message(array: Any, out: vaed_pb2.Tensor | None = None) -> vaed_pb2.Tensor:
     """float32 numpy array or torch tensor -> BFLOAT16 wire Tensor, rounded as torch's
     `.to(torch.bfloat16)` rounds (to nearest, ties to even; NaN stays NaN; past bf16's largest
-    finite value, Inf), so the server sees the bits its own cast would have made."""
+    finite value, Inf), so the server sees the bits its own cast would have made. `out` as
+    for `to_message`."""
     if is_torch(array):
         import torch
 
-        return _torch_to_message(array.to(torch.bfloat16))
+        return _torch_to_message(array.to(torch.bfloat16), out)
     bits = np.ascontiguousarray(array, dtype="<f4").view(np.uint32)
     # Round to nearest even on the top 16 bits: add 0x7FFF plus the kept part's lowest bit.
     rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
     nan = (bits & 0x7FFFFFFF) > 0x7F800000  # the carry above would turn some NaNs into Inf or 0
     if nan.any():
         rounded[nan] = 0x7FC0
-    return vaed_pb2.Tensor(dtype=vaed_pb2.BFLOAT16, shape=list(bits.shape), data=rounded.tobytes())
+    return _filled(out, vaed_pb2.BFLOAT16, bits.shape, rounded.tobytes())
 
 
 def to_numpy(message: vaed_pb2.Tensor) -> np.ndarray:

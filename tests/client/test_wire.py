@@ -172,3 +172,26 @@ def test_bf16_messages_round_as_torch_does() -> None:
     assert torch.isnan(ours[~finite_or_inf]).all() and int((~finite_or_inf).sum()) > 3
     from_torch = wire.to_torch(wire.to_bf16_message(torch.from_numpy(x)))
     assert torch.equal(from_torch.view(torch.int16), theirs.view(torch.int16))
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(24, dtype=np.uint8).reshape(1, 2, 3, 4), np.zeros((1, 0, 2, 2, 3), np.uint8),
+    torch.randn(1, 3, 2, 4, 4).to(torch.bfloat16), torch.randn(2, 3)[:, ::2],
+])
+def test_a_tensor_filled_in_place_serializes_as_one_nested(array: Any) -> None:
+    """`to_message(x, out=chunk.frames)` gives the bytes of `FrameChunk(frames=to_message(x))`,
+    the field present even for an empty tensor, and overwrites what `out` held."""
+    nested = wire.pb.FrameChunk(chunk_index=3, frames=wire.to_message(array))
+    chunk = wire.pb.FrameChunk(chunk_index=3)
+    chunk.frames.shape.extend([9, 9])
+    chunk.frames.data = b"old"
+    assert wire.to_message(array, out=chunk.frames) is chunk.frames
+    assert chunk.HasField("frames") and chunk.SerializeToString() == nested.SerializeToString()
+    if not is_bf16(array):
+        bits = wire.pb.FrameChunk()
+        wire.to_bf16_message(np.asarray(array, np.float32), out=bits.frames)
+        assert bits.frames.SerializeToString() == wire.to_bf16_message(np.asarray(array, np.float32)).SerializeToString()
+
+
+def is_bf16(array: Any) -> bool:
+    return isinstance(array, torch.Tensor) and array.dtype == torch.bfloat16
