@@ -186,16 +186,6 @@ def call_spec(
 
 
 # -- latents -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Latents:
-    """Latents ready for the wire, and what the reply should look like."""
-
-    message: Any  # pb.Tensor
-    as_torch: bool
-    batch: int
-    latent_frames: int
-
-
 def normalize_latents(latents: Any) -> Any:
     """The input rule of the module doc: float64 -> float32, 4-D -> B=1;
     LocalInputError for other ranks and non-array input."""
@@ -240,12 +230,6 @@ def latents_message(latents: Any, compute_dtype: str = "", out: Any = None) -> A
         return wire.to_message(latents, out)
     except TensorFormatError as e:
         raise LocalInputError(str(e)) from None
-
-
-def prepare_latents(latents: Any, compute_dtype: str = "") -> Latents:
-    latents = normalize_latents(latents)
-    message = latents_message(latents, compute_dtype)
-    return Latents(message, is_torch(latents), int(latents.shape[0]), int(latents.shape[2]))
 
 
 # Latent frames in a stream's first message: frame 0 (the first frame) and frame 1, so the
@@ -295,11 +279,11 @@ def stream_latents(spec: CallSpec, latents: Any, compute_dtype: str = "") -> Str
     """Check latents here (LocalInputError before any call) and split them for DecodeStream,
     in the dtype they travel in for a server computing in `compute_dtype` (`latents_message`)."""
     latents = normalize_latents(latents)
-    head = prepare_latents(latents[:, :, :HEAD_LATENT_FRAMES], compute_dtype)  # raises for an unsupported dtype
+    first = pb.LatentChunk(options=spec.options)
+    latents_message(latents[:, :, :HEAD_LATENT_FRAMES], compute_dtype, out=first.latents)  # in place
     t = int(latents.shape[2])
     rest = latents[:, :, HEAD_LATENT_FRAMES:] if t > HEAD_LATENT_FRAMES else None
-    return StreamedLatents(pb.LatentChunk(latents=head.message, options=spec.options), rest, head.as_torch, t,
-                           compute_dtype)
+    return StreamedLatents(first, rest, is_torch(latents), t, compute_dtype)
 
 
 def receive_as_torch(spec: CallSpec, as_torch: bool) -> bool:
@@ -396,11 +380,13 @@ class SessionState:
     def replay_message(self, latents: Any) -> Any:
         """Latents -> LatentChunk without options, for a session's replay log (each attempt
         puts its own options, with its skip_frames, on its first message)."""
-        prepared = prepare_latents(latents)
+        latents = normalize_latents(latents)
+        chunk = pb.LatentChunk()
+        latents_message(latents, out=chunk.latents)  # in place: nesting a built Tensor copies it again
         if self.as_torch is None:
-            self.as_torch = prepared.as_torch
-        self.latent_frames += prepared.latent_frames
-        return pb.LatentChunk(latents=prepared.message)
+            self.as_torch = is_torch(latents)
+        self.latent_frames += int(latents.shape[2])
+        return chunk
 
     def reader_failed(self, error: VaedError) -> VaedError:
         self.failure = error
@@ -453,10 +439,8 @@ __all__ = [
     "CallSpec",
     "call_spec",
     "format_name",
-    "Latents",
     "normalize_latents",
     "latents_message",
-    "prepare_latents",
     "HEAD_LATENT_FRAMES",
     "StreamedLatents",
     "stream_latents",
