@@ -80,8 +80,7 @@ def to_message(array: Any, out: vaed_pb2.Tensor | None = None) -> vaed_pb2.Tenso
 
 def _filled(out: vaed_pb2.Tensor | None, wire: int, shape: tuple[int, ...], data: bytes) -> vaed_pb2.Tensor:
     message = vaed_pb2.Tensor() if out is None else out
-    message.SetInParent()  # present even when empty (a 0-frame tensor of dtype 0 sets no field)
-    message.dtype = cast(vaed_pb2.DataType, wire)  # a checked DataType value
+    message.dtype = cast(vaed_pb2.DataType, wire)  # a checked, nonzero DataType: marks `out` present
     del message.shape[:]
     message.shape.extend(int(d) for d in shape)
     message.data = data
