@@ -192,9 +192,15 @@ def main() -> int:
     parser.add_argument("--pause", type=float, default=0.0,
                         help="seconds between calls (lets the server finish the last call's bookkeeping)")
     parser.add_argument("--skip-in-process", action="store_true", help="measure the service only")
+    parser.add_argument("--client-keeps-freed-memory", action="store_true",
+                        help="call vaed_client.keep_freed_memory() in this (the client's) process first")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("server_args", nargs="*", help="extra `vaed serve` flags after --")
     args = parser.parse_args()
+    if args.client_keeps_freed_memory:
+        from vaed_client import keep_freed_memory
+
+        print(f"client malloc: {keep_freed_memory()}", flush=True)
     default_shape = "1,3,81,480,832" if args.op == "encode" else "1,16,21,60,104"
     shape = [int(s) for s in (args.shape or default_shape).split(",")]
     if args.op == "encode":

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from vaed_client import wire
 from vaed_client.channel import read_token
+from vaed_client.heap import keep_freed_memory
 
 from .auth import BearerTokenInterceptor, server_credentials
 from .calls import CallCore, Lifecycle
@@ -445,6 +446,7 @@ async def serve(config: ServerConfig, startup: StartupTimes | None = None) -> in
     if startup is not None:
         startup.add("import", startup.elapsed())
     set_cpu_threads(config)
+    log.info("malloc: %s", keep_freed_memory())
     try:
         use_kernel_cache(config.kernel_cache)  # before any worker can compile a kernel
     except ValueError as exc:

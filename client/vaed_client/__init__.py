@@ -25,6 +25,7 @@ from .errors import (
     UnavailableError,
     VaedError,
 )
+from .heap import keep_freed_memory
 from .outputs import OUTPUT_TYPES
 from .resume import CallReport, ResumePolicy
 from .video import DecodedChunk, assemble
@@ -70,6 +71,7 @@ __all__ = [
     "RemoteAutoencoderKLWan",
     "OUTPUT_TYPES",
     "MAX_MESSAGE_BYTES",
+    "keep_freed_memory",
     "VaedError",
     "LocalInputError",
     "ClientClosedError",

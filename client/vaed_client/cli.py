@@ -54,6 +54,7 @@ from .core import normalize_latents
 from .encode_cli import add_encode_arguments, run_encode
 from .errors import LocalInputError, VaedError
 from .export import X264_CRF, ExportError, FrameWriter, check_output, existing_outputs, make_writer, remove_png_frames
+from .heap import keep_freed_memory
 from .resume import CallReport
 from .tensors import widen_bf16_bits
 
@@ -491,6 +492,7 @@ def build_parser(prog: str = "vaed-client") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger(__name__).debug("malloc: %s", keep_freed_memory())  # this process is ours (vaed_client.heap)
     return int(args.func(args) or 0)
 
 

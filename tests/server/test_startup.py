@@ -103,6 +103,7 @@ def test_every_start_up_phase_is_logged_summed_up_at_serving_and_exported(tmp_pa
             f"warm-up on cpu at {CPU_WARMUP.removeprefix('warm-up ')}", "start-up: gc freeze took", "start-up took",
         )]
         assert ends == sorted(ends)
+        assert "malloc: freed memory stays in the process" in log  # vaed_client.heap, set before the model loads
         # the metrics hold the same numbers
         (metrics_port,) = re.findall(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", log)
         exported = _metrics(metrics_port)
