@@ -45,7 +45,7 @@ def keep_freed_memory() -> str:
         chosen.append("GLIBC_TUNABLES")
     if chosen:
         return f"the allocator is left to the environment ({', '.join(chosen)})"
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     if not (libc.mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UNDER) and libc.mallopt(M_TRIM_THRESHOLD, KEPT_FREE_TOP)):
         return "the allocator is left as it is (glibc refused mallopt)"
     return (f"freed memory stays in the process: blocks under {HEAP_BLOCKS_UNDER >> 20} MiB from the heap, "

@@ -56,4 +56,4 @@ def test_kept_memory_spares_the_page_faults_of_every_frame_message() -> None:
 @pytest.mark.parametrize("env", [{"MALLOC_TOP_PAD_": "1"}, {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}])
 def test_malloc_tunables_of_the_environment_are_left_alone(env: dict[str, str]) -> None:
     said, _ = _faults_per_round("keep", **env)
-    assert said == f"the allocator is left to the environment ({next(iter(env)).split('=')[0]})"
+    assert said == f"the allocator is left to the environment ({next(iter(env))})"
