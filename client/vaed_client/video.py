@@ -19,6 +19,7 @@ import numpy as np
 from . import tensors
 from ._proto import vaed_pb2
 from .errors import InternalError
+from .heap import video_buffer
 from .wire import output_frames  # noqa: F401  (re-exported; the rule lives in wire)
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class VideoAssembler:
     def _allocate(self, view: np.ndarray, wire_dtype: int, frames: int) -> None:
         shape = list(view.shape)
         shape[self.axis] = frames
-        self._storage = np.empty(shape, dtype=view.dtype.newbyteorder("="))
+        self._storage = video_buffer(shape, view.dtype.newbyteorder("="))
         self._wire_dtype = wire_dtype
         self._filled = np.zeros(frames, dtype=bool)
 
@@ -158,7 +159,7 @@ class VideoAssembler:
         old = self._storage
         shape = list(old.shape)
         shape[self.axis] = frames
-        self._storage = np.empty(shape, dtype=old.dtype)
+        self._storage = video_buffer(shape, old.dtype)
         index: list[Any] = [slice(None)] * old.ndim
         index[self.axis] = slice(0, old.shape[self.axis])
         self._storage[tuple(index)] = old
