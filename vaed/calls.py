@@ -519,17 +519,18 @@ class CallCore:
 
     async def _video(
         self, pieces: AsyncGenerator[Out, None], options: VideoOptions, frame_size: tuple[int, int] | None,
-        yuv420p: bool,
+        yuv420p: bool, launched: asyncio.Event,
     ) -> AsyncGenerator[Out, None]:
         """The call's frame pieces encoded, in order, on the packaging pool: `VideoOut` bytes as
         each piece releases them (the init segment with the first), the rest at the CallEnd. A
         piece's group credit goes back when the next piece is asked for: after its bytes went out.
-        The encoder opens at once when `frame_size` (H, W) is known, while frame 0 decodes.
+        When `frame_size` (H, W) is known, the encoder opens once frame 0's kernels are
+        `launched` (the session's event), while the GPU decodes frame 0.
         `yuv420p`: the pieces hold the planes the session made on the device (`OutputSpec`)."""
         assert self.packaging is not None
         packager = self.packaging.packager(options)
         if frame_size is not None:
-            packager.open_early(*frame_size)
+            packager.open_early(*frame_size, after=launched)
         try:
             async for item in pieces:
                 if isinstance(item, FramesOut):
@@ -553,7 +554,7 @@ class CallCore:
             return pieces
         shape = session.record.shape
         frame_size = None if shape is None else session.limits.frame_size(shape[3], shape[4])
-        return self._video(pieces, requested.video, frame_size, session.output.yuv420p)
+        return self._video(pieces, requested.video, frame_size, session.output.yuv420p, session.launched)
 
     @staticmethod
     def _accept(session: Session, latents: LatentsIn) -> None:

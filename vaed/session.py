@@ -41,6 +41,11 @@ and handed to the event loop (`runnable`). Dispatching frame 1 meanwhile
 the hold and 36.2 ms without (8 calls each). It costs the GPU one idle gap of
 a few ms per video when no other session is runnable.
 
+Frame 0 launched: `launched` is set once the worker has launched frame 0's
+kernels (or the session is over, whichever comes first), so host work a call
+can start early (x264's open for server-side video) runs while the GPU
+decodes frame 0 instead of beside its launches.
+
 Credits (output backpressure): the worker takes one before each decode step
 and the handler returns it once the group's messages are sent, so a slow
 reader stalls only its own session and never piles frames up on the GPU or in
@@ -310,6 +315,7 @@ class Session:
         self._groups_sent = 0            # one group per latent frame; handler side only
         self._delivered = asyncio.Event()  # every latent frame received so far was decoded and sent
         self._delivered.set()
+        self.launched = asyncio.Event()  # frame 0's kernels are launched, or the session is over
 
     @property
     def lock(self) -> threading.Condition:
@@ -390,6 +396,7 @@ class Session:
             self._backlog.clear()
             self._release_cache_if_done()
             self.lock.notify_all()
+        self._on_loop(self.launched.set)
 
     # -- either side -------------------------------------------------------------------
 
@@ -405,6 +412,7 @@ class Session:
                 self._placement.deliver(lambda: self.channel.fail(exc))
             self._release_cache_if_done()
             self.lock.notify_all()
+        self._on_loop(self.launched.set)
 
     # -- worker side -------------------------------------------------------------------
 
@@ -465,12 +473,17 @@ class Session:
         frames = rgb8_to_yuv420p(group.frames) if self.output.yuv420p else group.frames
         return DeviceGroup(group.chunk_index, group.first_frame, frames)
 
+    def first_step_launched(self) -> None:
+        """Frame 0's kernels are launched (worker thread): set `launched` on the call's loop."""
+        self._on_loop(self.launched.set)
+
     def finish(self) -> None:
         """Every latent frame was decoded after the input ended: deliver the end."""
         with self.lock:
             if self.state is SessionState.INPUT_DONE:
                 self.state = SessionState.ENDED
                 self._placement.deliver(self.channel.end)
+        self._on_loop(self.launched.set)
 
     def end_step(self, failure: BaseException | None = None) -> None:
         """The step is over; `failure` fails the session (after the step, so its cache goes at once)."""
@@ -499,12 +512,16 @@ class Session:
             self._placement.free_cache(cache)
 
     def _update_room(self) -> None:
-        """Re-evaluate backlog room on the handler's loop (now, when already on it)."""
+        """Re-evaluate backlog room on the handler's loop."""
+        self._on_loop(self._refresh_room)
+
+    def _on_loop(self, job: Callable[[], None]) -> None:
+        """Run `job` on the handler's loop: now when already on it, else as its next callback."""
         if threading.get_ident() == self._loop_thread:
-            self._refresh_room()
+            job()
             return
         try:
-            self._loop.call_soon_threadsafe(self._refresh_room)
+            self._loop.call_soon_threadsafe(job)
         except RuntimeError:  # loop closed: the caller is gone
             pass
 

@@ -21,7 +21,9 @@ Choices, and why:
 - The lossless choice is libx264rgb at CRF 0 in rgb24: exact RGB (yuv444p at CRF 0 is not — the
   RGB -> YUV conversion itself rounds). Browsers do not play it; it is for files.
 - The encoder opens before the first frame (`Fmp4Packager.open`): a call knows its frame size
-  from its latents, so x264 starts while frame 0 still decodes instead of after it.
+  from its latents, so x264 starts while frame 0 still decodes instead of after it; the call
+  core waits for frame 0's kernels to be launched first (`AsyncPackager.open_early(after=)`),
+  so x264's start (threads, buffers, Python around them) never competes with that launch.
 
 PyAV releases the GIL while it encodes, so packagers of several sessions run in parallel on a
 thread pool (`PackagingPool`, `vaed serve --video-threads`) beside the asyncio loop and the
@@ -270,12 +272,23 @@ class AsyncPackager:
     def frames_in(self) -> int:
         return self._packager.frames_in
 
-    def open_early(self, height: int, width: int) -> None:
-        """Start opening the encoder on the pool now, without waiting (`Fmp4Packager.open`); the
-        next step waits for it, and a failure (an odd frame side) is raised there."""
-        if self._opening is None:
-            self._opening = asyncio.get_running_loop().run_in_executor(
-                self._executor, self._packager.open, height, width)
+    def open_early(self, height: int, width: int, *, after: asyncio.Event | None = None) -> None:
+        """Start opening the encoder on the pool, without waiting (`Fmp4Packager.open`): now, or
+        once `after` is set (a session's `launched`: x264's start then runs while the GPU decodes
+        frame 0, not beside the Python that launches its kernels). The next step waits for it,
+        and a failure (an odd frame side) is raised there."""
+        if self._opening is not None:
+            return
+        loop = asyncio.get_running_loop()
+        if after is None:
+            self._opening = loop.run_in_executor(self._executor, self._packager.open, height, width)
+            return
+
+        async def open_after() -> None:
+            await after.wait()
+            await loop.run_in_executor(self._executor, self._packager.open, height, width)
+
+        self._opening = asyncio.ensure_future(open_after())
 
     async def add(self, frames: np.ndarray, *, yuv420p: bool = False) -> bytes:
         async with self._lock:
@@ -298,4 +311,5 @@ class AsyncPackager:
         any, is retrieved when the open ends instead of being reported as never retrieved."""
         if self._opening is not None:
             self._opening.add_done_callback(lambda done: done.cancelled() or done.exception())
+            self._opening.cancel()  # an open still waiting for its event never starts
             self._opening = None

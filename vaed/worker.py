@@ -320,10 +320,13 @@ class DeviceWorker:
             return
         started = time.perf_counter()
         state = session.engine_state(engine)
+        first_step = state.next_latent_frame == 0
         # only frame 0's GPU time is reported (first_gpu_ms): later steps record no event
-        started_event = self._timing_event() if state.next_latent_frame == 0 else None
+        started_event = self._timing_event() if first_step else None
         group = session.run_step(engine, state, item)
         self._hand_over(session, group, started, started_event)
+        if first_step:
+            session.first_step_launched()
 
     def _leave_rotation(self, exc: BaseException) -> None:
         """A device fault: fail every session here and take no new ones."""

@@ -22,6 +22,7 @@ import torch
 from harness import RunningServer, engine_calling_at, make_config, serve_in_thread
 
 from vaed.errors import NotReady
+from vaed.session import HostGroup, Session
 from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import AsyncVaeClient, CallReport, VaeClient, wire
 from vaed_client.errors import LocalInputError, VaedError
@@ -165,30 +166,40 @@ def test_fragments_arrive_before_the_call_ends() -> None:
     assert np.array_equal(frames_of_mp4(data)[0], rgb8)
 
 
-def test_the_encoder_opens_while_frame_0_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The call core opens the encoder from the latents' header, before frame 0 exists: the
-    server's decode is held right after latent frame 0 until the encoder is open (an event,
-    never a time), which a call that opened it at its first frame would never release. The
-    file is the frames vaed.video makes of the RGB8 frames."""
+def test_the_encoder_opens_after_frame_0_launched_while_it_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call core opens the encoder from the latents' header once frame 0's kernels are
+    launched, not beside them and not at frame 0's arrival: no open has started when the engine
+    returns frame 0's group (inside the step), and frame 0's delivery is held until the encoder
+    is open (an event, never a time), which a call that opened it at its first frame would
+    never release. The file is the frames vaed.video makes of the RGB8 frames."""
     config = make_config("random:wan2.1-tiny", warmup=False)
-    opened = threading.Event()
+    entered, opened = threading.Event(), threading.Event()
     sizes: list[tuple[int, int]] = []
-    real_open = Fmp4Packager.open
+    open_before_launch: list[bool] = []
+    held_until_open: list[bool] = []
+    real_open, real_deliver = Fmp4Packager.open, Session.deliver_group
 
     def recorded_open(self: Fmp4Packager, height: int, width: int) -> None:
+        entered.set()
         real_open(self, height, width)
         sizes.append((height, width))
         opened.set()
 
-    def held_until_open() -> None:
-        assert opened.wait(60), "the encoder was not opened before frame 0 reached it"
+    def delivered_once_open(self: Session, group: HostGroup) -> None:
+        if group.first_frame == 0 and self.output.yuv420p:  # the mp4 call's frame 0
+            held_until_open.append(opened.wait(60))
+        real_deliver(self, group)
 
     monkeypatch.setattr(Fmp4Packager, "open", recorded_open)
+    monkeypatch.setattr(Session, "deliver_group", delivered_once_open)
     x = latents("random:wan2.1-tiny", t=3, h=8, w=6, seed=3)
-    with serve_in_thread(config, build_engine=engine_calling_at(config, 0, held_until_open)) as running:
+    build = engine_calling_at(config, 0, lambda: open_before_launch.append(entered.is_set()))
+    with serve_in_thread(config, build_engine=build) as running:
         with VaeClient(running.target, timeout=120) as client:
             mp4 = client.decode(x, output_type="mp4")
             rgb8 = client.decode(x)[0].numpy()
+    assert open_before_launch[0] is False  # the mp4 call's frame 0 (the RGB8 call opens nothing)
+    assert held_until_open == [True], "the encoder was not opened before frame 0 reached it"
     assert sizes[0] == (64, 48)  # latents 8 x 6 at the tiny model's 8x
     assert np.array_equal(frames_of_mp4(mp4)[0], frames_of_mp4(package(rgb8, VideoOptions(fps=16)))[0])
 

@@ -239,3 +239,50 @@ def test_an_early_open_on_the_pool_runs_before_the_first_step_and_reports_there(
     assert parts == _package(video, options)
     gc.collect()  # an exception never retrieved is reported when its future is collected
     assert not unhandled, unhandled
+
+
+def test_an_open_after_an_event_starts_only_once_it_is_set(monkeypatch: pytest.MonkeyPatch):
+    """`open_early(after=event)` submits nothing to the pool until the event is set (a session's
+    `launched`); set, the first add waits for the open and gives the plain bytes. An open
+    discarded before its event never runs."""
+    video = _smooth_video(5)
+    options = VideoOptions(crf=20)
+    pool = PackagingPool(threads=1)
+    opens: list[tuple[int, int]] = []
+    real_open = Fmp4Packager.open
+
+    def recorded_open(self: Fmp4Packager, height: int, width: int) -> None:
+        opens.append((height, width))
+        real_open(self, height, width)
+
+    monkeypatch.setattr(Fmp4Packager, "open", recorded_open)
+
+    async def drained() -> None:  # the pool's one thread ran everything submitted before this
+        await asyncio.get_running_loop().run_in_executor(pool._executor, lambda: None)
+
+    async def run() -> list[bytes]:
+        late = asyncio.Event()
+        dropped = pool.packager(options)
+        dropped.open_early(H + 2, W, after=late)
+        await drained()
+        assert opens == []  # not before its event
+        dropped.discard()
+        late.set()
+        await asyncio.sleep(0)
+        await drained()
+        assert opens == []  # nor once its event came after the discard
+        launched = asyncio.Event()
+        packager = pool.packager(options)
+        packager.open_early(H, W, after=launched)
+        await drained()
+        assert opens == []
+        launched.set()
+        parts = [await packager.add(group) for group in _wan_groups(video)] + [await packager.close()]
+        assert opens[0] == (H, W)
+        return parts
+
+    try:
+        parts = asyncio.run(run())
+    finally:
+        pool.shutdown()
+    assert parts == _package(video, options)
