@@ -1,4 +1,4 @@
-"""`vaed` command line: serve, decode, info, health, bench."""
+"""`vaed` command line: serve, precompile, decode, info, health, bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import pathlib
 import sys
 
 from . import __version__, flags
@@ -90,6 +91,52 @@ def run_serve(args: argparse.Namespace) -> int:
         handler.close()
 
 
+def add_precompile_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", type=int, action="append", metavar="SM",
+                        help="GPU architecture to compile for, repeatable (90: H100/H200, 80: A100, 89: L4/L40S, "
+                             "100: B200); default: the visible GPUs'")
+    parser.add_argument("--kernel-cache", metavar="DIR",
+                        help="the cache to fill, as `vaed serve --kernel-cache` (default: $TRITON_CACHE_DIR, "
+                             "else Triton's ~/.triton/cache)")
+    parser.add_argument("--workers", type=int, metavar="N", help="compiling processes (default: cores, at most 16)")
+    parser.add_argument("--manifest", metavar="FILE",
+                        help="kernel records to compile (default: the package's for each --arch, which a "
+                             "server's start-up compiles too)")
+
+
+def run_precompile(args: argparse.Namespace) -> int:
+    """Compile the kernels a server's start-up launches into the kernel cache, without a GPU
+    (an image build): its start then finds them there."""
+    import torch
+
+    from .kernels import precompile
+    from .startup import kernel_cache_dir, use_kernel_cache
+
+    try:
+        use_kernel_cache(args.kernel_cache)
+    except ValueError as exc:
+        raise SystemExit(f"vaed precompile: {exc}") from None
+    archs = args.arch or [precompile.arch_of(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+    if not archs:
+        raise SystemExit("vaed precompile: no GPU is visible; name the architecture (--arch 90 for H100/H200)")
+    cache = kernel_cache_dir()
+    if cache is None:
+        raise SystemExit("vaed precompile: Triton is not installed")
+    for arch in sorted(set(archs)):
+        manifest = pathlib.Path(args.manifest) if args.manifest else precompile.manifest_path(arch)
+        records = precompile.load_manifest(manifest)
+        if not records:
+            raise SystemExit(f"vaed precompile: no kernel records for sm_{arch} ({manifest} holds none)")
+        report = precompile.ensure_compiled(arch, cache, args.workers or precompile.default_workers(), records)
+        if report is None:
+            print(f"{cache} already holds the kernels for sm_{arch}")
+            continue
+        print(f"compiled into {cache}: {report.summary()}")
+        for failure in report.failures:
+            print(f"  skipped: {failure}", file=sys.stderr)
+    return 0
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; a delegated command's module is imported only when that
     command is the one asked for (or `command` is None), so `vaed serve` and
@@ -100,6 +147,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a Wan VAE over gRPC")
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
+    precompile = sub.add_parser("precompile", help="compile the Triton kernels ahead into the kernel cache "
+                                                   "(no GPU needed: an image build)")
+    add_precompile_arguments(precompile)
+    precompile.set_defaults(func=run_precompile)
     for name, (module_name, add_fn, run_fn, help_text) in _DELEGATED.items():
         sub_parser = sub.add_parser(name, help=help_text)
         if command in (None, name):
@@ -112,7 +163,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in _DELEGATED or command == "serve" else None).parse_args(argv)
+    known = command in _DELEGATED or command in ("serve", "precompile")
+    args = build_parser(command if known else None).parse_args(argv)
     if args.command != "serve":
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args) or 0)

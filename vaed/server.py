@@ -5,6 +5,7 @@ SIGTERM, exit at once on a second one)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import logging
 import os
@@ -87,6 +88,28 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
         return sharded
 
     return build
+
+
+def compile_kernels_ahead(config: ServerConfig, kernel_cache: str) -> None:
+    """The packaged kernel records of each device's architecture compiled into the cache in
+    parallel processes while the model loads; the workers' first kernel fetch waits for them
+    (`vaed.kernels.precompile`). A cache that has them costs a file check; a failure leaves the
+    compiles to the launches, as without records."""
+    from .kernels import precompile
+
+    archs = {precompile.arch_of(device) for device in config.devices}
+    for arch in sorted(archs):
+        if not precompile.manifest_path(arch).exists():
+            log.info("no kernel records for sm_%d in this install: its kernels compile at their first launch", arch)
+
+    def report(done: concurrent.futures.Future[list[precompile.CompileReport]]) -> None:
+        if done.exception() is not None:
+            log.error("compiling the kernels ahead failed (%s); they compile at their first launch", done.exception())
+            return
+        for compiled in done.result():
+            log.info("compiled ahead into %s, beside the model load: %s", kernel_cache, compiled.summary())
+
+    precompile.start_ensure_compiled(archs, kernel_cache, precompile.default_workers()).add_done_callback(report)
 
 
 def _transport_summary(cfg: ServerConfig) -> str:
@@ -456,6 +479,8 @@ async def serve(config: ServerConfig, startup: StartupTimes | None = None) -> in
     kernels_found = kernel_cache_entries(kernel_cache)
     if kernel_cache is not None:
         log.info("Triton kernel cache: %s (%d compiled kernels found)", kernel_cache, kernels_found)
+    if config.is_cuda and kernel_cache is not None:
+        compile_kernels_ahead(config, kernel_cache)
     server = VaedServer(config, startup=startup)
     try:
         await server.start()

@@ -6,6 +6,7 @@ Nothing here touches Triton or the environment at import time, so
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib
 from collections.abc import Callable
@@ -93,12 +94,44 @@ def jit_lazy(
 
     def get() -> Any:
         if "k" not in state:
+            _wait_for_ahead_compile()
             for helper in helpers:
                 module_globals[helper.__name__] = _jit(helper)
             state["k"] = _jit(raw)
         return state["k"]
 
+    _KERNELS[f"{raw.__module__}.{raw.__qualname__}"] = (raw, get)
     return get
+
+
+# Kernels compiled ahead into Triton's cache while the model loads (`vaed.kernels.precompile`):
+# a kernel's first fetch waits for them, so its first launch finds its variants there instead of
+# compiling them on the device thread.
+_ahead: concurrent.futures.Future[Any] | None = None
+
+
+def compile_ahead_in_flight(future: concurrent.futures.Future[Any]) -> None:
+    """Make every kernel's first fetch wait for `future` (its outcome is the caller's to report)."""
+    global _ahead
+    _ahead = future
+
+
+def _wait_for_ahead_compile() -> None:
+    if _ahead is not None:
+        concurrent.futures.wait([_ahead])
+
+
+# kernel name (Triton's: module.qualname) -> (its undecorated function, its lazy getter), for
+# the records compiled ahead (`vaed.kernels.precompile`)
+_KERNELS: dict[str, tuple[Callable[..., Any], Callable[[], Any]]] = {}
+
+
+def kernel_named(name: str) -> Any:
+    """The jitted kernel that Triton names `name` (`vaed.kernels.precompile`); its module must
+    have been imported."""
+    if name not in _KERNELS:
+        raise KeyError(f"no vaed kernel is named {name}")
+    return _KERNELS[name][1]()
 
 
 _JITTED: dict[Callable[..., Any], Any] = {}  # raw function -> its triton.jit form (helpers are shared)

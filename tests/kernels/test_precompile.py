@@ -1,0 +1,167 @@
+"""Kernels compiled ahead without a GPU (`vaed.kernels.precompile`, `vaed precompile`).
+
+A record is made the way a server makes one: Triton compiles a vaed kernel for a launch (here
+a `warmup` under the compile-only driver for sm_90, in a child process, since the driver is
+process-wide) and `recording()` keeps its specialization. Compiled ahead in spawned workers,
+it must land in the cache entry that compile made: the key a launch on an H100/H200 looks up.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from vaed.kernels import precompile
+
+pytest.importorskip("triton")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# In a child: record the residual kernel's compile for a [1, 96, 2, 8, 8] bf16 channels-last
+# launch (what `bias_residual_add` passes), compiled for sm_90 under the compile-only driver.
+RECORD = """
+import json, sys, torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from vaed.kernels import precompile, residual
+from vaed.kernels import _runtime as rt
+
+driver.set_active(precompile._OfflineDriver(GPUTarget("cuda", 90, 32)))
+x = torch.empty(1, 96, 2, 8, 8, dtype=torch.bfloat16).to(memory_format=torch.channels_last_3d)
+block_p, block_c, warps = rt.channel_tile(96)
+with precompile.recording() as records:
+    for _ in range(2):  # a second launch of the same variant compiles nothing and records nothing
+        residual._kernel().warmup(x, x, x, x, 128, 96, HAS_BIAS=True, ROUND_BIAS=True, IDX64=False,
+                                  BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps, grid=(1,))
+from triton import knobs
+assert knobs.runtime.jit_post_compile_hook is None, "the hook outlived recording()"
+json.dump(records, sys.stdout)
+"""
+
+
+def _child_env(cache: pathlib.Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return dict(env, TRITON_CACHE_DIR=str(cache), CUDA_VISIBLE_DEVICES="",
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client"), env.get("PYTHONPATH", "")]))
+
+
+def _entries(cache: pathlib.Path) -> set[str]:
+    return {entry.name for entry in cache.iterdir() if entry.is_dir()} if cache.exists() else set()
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], set[str]]:
+    """(the records, the cache entries their in-process compile made)."""
+    cache = tmp_path_factory.mktemp("compiled-in-process")
+    out = subprocess.run([sys.executable, "-c", RECORD], env=_child_env(cache), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout), _entries(cache)
+
+
+def test_a_recorded_kernel_compiles_ahead_into_the_entry_its_launch_made(
+        recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    records, made = recorded
+    assert len(records) == 1 and json.loads(records[0])["name"] == "vaed.kernels.residual._bias_residual_add_kernel"
+    assert made, "the in-process compile wrote no cache entry"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    report = precompile.compile_ahead(records, arch=90, workers=2)
+    assert (report.kernels, report.failures) == (1, [])
+    assert made <= _entries(tmp_path)  # the same key: source, signature, sm_90, options
+    assert list(tmp_path.glob("*/*.cubin")), "no sm_90 binary was written"
+
+
+def test_ensure_compiled_compiles_once_per_cache_and_skips_bad_records(
+        recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    records, _ = recorded
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    other = json.loads(records[0])
+    other["name"] = "vaed.kernels.residual._no_such_kernel"
+    with_stale = [*records, json.dumps(other)]
+    first = precompile.ensure_compiled(90, str(tmp_path), 1, with_stale)
+    assert first is not None and first.kernels == 1
+    assert len(first.failures) == 1 and "no vaed kernel is named" in first.failures[0]
+    assert precompile.ensure_compiled(90, str(tmp_path), 1, with_stale) is None  # its marker is there
+    assert precompile.ensure_compiled(90, str(tmp_path / "other"), 1, []) is None  # nothing to compile
+    assert not (tmp_path / "other").exists()
+
+
+def test_vaed_precompile_fills_the_named_cache_without_a_gpu(
+        recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path) -> None:
+    records, made = recorded
+    manifest = tmp_path / "records.json"
+    manifest.write_text(json.dumps({"kernels": records}))
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "vaed.cli", "precompile", "--kernel-cache", str(cache), "--workers", "1"]
+    env = _child_env(tmp_path / "unused")
+    missing_arch = subprocess.run([*command, "--manifest", str(manifest)], env=env, capture_output=True, text=True,
+                                  timeout=300)
+    assert missing_arch.returncode != 0 and "name the architecture (--arch 90" in missing_arch.stderr
+    first = subprocess.run([*command, "--manifest", str(manifest), "--arch", "90"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "1 Triton kernels for sm_90" in first.stdout and made <= _entries(cache)
+    second = subprocess.run([*command, "--manifest", str(manifest), "--arch", "90"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert second.returncode == 0 and "already holds the kernels for sm_90" in second.stdout
+    empty = subprocess.run([*command, "--manifest", str(tmp_path / "none.json"), "--arch", "90"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert empty.returncode != 0 and "no kernel records for sm_90" in empty.stderr
+
+
+def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> None:
+    """Every packaged record (a server's start-ups, recorded on an H200) names a registered
+    kernel and that kernel's parameters, in order: a kernel whose parameters changed needs its
+    records made again (`scripts/record_kernels.py`)."""
+    import vaed.kernels  # noqa: F401  (registers the kernels)
+    from vaed.kernels import _runtime as rt
+
+    path = precompile.manifest_path(90)
+    records = [json.loads(record) for record in precompile.load_manifest(path)]
+    assert records, f"{path} holds no records"
+    for record in records:
+        function = rt._KERNELS[record["name"]][0]
+        assert list(record["signature"]) == list(inspect.signature(function).parameters), record["name"]
+
+
+def _gate_probe(x_ptr):  # pragma: no cover - jitted, never launched
+    pass
+
+
+def test_a_kernels_first_fetch_waits_for_the_compile_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While kernels are being compiled ahead (`start_ensure_compiled` in a server's start), a
+    kernel's first fetch blocks on it: the device thread's first launch then finds its variant in
+    the cache. Seen by the waiter the fetch puts on the future, then by the fetch's return only
+    after the future is done."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from vaed.kernels import _runtime as rt
+
+    monkeypatch.setattr(rt, "_ahead", None)
+    get = rt.jit_lazy(_gate_probe, globals())
+    ahead: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+    rt.compile_ahead_in_flight(ahead)
+    events: list[str] = []
+    fetch = threading.Thread(target=lambda: (get(), events.append("fetched")))
+    fetch.start()
+    deadline = time.monotonic() + 60  # bounds a failure only; a waiting fetch is seen at once
+    while not ahead._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    assert ahead._waiters, "the first fetch did not wait for the compile ahead"  # type: ignore[attr-defined]
+    assert events == [] and fetch.is_alive()
+    events.append("compiled ahead")
+    ahead.set_result([])
+    fetch.join(60)
+    assert events == ["compiled ahead", "fetched"]
+    assert get() is get()  # later fetches return the one jitted kernel

@@ -1,0 +1,240 @@
+"""vaed's Triton kernels compiled ahead of their first launch, in parallel and without a GPU.
+
+A server's start-up checks and warm-up launch every kernel variant it serves with, and each
+first launch compiled one on the device thread, one after another: a fresh H200 machine took
+42-66 s to SERVING against 14-21 s with a warm kernel cache. Triton describes each compile by a
+record (`jit_post_compile_hook`'s `specialization_data`: the kernel's name, signature, constexpr
+values, argument alignments and launch options) from which it compiles that variant again
+(`JITFunction.preload`), and its compiler needs the GPU's architecture, not the GPU.
+
+- `recording()` collects the records of the vaed kernels compiled in this process;
+- `manifests/sm<arch>.json` beside this module holds the records of a server's start-ups
+  (Wan2.1 and Wan2.2, both tiers, the encoder, the default warm-up sizes) on that GPU
+  architecture, written on such a GPU by `scripts/record_kernels.py`. A record is one
+  architecture's: its launch options are that target's (Triton 3.8 also names the target in
+  it), so sm_90's (H100/H200) compile for sm_90 only;
+- `compile_ahead` compiles records for one architecture into Triton's cache, in worker processes
+  that never touch a GPU (processes, because Triton's compiler holds the GIL for most of a
+  compile), with each kernel's launcher where the host can build it (it links against the CUDA
+  driver library). `vaed precompile` runs it at image build; `vaed serve` at start while the
+  model loads, when the cache lacks them (`start_ensure_compiled`: the kernels' first fetch
+  waits for it).
+
+The cache entries are Triton's own, under the keys the launches look up (source, signature,
+target, options, Triton's version and environment); a variant not in the manifest compiles at
+its first launch as before, and a record this Triton cannot read is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vaed.kernels import _runtime as rt
+
+log = logging.getLogger("vaed.kernels.precompile")
+
+MANIFESTS = pathlib.Path(__file__).with_name("manifests")
+MARKER_PREFIX = "vaed-precompiled"  # one empty file per (manifest, Triton, kernels' source, arch)
+KERNEL_PREFIX = "vaed.kernels."    # records of other Triton users in the process are not ours
+
+
+@dataclass
+class CompileReport:
+    arch: int
+    kernels: int = 0          # variants compiled (or found in the cache)
+    launchers: int = 0        # their launchers built (0 where the host has no CUDA driver library)
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        text = (f"{self.kernels} Triton kernels for sm_{self.arch} ({self.launchers} launchers) "
+                f"in {self.seconds:.1f} s")
+        return text + (f"; {len(self.failures)} records skipped" if self.failures else "")
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[str]]:
+    """Collect the records of the vaed kernels compiled in this process inside the block (in
+    compile order, each once); Triton's hook is restored after it."""
+    from triton import knobs
+
+    records: list[str] = []
+    seen: set[str] = set()
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*, compile: dict[str, Any], **rest: Any) -> Any:
+        record = compile["specialization_data"]
+        if json.loads(record)["name"].startswith(KERNEL_PREFIX) and record not in seen:
+            seen.add(record)
+            records.append(record)
+        return previous(compile=compile, **rest) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield records
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+
+
+def manifest_path(arch: int) -> pathlib.Path:
+    """The packaged records of one GPU architecture."""
+    return MANIFESTS / f"sm{arch}.json"
+
+
+def load_manifest(path: pathlib.Path) -> list[str]:
+    """The records in a manifest file; [] when there is none."""
+    if not path.exists():
+        return []
+    return list(json.loads(path.read_text())["kernels"])
+
+
+def save_manifest(records: Iterable[str], path: pathlib.Path) -> int:
+    """Write the union of `records` and the file's own, sorted (a stable diff); returns the count."""
+    import triton
+
+    merged = sorted(set(load_manifest(path)) | set(records))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"triton": triton.__version__, "kernels": merged}, indent=0) + "\n")
+    return len(merged)
+
+
+def arch_of(device: str) -> int:
+    """The compute capability of a CUDA device as Triton's target names it (H100/H200: 90)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return major * 10 + minor
+
+
+def compile_ahead(records: list[str], arch: int, workers: int) -> CompileReport:
+    """Compile `records` for sm_`arch` into Triton's cache ($TRITON_CACHE_DIR, inherited by the
+    workers) in `workers` spawned processes."""
+    report = CompileReport(arch)
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=context,
+                                                initializer=_start_worker, initargs=(arch,)) as pool:
+        for compiled, launcher, failure in pool.map(_compile_one, records):
+            report.kernels += compiled
+            report.launchers += launcher
+            if failure:
+                report.failures.append(failure)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] | None = None) -> CompileReport | None:
+    """Compile the packaged records of sm_`arch` (or `records`) unless `cache_dir` already holds
+    them (its marker file); None when nothing needed compiling or no records exist for it."""
+    records = load_manifest(manifest_path(arch)) if records is None else records
+    if not records or not rt.triton_available() or rt.interpreter_active():
+        return None
+    marker = pathlib.Path(cache_dir, f"{MARKER_PREFIX}-sm{arch}-{_digest(records, arch)}")
+    if marker.exists():
+        return None
+    report = compile_ahead(records, arch, workers)
+    for failure in report.failures:
+        log.warning("kernel record skipped: %s", failure)
+    marker.touch()
+    return report
+
+
+def start_ensure_compiled(archs: Iterable[int], cache_dir: str, workers: int
+                          ) -> concurrent.futures.Future[list[CompileReport]]:
+    """`ensure_compiled` for each architecture on a thread of its own (the compiling is in the
+    worker processes), returned at once; every vaed kernel's first fetch waits for it, so a
+    server loads its model meanwhile and its checks find the kernels in the cache."""
+    future: concurrent.futures.Future[list[CompileReport]] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            reports = [ensure_compiled(arch, cache_dir, workers) for arch in sorted(set(archs))]
+            future.set_result([report for report in reports if report is not None])
+        except BaseException as exc:  # reported by the caller; the launches then compile as before
+            future.set_exception(exc)
+
+    rt.compile_ahead_in_flight(future)
+    threading.Thread(target=run, name="vaed-precompile", daemon=True).start()
+    return future
+
+
+def default_workers() -> int:
+    """Processes for `compile_ahead`: the cores this process may run on but one (the model
+    loads meanwhile), at most 16 (each imports torch, ~0.4 GB while it lives)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(16, cores - 1))
+
+
+def _digest(records: list[str], arch: int) -> str:
+    """What the cache entries depend on besides the records: Triton's version and the kernels'
+    source (a changed kernel has other keys, so it is compiled again)."""
+    import triton
+
+    h = hashlib.sha256(f"{triton.__version__}\n{arch}\n".encode())
+    for record in records:
+        h.update(record.encode())
+    for source in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        h.update(source.read_bytes())
+    return h.hexdigest()[:16]
+
+
+# -- worker processes ----------------------------------------------------------------------------
+
+
+class _OfflineDriver:
+    """The part of Triton's active driver that compiling needs: a device index, its target and
+    a stream handle (a `warmup` asks for one and launches nothing). Anything else (a launch,
+    device properties) is a mistake here and raises."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self._target
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"compiling without a GPU: the driver has no {name}")
+
+
+def _start_worker(arch: int) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process compiles; it never needs a device
+    os.environ.pop("TRITON_INTERPRET", None)  # nor does it interpret: the records are for GPUs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    driver.set_active(_OfflineDriver(GPUTarget("cuda", arch, 32)))
+    import vaed.kernels  # noqa: F401  (registers every kernel under its name)
+
+
+def _compile_one(record: str) -> tuple[int, int, str | None]:
+    """(kernels compiled, launchers built, the failure) of one record, in a worker process."""
+    name = json.loads(record)["name"]
+    try:
+        kernel = rt.kernel_named(name).preload(record)
+    except Exception as exc:  # a record of other source or another Triton
+        return 0, 0, f"{name}: {type(exc).__name__}: {exc}"
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(kernel.src, kernel.metadata)  # built once per signature into the cache
+    except Exception:  # no CUDA driver library to link against (an image build): built at first launch
+        return 1, 0, None
+    return 1, 1, None
