@@ -24,7 +24,7 @@ from vaed_client.heap import keep_freed_memory
 
 from .auth import BearerTokenInterceptor, server_credentials
 from .calls import CallCore, Lifecycle
-from .choices import Parallel
+from .choices import Kernels, Parallel
 from .config import ServerConfig
 from .engine import DecodeEngine
 from .engine_protocol import Engine, EngineFactory
@@ -479,7 +479,7 @@ async def serve(config: ServerConfig, startup: StartupTimes | None = None) -> in
     kernels_found = kernel_cache_entries(kernel_cache)
     if kernel_cache is not None:
         log.info("Triton kernel cache: %s (%d compiled kernels found)", kernel_cache, kernels_found)
-    if config.is_cuda and kernel_cache is not None:
+    if config.is_cuda and kernel_cache is not None and config.kernels != Kernels.OFF:
         compile_kernels_ahead(config, kernel_cache)
     server = VaedServer(config, startup=startup)
     try:
