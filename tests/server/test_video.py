@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import io
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import av
 import numpy as np
@@ -205,6 +207,13 @@ def test_an_encoder_opened_before_the_first_frame_gives_the_same_file():
         opened.close()
 
 
+def _run_then_shut_down(pool: PackagingPool, run: Callable[[], Coroutine[Any, Any, list[bytes]]]) -> list[bytes]:
+    try:
+        return asyncio.run(run())
+    finally:
+        pool.shutdown()
+
+
 def test_an_early_open_on_the_pool_runs_before_the_first_step_and_reports_there():
     """`AsyncPackager.open_early` starts the open on the pool without waiting: the first add
     sees the encoder open and gives the plain bytes; an odd side fails that add (not the
@@ -232,11 +241,7 @@ def test_an_early_open_on_the_pool_runs_before_the_first_step_and_reports_there(
         await asyncio.sleep(0)  # its done callbacks run
         return parts
 
-    try:
-        parts = asyncio.run(run())
-    finally:
-        pool.shutdown()
-    assert parts == _package(video, options)
+    assert _run_then_shut_down(pool, run) == _package(video, options)
     gc.collect()  # an exception never retrieved is reported when its future is collected
     assert not unhandled, unhandled
 
@@ -281,8 +286,4 @@ def test_an_open_after_an_event_starts_only_once_it_is_set(monkeypatch: pytest.M
         assert opens[0] == (H, W)
         return parts
 
-    try:
-        parts = asyncio.run(run())
-    finally:
-        pool.shutdown()
-    assert parts == _package(video, options)
+    assert _run_then_shut_down(pool, run) == _package(video, options)
