@@ -70,6 +70,7 @@ def test_a_recorded_kernel_compiles_ahead_into_the_entry_its_launch_made(
         recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     records, made = recorded
     assert len(records) == 1 and json.loads(records[0])["name"] == "vaed.kernels.residual._bias_residual_add_kernel"
+    assert "extern_libs" not in json.loads(records[0])["options"]  # no path of this install in it
     assert made, "the in-process compile wrote no cache entry"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -120,8 +121,8 @@ def test_vaed_precompile_fills_the_named_cache_without_a_gpu(
 
 def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> None:
     """Every packaged record (a server's start-ups, recorded on an H200) names a registered
-    kernel and that kernel's parameters, in order: a kernel whose parameters changed needs its
-    records made again (`scripts/record_kernels.py`)."""
+    kernel and that kernel's parameters, in order (a kernel whose parameters changed needs its
+    records made again: `scripts/record_kernels.py`), and no path of the recording host."""
     import vaed.kernels  # noqa: F401  (registers the kernels)
     from vaed.kernels import _runtime as rt
 
@@ -129,6 +130,7 @@ def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> 
     records = [json.loads(record) for record in precompile.load_manifest(path)]
     assert records, f"{path} holds no records"
     for record in records:
+        assert "extern_libs" not in record["options"], "a record names its recording host's libdevice path"
         function = rt._KERNELS[record["name"]][0]
         assert list(record["signature"]) == list(inspect.signature(function).parameters), record["name"]
 

@@ -75,7 +75,7 @@ def recording() -> Iterator[list[str]]:
     previous = knobs.runtime.jit_post_compile_hook
 
     def hook(*, compile: dict[str, Any], **rest: Any) -> Any:
-        record = compile["specialization_data"]
+        record = portable(compile["specialization_data"])
         if json.loads(record)["name"].startswith(KERNEL_PREFIX) and record not in seen:
             seen.add(record)
             records.append(record)
@@ -86,6 +86,15 @@ def recording() -> Iterator[list[str]]:
         yield records
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def portable(record: str) -> str:
+    """A record without what names the recording host's install: the libdevice path in its
+    options. A launch never passes one (Triton's backend fills in its own install's), so the
+    compile from the record takes the compiling host's path, and the key its launches look up."""
+    obj = json.loads(record)
+    obj["options"].pop("extern_libs", None)
+    return json.dumps(obj)
 
 
 def manifest_path(arch: int) -> pathlib.Path:
