@@ -1,8 +1,8 @@
 """vaed's Triton kernels compiled ahead of their first launch, in parallel and without a GPU.
 
 A server's start-up checks and warm-up launch every kernel variant it serves with, and each
-first launch compiled one on the device thread, one after another: a fresh H200 machine took
-42-66 s to SERVING against 14-21 s with a warm kernel cache. Triton describes each compile by a
+first launch compiled one on the device thread, one after another: fresh H200 machines took
+42-81 s to SERVING against 14-21 s with a warm kernel cache. Triton describes each compile by a
 record (`jit_post_compile_hook`'s `specialization_data`: the kernel's name, signature, constexpr
 values, argument alignments and launch options) from which it compiles that variant again
 (`JITFunction.preload`), and its compiler needs the GPU's architecture, not the GPU.
