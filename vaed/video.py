@@ -272,17 +272,14 @@ class AsyncPackager:
     def frames_in(self) -> int:
         return self._packager.frames_in
 
-    def open_early(self, height: int, width: int, *, after: asyncio.Event | None = None) -> None:
-        """Start opening the encoder on the pool, without waiting (`Fmp4Packager.open`): now, or
-        once `after` is set (a session's `launched`: x264's start then runs while the GPU decodes
-        frame 0, not beside the Python that launches its kernels). The next step waits for it,
-        and a failure (an odd frame side) is raised there."""
+    def open_early(self, height: int, width: int, *, after: asyncio.Event) -> None:
+        """Open the encoder on the pool once `after` is set, without waiting (`Fmp4Packager.open`):
+        a session's `launched`, so x264's start runs while the GPU decodes frame 0, not beside
+        the Python that launches its kernels. The next step waits for it, and a failure (an odd
+        frame side) is raised there."""
         if self._opening is not None:
             return
         loop = asyncio.get_running_loop()
-        if after is None:
-            self._opening = loop.run_in_executor(self._executor, self._packager.open, height, width)
-            return
 
         async def open_after() -> None:
             await after.wait()
@@ -307,9 +304,9 @@ class AsyncPackager:
             await opening
 
     def discard(self) -> None:
-        """Drop an early open the call never waited for (it failed first): its failure, if
-        any, is retrieved when the open ends instead of being reported as never retrieved."""
+        """Drop an early open the call never waited for (it failed first): one still waiting for
+        its event never starts, and a failed one is not reported as never retrieved (asyncio's
+        cancel() clears that report on a future already done, and cancels a pending one)."""
         if self._opening is not None:
-            self._opening.add_done_callback(lambda done: done.cancelled() or done.exception())
-            self._opening.cancel()  # an open still waiting for its event never starts
+            self._opening.cancel()
             self._opening = None

@@ -215,9 +215,10 @@ def _run_then_shut_down(pool: PackagingPool, run: Callable[[], Coroutine[Any, An
 
 
 def test_an_early_open_on_the_pool_runs_before_the_first_step_and_reports_there():
-    """`AsyncPackager.open_early` starts the open on the pool without waiting: the first add
-    sees the encoder open and gives the plain bytes; an odd side fails that add (not the
-    open_early call); a discarded failed open leaves no unretrieved exception behind."""
+    """`AsyncPackager.open_early` starts the open on the pool without waiting (its event already
+    set): the first add sees the encoder open and gives the plain bytes; an odd side fails that
+    add (not the open_early call); a failed open discarded after it failed, or while it ran,
+    leaves no unretrieved exception behind."""
     video = _smooth_video(5)
     options = VideoOptions(crf=20)
     pool = PackagingPool(threads=1)
@@ -225,20 +226,31 @@ def test_an_early_open_on_the_pool_runs_before_the_first_step_and_reports_there(
 
     async def run() -> list[bytes]:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context))
+        ready = asyncio.Event()
+        ready.set()
         packager = pool.packager(options)
-        packager.open_early(H, W)
+        packager.open_early(H, W, after=ready)
         parts = [await packager.add(group) for group in _wan_groups(video)] + [await packager.close()]
         odd = pool.packager(options)
-        odd.open_early(H, W + 1)
+        odd.open_early(H, W + 1, after=ready)
         with pytest.raises(VideoError, match="even sides"):
             await odd.add(video[:1, :, :W])
         dropped = pool.packager(options)
-        dropped.open_early(H + 1, W)
+        dropped.open_early(H + 1, W, after=ready)
         opening = dropped._opening
         assert opening is not None
-        dropped.discard()
         await asyncio.wait([opening])  # the open failed; asyncio.wait does not retrieve its exception
+        assert opening.done() and not opening.cancelled()
+        dropped.discard()
         await asyncio.sleep(0)  # its done callbacks run
+        del opening  # collected on the running loop: an exception never retrieved is reported now
+        in_flight = pool.packager(options)
+        in_flight.open_early(H + 1, W, after=ready)
+        await asyncio.sleep(0)  # the open is on the pool
+        in_flight.discard()
+        await asyncio.get_running_loop().run_in_executor(pool._executor, lambda: None)  # and has failed
+        await asyncio.sleep(0)
+        gc.collect()
         return parts
 
     assert _run_then_shut_down(pool, run) == _package(video, options)
