@@ -98,7 +98,8 @@ def add_precompile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-cache", metavar="DIR",
                         help="the cache to fill, as `vaed serve --kernel-cache` (default: $TRITON_CACHE_DIR, "
                              "else Triton's ~/.triton/cache)")
-    parser.add_argument("--workers", type=int, metavar="N", help="compiling processes (default: cores, at most 16)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="compiling processes (default: the cores but one, at most 16)")
     parser.add_argument("--manifest", metavar="FILE",
                         help="kernel records to compile (default: the package's for each --arch, which a "
                              "server's start-up compiles too)")
