@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 import threading
@@ -75,6 +76,13 @@ RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
                         latents_mean=WAN22_LATENTS_MEAN[:6], latents_std=WAN22_LATENTS_STD[:6]),
 }  # fmt: skip
 
+# The config fields that set an AutoencoderKLWan's layer shapes, with diffusers' defaults: two
+# models alike in these launch the same kernel variants (`kernel_family`).
+SHAPE_FIELDS: dict[str, Any] = dict(
+    base_dim=96, decoder_base_dim=None, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    temperal_downsample=[False, True, True], is_residual=False, in_channels=3, out_channels=3, patch_size=None,
+)
+
 
 # diffusers imports its model classes lazily, and two device threads importing at
 # once made one of them fail ("cannot import name 'AutoencoderKLWan'", GPU pool
@@ -126,6 +134,49 @@ def build_random_vae(arch: str, seed: int = 0) -> Any:
     AutoencoderKLWan = autoencoder_class()
     torch.manual_seed(seed)
     return AutoencoderKLWan(**RANDOM_CONFIGS[arch])
+
+
+def kernel_family(spec: str) -> str | None:
+    """The random architecture (`wan2.1`, `wan2.2`, ...) with the layer shapes of a spec's model,
+    found without loading it (so before diffusers' import): its own for a random spec, else the
+    one whose shapes the config.json of the folder, or of the hub id in the local hub cache,
+    gives. None where no config is at hand or none matches."""
+    if spec.startswith(RANDOM_PREFIX):
+        try:
+            return parse_random_spec(spec)[0]
+        except ModelLoadError:
+            return None
+    config = _cached_config(spec)
+    if config is None:
+        return None
+    shape = _shape_of(config)
+    return next((arch for arch, overrides in RANDOM_CONFIGS.items() if _shape_of(overrides) == shape), None)
+
+
+def _shape_of(config: dict[str, Any]) -> dict[str, Any]:
+    # through JSON, as config.json holds them: tuples become lists
+    return {name: json.loads(json.dumps(config.get(name, default))) for name, default in SHAPE_FIELDS.items()}
+
+
+def _cached_config(spec: str) -> dict[str, Any] | None:
+    """The VAE config.json of a local folder or of a hub id already in the local hub cache."""
+    path = pathlib.Path(spec).expanduser()
+    file: pathlib.Path | None = None
+    if path.exists():
+        folder = _local_vae_folder(path)
+        file = folder / "config.json" if folder is not None else None
+    elif not looks_like_path(spec):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(spec, "vae/config.json")
+        file = pathlib.Path(cached) if isinstance(cached, str) else None
+    if file is None:
+        return None
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _local_vae_folder(path: pathlib.Path) -> pathlib.Path | None:

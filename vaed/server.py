@@ -36,7 +36,7 @@ from .interceptors import HealthGate, Refusals, RpcLimitInterceptor
 from .logs import DroppedLogCollector
 from .logs import installed as installed_log_handler
 from .metrics import METRICS_PATH, ServerMetrics, add_metrics_route
-from .models import is_tiny_model
+from .models import is_tiny_model, kernel_family
 from .parallel.pool import WorkerPool
 from .service import VaeDecoderService
 from .startup import (
@@ -109,7 +109,9 @@ def compile_kernels_ahead(config: ServerConfig, kernel_cache: str) -> None:
         for compiled in done.result():
             log.info("compiled ahead into %s, beside the model load: %s", kernel_cache, compiled.summary())
 
-    precompile.start_ensure_compiled(archs, kernel_cache, precompile.default_workers()).add_done_callback(report)
+    # only the records of this model's kind of start, where the manifest names it
+    start = precompile.start_name(kernel_family(config.model), config.encode)
+    precompile.start_ensure_compiled(archs, kernel_cache, precompile.default_workers(), start).add_done_callback(report)
 
 
 def _transport_summary(cfg: ServerConfig) -> str:

@@ -96,6 +96,41 @@ def test_ensure_compiled_compiles_once_per_cache_and_skips_bad_records(
     assert not (tmp_path / "other").exists()
 
 
+def test_a_manifest_names_each_starts_records_and_a_rewrite_replaces_only_its_own(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "sm90.json"
+    assert precompile.save_manifest({"wan2.1": ["b", "a"], "wan2.2": ["b", "c"]}, path) == 3
+    assert precompile.load_manifest(path) == ["a", "b", "c"]
+    assert precompile.load_manifest(path, "wan2.2") == ["b", "c"]
+    assert precompile.load_manifest(path, "wan2.1-tiny") == ["a", "b", "c"]  # a start it lacks: all of them
+    assert precompile.save_manifest({"wan2.1": ["d"]}, path) == 3  # "a" was only wan2.1's
+    assert (precompile.load_manifest(path, "wan2.1"), precompile.load_manifest(path)) == (["d"], ["b", "c", "d"])
+    assert precompile.start_name("wan2.2", encode=True) == "wan2.2+encode"
+    assert precompile.start_name(None, encode=False) is None
+
+
+def test_a_server_compiles_its_starts_records_unless_the_cache_holds_them_all(
+        recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vaed serve` compiles only its model's start (`start`); a cache that `vaed precompile`
+    filled with every packaged record (its marker) needs nothing more."""
+    records, made = recorded
+    stale = json.dumps({**json.loads(records[0]), "name": "vaed.kernels.residual._no_such_kernel"})
+    manifest = tmp_path / "sm90.json"
+    precompile.save_manifest({"wan2.1": records, "wan2.2": [*records, stale]}, manifest)
+    monkeypatch.setattr(precompile, "manifest_path", lambda arch: manifest)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    served = tmp_path / "served"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(served))
+    report = precompile.ensure_compiled(90, str(served), 1, start="wan2.1")
+    assert report is not None and (report.kernels, report.failures) == (1, []) and made <= _entries(served)
+    assert precompile.ensure_compiled(90, str(served), 1, start="wan2.1") is None
+    other = precompile.ensure_compiled(90, str(served), 1, start="wan2.2")  # another set: its own marker
+    assert other is not None and (other.kernels, len(other.failures)) == (1, 1)
+    filled = tmp_path / "filled"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(filled))
+    assert precompile.ensure_compiled(90, str(filled), 1, precompile.load_manifest(manifest)) is not None
+    assert precompile.ensure_compiled(90, str(filled), 1, start="wan2.1") is None
+
+
 def test_vaed_precompile_fills_the_named_cache_without_a_gpu(
         recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path) -> None:
     records, made = recorded
@@ -167,3 +202,26 @@ def test_a_kernels_first_fetch_waits_for_the_compile_ahead(monkeypatch: pytest.M
     fetch.join(60)
     assert events == ["compiled ahead", "fetched"]
     assert get() is get()  # later fetches return the one jitted kernel
+
+
+@pytest.mark.parametrize(("model", "encode", "start"), [
+    ("random:wan2.1", False, "wan2.1"), ("random:wan2.2?seed=2", True, "wan2.2+encode")])
+def test_serve_compiles_ahead_the_records_of_its_models_start(
+        monkeypatch: pytest.MonkeyPatch, model: str, encode: bool, start: str) -> None:
+    import concurrent.futures
+
+    from vaed.config import ServerConfig
+    from vaed.server import compile_kernels_ahead
+
+    asked: list[tuple[set[int], str, str | None]] = []
+
+    def start_ensure_compiled(archs: Any, cache_dir: str, workers: int, start: str | None = None) -> Any:
+        asked.append((set(archs), cache_dir, start))
+        done: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+        done.set_result([])
+        return done
+
+    monkeypatch.setattr(precompile, "arch_of", lambda device: 90)  # an H200's, on this CPU
+    monkeypatch.setattr(precompile, "start_ensure_compiled", start_ensure_compiled)
+    compile_kernels_ahead(ServerConfig(model=model, devices=("cuda:0",), encode=encode), "/cache")
+    assert asked == [({90}, "/cache", start)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +12,15 @@ import pytest
 import torch
 
 from vaed.errors import ModelLoadError
-from vaed.models import build_random_vae, load_model, looks_like_path, parse_random_spec
+from vaed.models import (
+    RANDOM_CONFIGS,
+    SHAPE_FIELDS,
+    build_random_vae,
+    kernel_family,
+    load_model,
+    looks_like_path,
+    parse_random_spec,
+)
 
 
 def test_random_spec_parsing():
@@ -52,6 +62,34 @@ def test_local_folder_saved_with_save_pretrained(tmp_path, point_at):
     assert not loaded.random_weights
     for (name, a), (_, b) in zip(original.state_dict().items(), loaded.vae.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
+def test_a_saved_folder_is_of_the_kernel_family_its_config_gives(tmp_path, arch):
+    """A server compiles ahead only the kernel records of its model's family, read from the
+    folder's config.json before the model loads."""
+    build_random_vae(arch).save_pretrained(tmp_path / "vae")
+    assert kernel_family(str(tmp_path)) == kernel_family(str(tmp_path / "vae")) == arch
+    config = json.loads((tmp_path / "vae" / "config.json").read_text())
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({**config, "base_dim": 12}))
+    assert kernel_family(str(tmp_path)) is None  # shapes of no known family
+
+
+def test_kernel_families_of_specs_without_a_folder():
+    assert [kernel_family(s) for s in ("random:wan2.1", "random:wan2.2?seed=4", "random:wan9")] == [
+        "wan2.1", "wan2.2", None]
+    assert kernel_family("no-such-namespace/no-such-model") is None  # not in the local hub cache
+    assert kernel_family("./missing-folder") is None
+
+
+def test_the_shape_fields_defaults_are_diffusers_own():
+    """`kernel_family` fills a config's missing shape fields with these: AutoencoderKLWan's defaults."""
+    from diffusers import AutoencoderKLWan
+
+    signature = inspect.signature(AutoencoderKLWan.__init__).parameters
+    assert {name: signature[name].default for name in SHAPE_FIELDS} == SHAPE_FIELDS
+    assert set().union(*RANDOM_CONFIGS.values()) - set(SHAPE_FIELDS) <= {
+        "latents_mean", "latents_std", "scale_factor_spatial"}  # no shape field left out
 
 
 def test_folder_without_vae_names_what_it_expected(tmp_path):

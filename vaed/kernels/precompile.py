@@ -37,7 +37,7 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from vaed.kernels import _runtime as rt
 log = logging.getLogger("vaed.kernels.precompile")
 
 MANIFESTS = pathlib.Path(__file__).with_name("manifests")
-MARKER_PREFIX = "vaed-precompiled"  # one empty file per (manifest, Triton, kernels' source, arch)
+MARKER_PREFIX = "vaed-precompiled"  # one empty file per (record set, Triton, kernels' source, arch)
 KERNEL_PREFIX = "vaed.kernels."    # records of other Triton users in the process are not ours
 
 
@@ -102,21 +102,42 @@ def manifest_path(arch: int) -> pathlib.Path:
     return MANIFESTS / f"sm{arch}.json"
 
 
-def load_manifest(path: pathlib.Path) -> list[str]:
-    """The records in a manifest file; [] when there is none."""
+def start_name(family: str | None, encode: bool) -> str | None:
+    """The name a manifest gives the records of one kind of server start: its model's kernel
+    family (`vaed.models.kernel_family`), with `+encode` when it serves Encode too."""
+    return None if family is None else family + ("+encode" if encode else "")
+
+
+def load_manifest(path: pathlib.Path, start: str | None = None) -> list[str]:
+    """The records in a manifest file ([] when there is none): the named start's where the file
+    lists that start, else all of them."""
     if not path.exists():
         return []
-    return list(json.loads(path.read_text())["kernels"])
+    manifest = json.loads(path.read_text())
+    records = list(manifest["kernels"])
+    indices = manifest.get("starts", {}).get(start) if start is not None else None
+    return records if indices is None else [records[i] for i in indices]
 
 
-def save_manifest(records: Iterable[str], path: pathlib.Path) -> int:
-    """Write the union of `records` and the file's own, sorted (a stable diff); returns the count."""
+def save_manifest(starts: Mapping[str, Iterable[str]], path: pathlib.Path) -> int:
+    """Write each named start's records into the file, replacing that start's earlier ones and
+    keeping the file's other starts; its records are their union, sorted (a stable diff), and
+    each start lists its own by index. Returns the number of records."""
     import triton
 
-    merged = sorted(set(load_manifest(path)) | set(records))
+    kept = {name: load_manifest(path, name) for name in _start_names(path)}
+    merged = {**kept, **{name: sorted(set(records)) for name, records in starts.items()}}
+    records = sorted(set().union(*merged.values()))
+    index = {record: i for i, record in enumerate(records)}
+    manifest = {"triton": triton.__version__, "kernels": records,
+                "starts": {name: sorted(index[r] for r in merged[name]) for name in sorted(merged)}}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"triton": triton.__version__, "kernels": merged}, indent=0) + "\n")
-    return len(merged)
+    path.write_text(json.dumps(manifest, indent=0) + "\n")
+    return len(records)
+
+
+def _start_names(path: pathlib.Path) -> list[str]:
+    return list(json.loads(path.read_text()).get("starts", {})) if path.exists() else []
 
 
 def arch_of(device: str) -> int:
@@ -144,14 +165,17 @@ def compile_ahead(records: list[str], arch: int, workers: int) -> CompileReport:
     return report
 
 
-def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] | None = None) -> CompileReport | None:
-    """Compile the packaged records of sm_`arch` (or `records`) unless `cache_dir` already holds
-    them (its marker file); None when nothing needed compiling or no records exist for it."""
-    records = load_manifest(manifest_path(arch)) if records is None else records
+def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] | None = None,
+                    start: str | None = None) -> CompileReport | None:
+    """Compile the packaged records of sm_`arch` (those of `start` where the manifest names it),
+    or `records`, unless `cache_dir` already holds them: their marker file, or that of all the
+    packaged records. None when nothing needed compiling or no records exist for it."""
+    packaged = load_manifest(manifest_path(arch))
+    records = load_manifest(manifest_path(arch), start) if records is None else records
     if not records or not rt.triton_available() or rt.interpreter_active():
         return None
-    marker = pathlib.Path(cache_dir, f"{MARKER_PREFIX}-sm{arch}-{_digest(records, arch)}")
-    if marker.exists():
+    marker = _marker(cache_dir, records, arch)
+    if marker.exists() or (packaged and _marker(cache_dir, packaged, arch).exists()):
         return None
     report = compile_ahead(records, arch, workers)
     for failure in report.failures:
@@ -160,16 +184,16 @@ def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] 
     return report
 
 
-def start_ensure_compiled(archs: Iterable[int], cache_dir: str, workers: int
+def start_ensure_compiled(archs: Iterable[int], cache_dir: str, workers: int, start: str | None = None
                           ) -> concurrent.futures.Future[list[CompileReport]]:
-    """`ensure_compiled` for each architecture on a thread of its own (the compiling is in the
-    worker processes), returned at once; every vaed kernel's first fetch waits for it, so a
+    """`ensure_compiled` of `start`'s records for each architecture on a thread of its own (the
+    compiling is in the worker processes), returned at once; every vaed kernel's first fetch waits for it, so a
     server loads its model meanwhile and its checks find the kernels in the cache."""
     future: concurrent.futures.Future[list[CompileReport]] = concurrent.futures.Future()
 
     def run() -> None:
         try:
-            reports = [ensure_compiled(arch, cache_dir, workers) for arch in sorted(set(archs))]
+            reports = [ensure_compiled(arch, cache_dir, workers, start=start) for arch in sorted(set(archs))]
             future.set_result([report for report in reports if report is not None])
         except BaseException as exc:  # reported by the caller; the launches then compile as before
             future.set_exception(exc)
@@ -184,6 +208,10 @@ def default_workers() -> int:
     loads meanwhile), at most 16 (each imports torch, ~0.4 GB while it lives)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(16, cores - 1))
+
+
+def _marker(cache_dir: str, records: list[str], arch: int) -> pathlib.Path:
+    return pathlib.Path(cache_dir, f"{MARKER_PREFIX}-sm{arch}-{_digest(records, arch)}")
 
 
 def _digest(records: list[str], arch: int) -> str:
@@ -223,7 +251,13 @@ class _OfflineDriver:
         raise AttributeError(f"compiling without a GPU: the driver has no {name}")
 
 
+# Compiling is background work beside a server's model load, whose diffusers import (9-15 s on
+# an H200 host) is the start's critical path: the kernels are needed only after it.
+WORKER_NICENESS = 10
+
+
 def _start_worker(arch: int) -> None:
+    os.nice(WORKER_NICENESS)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process compiles; it never needs a device
     os.environ.pop("TRITON_INTERPRET", None)  # nor does it interpret: the records are for GPUs
     from triton.backends.compiler import GPUTarget
