@@ -157,7 +157,8 @@ def test_vaed_precompile_fills_the_named_cache_without_a_gpu(
 def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> None:
     """Every packaged record (a server's start-ups, recorded on an H200) names a registered
     kernel and that kernel's parameters, in order (a kernel whose parameters changed needs its
-    records made again: `scripts/record_kernels.py`), and no path of the recording host."""
+    records made again: `scripts/record_kernels.py`), and no path of the recording host; the
+    manifest names the records of each kind of start."""
     import vaed.kernels  # noqa: F401  (registers the kernels)
     from vaed.kernels import _runtime as rt
 
@@ -168,6 +169,12 @@ def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> 
         assert "extern_libs" not in record["options"], "a record names its recording host's libdevice path"
         function = rt._KERNELS[record["name"]][0]
         assert list(record["signature"]) == list(inspect.signature(function).parameters), record["name"]
+    starts = json.loads(path.read_text())["starts"]
+    assert set(starts) == {"wan2.1", "wan2.1+encode", "wan2.2", "wan2.2+encode"}  # what `vaed serve` asks for
+    assert sorted(set().union(*starts.values())) == list(range(len(records)))  # every record is some start's
+    for family in ("wan2.1", "wan2.2"):  # an encode server's start launches its decode start's kernels too
+        decode, encode = (set(precompile.load_manifest(path, name)) for name in (family, f"{family}+encode"))
+        assert decode and decode < encode
 
 
 def _gate_probe(x_ptr):  # pragma: no cover - jitted, never launched

@@ -9,16 +9,18 @@ values, argument alignments and launch options) from which it compiles that vari
 
 - `recording()` collects the records of the vaed kernels compiled in this process;
 - `manifests/sm<arch>.json` beside this module holds the records of a server's start-ups
-  (Wan2.1 and Wan2.2, both tiers, the encoder, the default warm-up sizes) on that GPU
-  architecture, written on such a GPU by `scripts/record_kernels.py`. A record is one
+  (Wan2.1 and Wan2.2, each with and without the encoder; both tiers, the default warm-up
+  sizes) on that GPU architecture, written on such a GPU by `scripts/record_kernels.py`, and
+  names each kind of start's (`start_name`: sm_90's Wan2.1 decode start launches 189 of the
+  298 variants, Wan2.2's 143), so a server compiles only its own. A record is one
   architecture's: its launch options are that target's (Triton 3.8 also names the target in
   it), so sm_90's (H100/H200) compile for sm_90 only;
 - `compile_ahead` compiles records for one architecture into Triton's cache, in worker processes
   that never touch a GPU (processes, because Triton's compiler holds the GIL for most of a
   compile), with each kernel's launcher where the host can build it (it links against the CUDA
-  driver library). `vaed precompile` runs it at image build; `vaed serve` at start while the
-  model loads, when the cache lacks them (`start_ensure_compiled`: the kernels' first fetch
-  waits for it).
+  driver library). `vaed precompile` runs it on every record at image build; `vaed serve` on
+  its start's records while the model loads, when the cache lacks them
+  (`start_ensure_compiled`: the kernels' first fetch waits for it).
 
 The cache entries are Triton's own, under the keys the launches look up (source, signature,
 target, options, Triton's version and environment); a variant not in the manifest compiles at
@@ -251,8 +253,9 @@ class _OfflineDriver:
         raise AttributeError(f"compiling without a GPU: the driver has no {name}")
 
 
-# Compiling is background work beside a server's model load, whose diffusers import (9-15 s on
-# an H200 host) is the start's critical path: the kernels are needed only after it.
+# Compiling is background work beside a server's model load, whose diffusers import (7-16 s on
+# an H200 host) is the start's critical path: the kernels are needed only after it, and the
+# load ran 2-3 s longer beside 15 compiling processes at the same priority.
 WORKER_NICENESS = 10
 
 
