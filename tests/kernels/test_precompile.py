@@ -81,7 +81,8 @@ def test_a_recorded_kernel_compiles_ahead_into_the_entry_its_launch_made(
 
 
 def test_ensure_compiled_compiles_once_per_cache_and_skips_bad_records(
-        recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        recorded: tuple[list[str], set[str]], tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     records, _ = recorded
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -91,6 +92,8 @@ def test_ensure_compiled_compiles_once_per_cache_and_skips_bad_records(
     first = precompile.ensure_compiled(90, str(tmp_path), 1, with_stale)
     assert first is not None and first.kernels == 1
     assert len(first.failures) == 1 and "no vaed kernel is named" in first.failures[0]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].startswith("1 of 2 kernel records skipped")  # one line for all
     assert precompile.ensure_compiled(90, str(tmp_path), 1, with_stale) is None  # its marker is there
     assert precompile.ensure_compiled(90, str(tmp_path / "other"), 1, []) is None  # nothing to compile
     assert not (tmp_path / "other").exists()

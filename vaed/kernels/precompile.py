@@ -180,8 +180,10 @@ def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] 
     if marker.exists() or (packaged and _marker(cache_dir, packaged, arch).exists()):
         return None
     report = compile_ahead(records, arch, workers)
-    for failure in report.failures:
-        log.warning("kernel record skipped: %s", failure)
+    if report.failures:  # e.g. all of them under another Triton: one line, not one a record
+        shown = "; ".join(report.failures[:3]) + ("; ..." if len(report.failures) > 3 else "")
+        log.warning("%d of %d kernel records skipped (those variants compile at their first launch): %s",
+                    len(report.failures), len(records), shown)
     marker.touch()
     return report
 
