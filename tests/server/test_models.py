@@ -75,6 +75,21 @@ def test_a_saved_folder_is_of_the_kernel_family_its_config_gives(tmp_path, arch)
     assert kernel_family(str(tmp_path)) is None  # shapes of no known family
 
 
+def test_a_hub_id_in_the_local_hub_cache_is_of_its_configs_kernel_family(tmp_path):
+    """`vaed serve`'s default model is a hub id: its config.json comes from the hub cache (no
+    network), as huggingface_hub lays it out; read in a fresh process, which takes
+    HF_HUB_CACHE from its environment."""
+    repo = tmp_path / "models--acme--wan-vae"
+    build_random_vae("wan2.2-tiny").save_pretrained(repo / "snapshots" / "0123abc" / "vae")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    probe = "from vaed.models import kernel_family as f; print(f('acme/wan-vae'), f('acme/other'))"
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, HF_HUB_CACHE=str(tmp_path)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["wan2.2-tiny", "None"]
+
+
 def test_kernel_families_of_specs_without_a_folder():
     assert [kernel_family(s) for s in ("random:wan2.1", "random:wan2.2?seed=4", "random:wan9")] == [
         "wan2.1", "wan2.2", None]

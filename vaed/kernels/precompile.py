@@ -191,8 +191,9 @@ def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] 
 def start_ensure_compiled(archs: Iterable[int], cache_dir: str, workers: int, start: str | None = None
                           ) -> concurrent.futures.Future[list[CompileReport]]:
     """`ensure_compiled` of `start`'s records for each architecture on a thread of its own (the
-    compiling is in the worker processes), returned at once; every vaed kernel's first fetch waits for it, so a
-    server loads its model meanwhile and its checks find the kernels in the cache."""
+    compiling is in the worker processes), returned at once; every vaed kernel's first fetch
+    waits for it, so a server loads its model meanwhile and its checks find the kernels in the
+    cache."""
     future: concurrent.futures.Future[list[CompileReport]] = concurrent.futures.Future()
 
     def run() -> None:
