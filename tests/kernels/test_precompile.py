@@ -235,3 +235,19 @@ def test_serve_compiles_ahead_the_records_of_its_models_start(
     monkeypatch.setattr(precompile, "start_ensure_compiled", start_ensure_compiled)
     compile_kernels_ahead(ServerConfig(model=model, devices=("cuda:0",), encode=encode), "/cache")
     assert asked == [({90}, "/cache", start)]
+
+
+def _niceness() -> int:
+    return os.nice(0)
+
+
+def test_the_compiling_processes_run_below_the_model_load() -> None:
+    """The workers `compile_ahead` starts yield the CPU to the server's model load beside them."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=precompile._start_worker,
+                                                initargs=(90,)) as pool:
+        worker = pool.submit(_niceness).result(timeout=300)
+    assert worker == min(19, os.nice(0) + precompile.WORKER_NICENESS)
