@@ -101,8 +101,8 @@ def add_precompile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, metavar="N",
                         help="compiling processes (default: the cores but one, at most 16)")
     parser.add_argument("--manifest", metavar="FILE",
-                        help="kernel records to compile (default: the package's for each --arch, which a "
-                             "server's start-up compiles too)")
+                        help="kernel records to compile (default: all the package's for each --arch, of "
+                             "every kind of start; a server's start compiles its own share of them)")
 
 
 def run_precompile(args: argparse.Namespace) -> int:
