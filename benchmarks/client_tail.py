@@ -1,12 +1,14 @@
-"""The client's own share of a call's end: from the server's last frame group sent to `stream()`'s
-last chunk and to `decode()`'s return, and what freeing `decode()`'s video costs afterwards.
+"""The client's own share of a call's start and end: from the server's first frame group sent to
+`stream()`'s first chunk and to `decode()`'s first frames placed, from its last group sent to
+`stream()`'s end and to `decode()`'s return, and what freeing `decode()`'s video costs afterwards.
 
     python benchmarks/client_tail.py --reps 12            # 480x832x81, the fast tier's cadence
 
 A paced server in a process of its own (its GIL stays out of the client's) answers each
 DecodeStream with 21 prebuilt uint8 480x832 groups (1 frame, then 4), one every `--period`
 seconds (34 ms: a steady fast-tier chunk on an H200), then the final message, and writes the
-wall time of each call's last group send to a file; the client runs the real `VaeClient`. The
+wall times of each call's first and last group sends to a file; the client runs the real
+`VaeClient`. The
 latents' values do not matter to it. Calls alternate `stream()` and `decode()`; each video is
 freed after its clock stops, and that free is timed on its own.
 """
@@ -53,10 +55,12 @@ def serve(sends_path: str, period: float) -> None:
             # the upload is read beside the answer, as the real server does
             threading.Thread(target=lambda: all(True for _ in request_iterator), daemon=True).start()
             start = time.perf_counter() + 0.02
-            for i, (first, frames) in enumerate(zip(firsts, groups)):
+            sent = []
+            for i, (first, frames) in enumerate(zip(firsts, groups, strict=True)):
                 time.sleep(max(0.0, start + period * i - time.perf_counter()))
+                sent.append(time.time())
                 yield vaed_pb2.FrameChunk(request_id="paced", chunk_index=i, first_frame=first, frames=frames)
-            sends.write(f"{time.time()}\n")
+            sends.write(f"{sent[0]} {time.time()}\n")
             sends.flush()
             yield vaed_pb2.FrameChunk(request_id="paced", final=True)
 
@@ -77,7 +81,7 @@ def main() -> int:
     if args.serve:
         serve(args.serve, args.period)
         return 0
-    from vaed_client import VaeClient, keep_freed_memory
+    from vaed_client import CallReport, VaeClient, keep_freed_memory
 
     print(f"client malloc: {keep_freed_memory()}")
     sends = os.path.join(tempfile.mkdtemp(), "sends")
@@ -87,34 +91,48 @@ def main() -> int:
     try:
         target = f"127.0.0.1:{int(server.stdout.readline())}"  # type: ignore[union-attr]
         latents = np.zeros((1, 16, GROUPS, 60, 104), np.float32)
+        heads: dict[str, list[float]] = {"stream()": [], "decode()": []}
         tails: dict[str, list[float]] = {"stream()": [], "decode()": []}
         frees: list[float] = []
         with VaeClient(target) as client:
             list(client.stream(latents[:, :, :2]))  # connection and first-use warm-up
             for _ in range(args.reps):
                 time.sleep(0.2)
+                first = None
                 for _chunk in client.stream(latents):
-                    pass
-                tails["stream()"].append(time.time() - last_send(sends))
+                    first = first or time.time()
+                end = time.time()
+                first_sent, last_sent = sends_of_last_call(sends)
+                heads["stream()"].append(first - first_sent)
+                tails["stream()"].append(end - last_sent)
                 time.sleep(0.2)
-                video = client.decode(latents)
-                tails["decode()"].append(time.time() - last_send(sends))
+                report = CallReport()
+                started = time.time()
+                video = client.decode(latents, report=report)
+                end = time.time()
+                first_sent, last_sent = sends_of_last_call(sends)
+                heads["decode()"].append(started + (report.first_data_seconds or float("nan")) - first_sent)
+                tails["decode()"].append(end - last_sent)
                 started = time.perf_counter()
                 del video
                 frees.append(time.perf_counter() - started)
     finally:
         server.kill()
-    for call, values in tails.items():
-        print(f"{call}: from the last group sent to its end, median {statistics.median(values) * 1e3:.1f} ms, "
-              f"max {max(values) * 1e3:.1f} ms")
+    for call in heads:
+        print(f"{call}: from the first group sent to its first frames, median "
+              f"{statistics.median(heads[call]) * 1e3:.1f} ms, max {max(heads[call]) * 1e3:.1f} ms; from the "
+              f"last group sent to its end, median {statistics.median(tails[call]) * 1e3:.1f} ms, "
+              f"max {max(tails[call]) * 1e3:.1f} ms")
     print(f"freeing decode()'s video (after its clock): median {statistics.median(frees) * 1e3:.1f} ms, "
           f"max {max(frees) * 1e3:.1f} ms")
     return 0
 
 
-def last_send(path: str) -> float:
+def sends_of_last_call(path: str) -> tuple[float, float]:
+    """(first group's send, last group's send) of the server's latest call, wall clock."""
     with open(path) as f:
-        return float(f.read().split()[-1])
+        first, last = f.read().splitlines()[-1].split()
+    return float(first), float(last)
 
 
 if __name__ == "__main__":
