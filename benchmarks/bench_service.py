@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from client_clock import watch_placements
 from vaed_process import find, print_call_lines, start_vaed
 
 
@@ -52,10 +53,11 @@ def scrape(metrics_port: int, name: str) -> float | None:
 
 def measure_service(target: str, latents: torch.Tensor, reps: int, pause: float) -> list[dict[str, float]]:
     """Per rep, one `stream()` (first frame: its first chunk out of the iterator) and one `decode()`
-    (first frame: `CallReport.first_data_seconds`, the first frames' arrival, from the call's
-    start), each timed to its last frame."""
-    from vaed_client import CallReport, VaeClient
+    (first frame: its first reply placed in the video, `client_clock`), each from before the call
+    on this process's clock and timed to its last frame."""
+    from vaed_client import VaeClient
 
+    placed = watch_placements()
     runs = []
     with VaeClient(target) as client:
         client.decode(latents[:, :, :2])  # connection + first-use warm-up
@@ -70,14 +72,14 @@ def measure_service(target: str, latents: torch.Tensor, reps: int, pause: float)
                 frames += chunk.num_frames
             total = time.perf_counter() - started
             time.sleep(pause)
-            report = CallReport()
+            placed.clear()
             started = time.perf_counter()
-            video = client.decode(latents, report=report)
+            video = client.decode(latents)
             decode_total = time.perf_counter() - started
             # freed after the clock, as a caller keeps its video: unmapping 97 MB of touched pages
             # took ~10 ms on a 2-core machine, which a dropped result charged to decode()
             del video
-            decode_first = report.first_data_seconds or float("nan")
+            decode_first = placed[0] - started
             runs.append({"total_s": total, "first_frame_s": first, "frames": frames,
                          "decode_total_s": decode_total, "decode_first_frame_s": decode_first})
             print(f"service: stream() total {total:.3f} s, first frame {first * 1e3:.1f} ms, {frames} frames; "

@@ -1,5 +1,5 @@
 """The client's own share of a call's start and end: from the server's first frame group sent to
-`stream()`'s first chunk and to `decode()`'s first frames placed, from its last group sent to
+`stream()`'s first chunk and to `decode()`'s first reply placed in its video, from its last group sent to
 `stream()`'s end and to `decode()`'s return, and what freeing `decode()`'s video costs afterwards.
 
     python benchmarks/client_tail.py --reps 12            # 480x832x81, the fast tier's cadence
@@ -27,6 +27,7 @@ from concurrent import futures
 from typing import Any
 
 import numpy as np
+from client_clock import watch_placements
 
 GROUPS = 21  # a 480x832x81 video: latent frame 0 decodes to 1 frame, each later one to 4
 
@@ -81,7 +82,9 @@ def main() -> int:
     if args.serve:
         serve(args.serve, args.period)
         return 0
-    from vaed_client import CallReport, VaeClient, keep_freed_memory
+    from vaed_client import VaeClient, keep_freed_memory
+
+    placed = watch_placements(clock=time.time)  # wall time: the server's sends are another process's
 
     print(f"client malloc: {keep_freed_memory()}")
     sends = os.path.join(tempfile.mkdtemp(), "sends")
@@ -106,12 +109,11 @@ def main() -> int:
                 heads["stream()"].append(first - first_sent)
                 tails["stream()"].append(end - last_sent)
                 time.sleep(0.2)
-                report = CallReport()
-                started = time.time()
-                video = client.decode(latents, report=report)
+                placed.clear()
+                video = client.decode(latents)
                 end = time.time()
                 first_sent, last_sent = sends_of_last_call(sends)
-                heads["decode()"].append(started + (report.first_data_seconds or float("nan")) - first_sent)
+                heads["decode()"].append(placed[0] - first_sent)
                 tails["decode()"].append(end - last_sent)
                 started = time.perf_counter()
                 del video
