@@ -28,12 +28,14 @@ fresh video then took 18-28 ms of system time instead of 2-3 ms, at random, the 
 too; with plain 4 KiB pages every copy took 3-4 ms (1170 faults each) and none stalled.
 
 Those faults are still on the receiving thread, the last group's included, after the server's
-last send. So `video_buffer` also faults the whole mapping in on a thread of its own
-(`prefault`: Linux's MADV_POPULATE_WRITE, which maps the pages writable without touching their
-bytes, so the frames copied in meanwhile stay as written), while the first groups arrive.
+last send. So the video's assembler has the whole mapping faulted in on a thread of its own once
+the first frames are in (`prefault`: Linux's MADV_POPULATE_WRITE, which maps the pages writable
+without touching their bytes, so the frames copied in meanwhile stay as written), so that it
+never competes with the first frames' copy.
 Against a paced server (`benchmarks/client_tail.py`), `decode()`'s return came a median 4.5-5.9 ms
-after the last group's send instead of 6.9-7.3 ms (`stream()`: 3.5-4.2 ms) on that machine; freeing
-the video afterwards took 11-13 ms instead of 9-10.
+after the last group's send instead of 6.8-7.3 ms (`stream()`: 3.5-4.9 ms) on that machine, its
+first frames 5.5-5.6 ms after the first group's instead of 5.2-5.4 (within the runs' spread;
+`stream()`: 4.1-4.4 ms); freeing the video afterwards took 11-13 ms instead of 9-10.
 """
 
 from __future__ import annotations
@@ -80,9 +82,7 @@ def video_buffer(shape: tuple[int, ...] | list[int], dtype: np.dtype) -> np.ndar
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes == 0:
         return np.empty(shape, dtype=dtype)
-    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
-    prefault(array)
-    return array
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
 def prefault(array: np.ndarray) -> threading.Thread | None:

@@ -19,7 +19,7 @@ import numpy as np
 from . import tensors
 from ._proto import vaed_pb2
 from .errors import InternalError
-from .heap import video_buffer
+from .heap import prefault, video_buffer
 from .wire import output_frames  # noqa: F401  (re-exported; the rule lives in wire)
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,8 @@ class VideoAssembler:
         index: list[Any] = [slice(None)] * view.ndim
         index[self.axis] = slice(first, end)
         self._storage[tuple(index)] = view
+        if not self._filled.any():  # the first frames are in: fault the rest of the pages in beside
+            prefault(self._storage)
         self._filled[first:end] = True
         self.end = max(self.end, end)
         self.nbytes += view.nbytes  # the payload's size (bf16 stays 2 bytes in the storage view)
@@ -163,6 +165,7 @@ class VideoAssembler:
         index: list[Any] = [slice(None)] * old.ndim
         index[self.axis] = slice(0, old.shape[self.axis])
         self._storage[tuple(index)] = old
+        prefault(self._storage)
         self._filled = np.concatenate([self._filled, np.zeros(frames - len(self._filled), dtype=bool)])
 
     def result(self, as_torch: bool) -> Any:

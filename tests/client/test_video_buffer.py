@@ -1,5 +1,6 @@
-"""A whole video's buffer lives on pages that fault without huge-page compaction, and are
-faulted in on a thread of their own while frames arrive (`heap.video_buffer`, `heap.prefault`).
+"""A whole video's buffer lives on pages that fault without huge-page compaction, and is
+faulted in on a thread of its own once its first frames are in (`heap.video_buffer`,
+`heap.prefault`, `VideoAssembler`).
 
 What is checked is the kernel's own record of the mapping (`/proc/self/smaps`: VmFlags, where
 "hg" marks a range advised for transparent huge pages, and Rss, the memory resident in it),
@@ -12,6 +13,7 @@ import mmap
 import os
 import platform
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -67,14 +69,36 @@ def test_prefault_maps_every_page_in_and_keeps_what_was_written() -> None:
     assert video[3].min() == video[3].max() == 5 and video[4:].max() == 0  # no byte changed
 
 
-def test_frames_copied_while_the_video_is_prefaulted_stay_as_written() -> None:
-    frames = np.random.default_rng(1).integers(0, 255, (81, H, W, 3), dtype=np.uint8)
-    video = video_buffer((81, H, W, 3), np.dtype(np.uint8))  # its prefault starts here
-    for first in range(0, 81, 4):  # while it runs: 97 MB take it tens of ms
-        video[first:first + 4] = frames[first:first + 4]
+def _chunks(frames: np.ndarray) -> list[wire.pb.FrameChunk]:
+    """A video's replies as the server groups them: frame 0, then 4 frames each."""
+    out = []
+    for first, end in [(0, 1)] + [(f, f + 4) for f in range(1, frames.shape[1], 4)]:
+        chunk = wire.pb.FrameChunk(first_frame=first)
+        wire.to_message(frames[:, first:end], out=chunk.frames)
+        out.append(chunk)
+    return out
+
+
+@pytest.mark.skipif(not _kernel_has_populate_write(), reason="MADV_POPULATE_WRITE came with Linux 5.14")
+def test_the_assembler_prefaults_the_video_once_its_first_frames_are_in() -> None:
+    """Frame 0 alone makes the whole video resident (its prefault), and frames copied while a
+    prefault runs stay as written."""
+    frames = np.random.default_rng(1).integers(0, 255, (1, 81, H, W, 3), dtype=np.uint8)
+    chunks = _chunks(frames)
+    waiting = VideoAssembler("rgb8", expected_frames=81)
+    waiting.add(chunks[0])
+    storage = waiting._storage
+    assert storage is not None
+    deadline = time.monotonic() + 60  # bounds a failure only: the pages come in tens of ms
+    while _resident_bytes(storage) < storage.nbytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _resident_bytes(storage) >= storage.nbytes, "frame 0 in, the rest of the video not faulted in"
+    racing = VideoAssembler("rgb8", expected_frames=81)
+    for chunk in chunks:  # at once, while the prefault it starts with frame 0 runs
+        racing.add(chunk)
     for thread in [t for t in threading.enumerate() if t.name == "vaed-prefault"]:
         thread.join(60)
-    assert np.array_equal(video, frames)
+    assert np.array_equal(racing.result(as_torch=False), frames)
 
 
 def test_a_video_buffer_is_writable_zero_copy_and_not_advised_for_huge_pages() -> None:
