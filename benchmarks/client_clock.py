@@ -13,16 +13,19 @@ from typing import Any
 
 
 def watch_placements(clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """The `clock()` readings after each reply `decode()` places (every call's, in order; clear
-    the list between calls). Wraps `vaed_client.core.Assembly.add` for the rest of the process."""
+    """The `clock()` readings after each reply with frames that `decode()` places (every call's,
+    in order; clear the list between calls). Wraps `vaed_client.core.Assembly.add` for the rest
+    of the process."""
     from vaed_client import core
+    from vaed_client.video import has_frames
 
     placed: list[float] = []
     add = core.Assembly.add
 
     def timed_add(self: Any, reply: Any) -> None:
         add(self, reply)
-        placed.append(clock())
+        if has_frames(reply):
+            placed.append(clock())
 
     core.Assembly.add = timed_add  # type: ignore[method-assign]
     return placed
