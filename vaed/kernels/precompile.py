@@ -113,12 +113,7 @@ def start_name(family: str | None, encode: bool) -> str | None:
 def load_manifest(path: pathlib.Path, start: str | None = None) -> list[str]:
     """The records in a manifest file ([] when there is none): the named start's where the file
     lists that start, else all of them."""
-    if not path.exists():
-        return []
-    manifest = json.loads(path.read_text())
-    records = list(manifest["kernels"])
-    indices = manifest.get("starts", {}).get(start) if start is not None else None
-    return records if indices is None else [records[i] for i in indices]
+    return _of_start(*_read_manifest(path), start)
 
 
 def save_manifest(starts: Mapping[str, Iterable[str]], path: pathlib.Path) -> int:
@@ -127,7 +122,8 @@ def save_manifest(starts: Mapping[str, Iterable[str]], path: pathlib.Path) -> in
     each start lists its own by index. Returns the number of records."""
     import triton
 
-    kept = {name: load_manifest(path, name) for name in _start_names(path)}
+    old_records, old_starts = _read_manifest(path)
+    kept = {name: [old_records[i] for i in indices] for name, indices in old_starts.items()}
     merged = {**kept, **{name: sorted(set(records)) for name, records in starts.items()}}
     records = sorted(set().union(*merged.values()))
     index = {record: i for i, record in enumerate(records)}
@@ -138,8 +134,17 @@ def save_manifest(starts: Mapping[str, Iterable[str]], path: pathlib.Path) -> in
     return len(records)
 
 
-def _start_names(path: pathlib.Path) -> list[str]:
-    return list(json.loads(path.read_text()).get("starts", {})) if path.exists() else []
+def _read_manifest(path: pathlib.Path) -> tuple[list[str], dict[str, list[int]]]:
+    """(every record, each start's record indices) of a manifest file; nothing when there is none."""
+    if not path.exists():
+        return [], {}
+    manifest = json.loads(path.read_text())
+    return list(manifest["kernels"]), dict(manifest.get("starts", {}))
+
+
+def _of_start(records: list[str], starts: dict[str, list[int]], start: str | None) -> list[str]:
+    indices = starts.get(start) if start is not None else None
+    return records if indices is None else [records[i] for i in indices]
 
 
 def arch_of(device: str) -> int:
@@ -172,8 +177,8 @@ def ensure_compiled(arch: int, cache_dir: str, workers: int, records: list[str] 
     """Compile the packaged records of sm_`arch` (those of `start` where the manifest names it),
     or `records`, unless `cache_dir` already holds them: their marker file, or that of all the
     packaged records. None when nothing needed compiling or no records exist for it."""
-    packaged = load_manifest(manifest_path(arch))
-    records = load_manifest(manifest_path(arch), start) if records is None else records
+    packaged, starts = _read_manifest(manifest_path(arch))  # read once: ~1 MB of JSON for sm_90
+    records = _of_start(packaged, starts, start) if records is None else records
     if not records or not rt.triton_available() or rt.interpreter_active():
         return None
     marker = _marker(cache_dir, records, arch)
