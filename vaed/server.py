@@ -91,7 +91,8 @@ def engine_factory(config: ServerConfig) -> EngineFactory:
 
 
 def compile_kernels_ahead(config: ServerConfig, kernel_cache: str) -> None:
-    """The packaged kernel records of each device's architecture compiled into the cache in
+    """The packaged kernel records of this model's kind of start (all of them where the
+    manifest does not name it), for each device's architecture, compiled into the cache in
     parallel processes while the model loads; the workers' first kernel fetch waits for them
     (`vaed.kernels.precompile`). A cache that has them costs a file check; a failure leaves the
     compiles to the launches, as without records."""
@@ -109,7 +110,6 @@ def compile_kernels_ahead(config: ServerConfig, kernel_cache: str) -> None:
         for compiled in done.result():
             log.info("compiled ahead into %s, beside the model load: %s", kernel_cache, compiled.summary())
 
-    # only the records of this model's kind of start, where the manifest names it
     start = precompile.start_name(kernel_family(config.model), config.encode)
     precompile.start_ensure_compiled(archs, kernel_cache, precompile.default_workers(), start).add_done_callback(report)
 
