@@ -22,7 +22,12 @@ question):
   built (``build_plan_policy.ALL``), each executed, checked against torch's output
   (max |plan - torch| / max |torch|; ~0.004 is one bf16 ulp at the largest output) and
   timed. A plan whose error exceeds ``--max-err`` (or that writes NaN) is listed but
-  never counted as the best.
+  never counted as the best;
+* with ``--triton``, the candidate Triton implicit-GEMM conv (``benchmarks/triton_conv.py``)
+  where it takes the signature (bf16 channels-last input, stride 1, dilation 1, groups 1):
+  each of its configs (``triton_conv.configs_for``) launched, checked against torch's output
+  like a plan (the same error and ``--max-err``) and timed, the weight repacked once outside
+  the timed call; the fastest config within ``--max-err`` is the shape's Triton result.
 
 Timing: the planner's own (``vaed.patches.conv_plans.gpu_ms``): ``--iters`` single
 launches after 2 warm-ups, each between its own pair of CUDA events, median reported.
@@ -36,11 +41,17 @@ calls per chunk), TFLOP per call, torch ms and TFLOP/s, the heuristic's first pl
 (index 0) ms, the best plan's ms, TFLOP/s and speedup over torch, plans that ran / were
 tried, and the best plan's name; then per-chunk totals (sum of ms x calls) for torch,
 plan 0, the best plans and the best of both, and the projected saving per chunk and
-per video (``--video-chunks``, 21: 480x832x81 has 21 latent frames).
+per video (``--video-chunks``, 21: 480x832x81 has 21 latent frames). With ``--triton`` each
+shape's line also has the best Triton config's ms, TFLOP/s, speedup over torch, configs
+within ``--max-err`` / tried, error and name (before the best plan's), its notes the configs
+that failed, and the summary the best Triton configs' total, the best of torch, plans and
+Triton, its saving and the shapes where Triton beats both; ``--json`` carries them too. A
+shape Triton does not take counts at torch's ms in its column.
 
 Run on the GPU machine from the repository root (needs ``pip install nvidia-cudnn-frontend``):
     python benchmarks/bench_convs.py --model wan2.1 --tier fast
     python benchmarks/bench_convs.py --model wan2.2 --tier lossless --json /tmp/convs.json
+    python benchmarks/bench_convs.py --model wan2.1 --tier fast --triton  # + the Triton candidate
 """
 
 from __future__ import annotations
@@ -50,7 +61,6 @@ import dataclasses
 import gc
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -479,9 +489,16 @@ class ShapeResult:
     build_error: str | None = None  # build_plans(ALL) raised (the plans were then built one by one)
     plans: list[PlanResult] = dataclasses.field(default_factory=list)
     best: int | None = None  # index into plans of the fastest plan within --max-err
+    # --triton: one result per triton_conv config (index: its place in configs_for's list)
+    triton: list[PlanResult] = dataclasses.field(default_factory=list)
+    triton_best: int | None = None  # index into triton of the fastest config within --max-err
+    triton_skip: str | None = None  # why the Triton conv did not run (a signature it does not take, ...)
 
     def best_plan(self) -> PlanResult | None:
         return None if self.best is None else self.plans[self.best]
+
+    def best_triton(self) -> PlanResult | None:
+        return None if self.triton_best is None else self.triton[self.triton_best]
 
     def plan0(self) -> PlanResult | None:
         return self.plans[0] if self.plans and self.plans[0].index == 0 else None
@@ -495,7 +512,30 @@ def pick_best(plans: list[PlanResult], max_err: float) -> int | None:
     return min(ok)[1] if ok else None
 
 
-def measure_shape(fe: Frontend, sig: ConvSig, calls: int, iters: int, max_err: float) -> ShapeResult:
+def measure_triton(
+    sig: ConvSig, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, iters: int, *,
+    timer: Callable[[Callable[[], Any], int], float] = gpu_ms, configs: list[Any] | None = None,
+) -> tuple[list[PlanResult], str | None]:
+    """(one result per Triton config: name, ms, rel_err against torch's ``ref`` or why it failed;
+    why no config ran, e.g. a signature triton_conv does not take). The weight is repacked
+    once, outside the timed launches; ``configs`` defaults to ``triton_conv.configs_for``'s."""
+    import triton_conv as tc  # benchmarks/triton_conv.py, beside this script (only for --triton)
+
+    reason = tc.why_unsupported(sig.x_shape, sig.x_stride, sig.w_shape, sig.stride, sig.padding, sig.dilation,
+                                sig.groups, sig.dtype)
+    if reason is None and not tc.available():
+        reason = "triton is not importable"
+    if reason is not None:
+        return [], reason
+    packed = tc.prepare_weight(w)
+    runs = tc.time_configs(x, packed, sig.w_shape, sig.padding, check=lambda y: rel_err(y, ref), iters=iters,
+                           configs=configs, timer=timer)
+    return [PlanResult(i, r.config.name, ms=r.ms, rel_err=r.err, error=r.error) for i, r in enumerate(runs)], None
+
+
+def measure_shape(
+    fe: Frontend, sig: ConvSig, calls: int, iters: int, max_err: float, triton: bool = False
+) -> ShapeResult:
     res = ShapeResult(sig, calls, sig.flop() / 1e12)
     x, w = conv_tensors(sig)
     run = torch_conv(sig, x, w)
@@ -506,6 +546,12 @@ def measure_shape(fe: Frontend, sig: ConvSig, calls: int, iters: int, max_err: f
     except Exception as exc:  # noqa: BLE001
         res.torch_error = error_text(exc)
         return res
+    if triton:  # before the frontend's graph, whose errors end the shape
+        try:
+            res.triton, res.triton_skip = measure_triton(sig, x, w, ref, iters)
+        except Exception as exc:  # noqa: BLE001 - each config's errors are caught inside; this is the rest
+            res.triton_skip = error_text(exc)
+        res.triton_best = pick_best(res.triton, max_err)
     y = torch.empty_strided(ref.shape, ref.stride(), dtype=ref.dtype, device=DEVICE)
     try:
         graph, pack, res.build_error = build_graph(fe, sig, x, w, y)
@@ -533,11 +579,19 @@ def _ms(ms: float | None) -> str:
     return f"{ms:8.3f}" if ms is not None else f"{'-':>8s}"
 
 
-HEADER = (f"{'#':>2s}  {'signature':44s} {'calls':>5s} {'TFLOP':>7s} | {'torch ms':>8s} {'TF/s':>5s} {'backend':10s}"
-          f" | {'plan0 ms':>8s} | {'best ms':>8s} {'TF/s':>5s} {'speedup':>7s} {'ok/tried':>8s} {'err':>7s}  best plan")
+_HEADER_CORE = (f"{'#':>2s}  {'signature':44s} {'calls':>5s} {'TFLOP':>7s} | {'torch ms':>8s} {'TF/s':>5s} "
+                f"{'backend':10s} | {'plan0 ms':>8s} | {'best ms':>8s} {'TF/s':>5s} {'speedup':>7s} {'ok/tried':>8s} "
+                f"{'err':>7s}")
+HEADER = _HEADER_CORE + "  best plan"
+# --triton: the best Triton config's columns, before the best plan's (long) name
+TRITON_HEADER = f" | {'triton':>8s} {'TF/s':>5s} {'speedup':>7s} {'ok/tried':>8s} {'err':>7s} {'config':16s}"
 
 
-def shape_line(k: int, r: ShapeResult, max_err: float) -> str:
+def header(triton: bool = False) -> str:
+    return _HEADER_CORE + (TRITON_HEADER if triton else "") + "  best plan"
+
+
+def shape_line(k: int, r: ShapeResult, max_err: float, triton: bool = False) -> str:
     best, p0 = r.best_plan(), r.plan0()
     speed = f"{r.torch_ms / best.ms:6.2f}x" if best and best.ms and r.torch_ms else f"{'-':>7s}"
     err = f"{best.rel_err:7.4f}" if best and best.rel_err is not None else f"{'-':>7s}"
@@ -545,8 +599,21 @@ def shape_line(k: int, r: ShapeResult, max_err: float) -> str:
     line = (f"{k:2d}  {r.sig.label():44s} {r.calls:5d} {r.tflop:7.4f} | {_ms(r.torch_ms)} "
             f"{tflops(r.tflop, r.torch_ms):5.0f} {r.torch_backend:10s} | {_ms(p0.ms if p0 else None)} | "
             f"{_ms(best.ms if best else None)} {tflops(r.tflop, best.ms if best else None):5.0f} {speed} "
-            f"{tried:>8s} {err}  {best.name if best else '-'}")
-    return line
+            f"{tried:>8s} {err}")
+    if triton:
+        line += triton_columns(r, max_err)
+    return f"{line}  {best.name if best else '-'}"
+
+
+def triton_columns(r: ShapeResult, max_err: float) -> str:
+    """TRITON_HEADER's columns: the best Triton config's ms, TFLOP/s, speedup over torch, configs
+    within --max-err / tried, its error and name."""
+    best = r.best_triton()
+    ms = best.ms if best else None
+    speed = f"{r.torch_ms / ms:6.2f}x" if ms and r.torch_ms else f"{'-':>7s}"
+    err = f"{best.rel_err:7.4f}" if best and best.rel_err is not None else f"{'-':>7s}"
+    tried = f"{sum(p.ok(max_err) for p in r.triton)}/{len(r.triton)}"
+    return f" | {_ms(ms)} {tflops(r.tflop, ms):5.0f} {speed} {tried:>8s} {err} {best.name if best else '-':16s}"
 
 
 def shape_notes(r: ShapeResult, max_err: float, max_plans: int = 6) -> list[str]:
@@ -561,6 +628,13 @@ def shape_notes(r: ShapeResult, max_err: float, max_plans: int = 6) -> list[str]
         notes.append(f"cudnn frontend: {r.graph_error}")
     if r.build_error:
         notes.append(f"cudnn frontend: {r.build_error} (plans then built one by one)")
+    if r.triton_skip:
+        notes.append(f"triton: not run ({r.triton_skip})")
+    for p in r.triton:  # a handful of configs: all listed
+        if p.error:
+            notes.append(f"triton {p.name}: {p.error}")
+        elif not p.ok(max_err):
+            notes.append(f"triton {p.name}: rel err {p.rel_err:.4g} > --max-err {max_err} (not counted)")
     for p in r.plans:
         if p.error:
             notes.append(f"plan {p.index} {p.name}: {p.error}")
@@ -572,10 +646,14 @@ def shape_notes(r: ShapeResult, max_err: float, max_plans: int = 6) -> list[str]
     return head + plans[:max_plans] + more
 
 
-def chunk_totals(results: list[ShapeResult]) -> dict[str, float]:
+def chunk_totals(results: list[ShapeResult], triton: bool = False) -> dict[str, float]:
     """Per-chunk conv ms (sum of ms x calls) for torch, plan 0, the best plans and the best of both;
-    a shape without a plan that ran counts at torch's ms in the cuDNN columns."""
+    a shape without a plan that ran counts at torch's ms in the cuDNN columns. With ``triton`` also
+    the best Triton configs (``best_triton``, torch's ms where none ran within --max-err) and the
+    best of torch, plans and Triton (``best_of_all``)."""
     tot = {"torch": 0.0, "plan0": 0.0, "best_plan": 0.0, "best_of_both": 0.0}
+    if triton:
+        tot |= {"best_triton": 0.0, "best_of_all": 0.0}
     for r in results:
         if r.torch_ms is None:
             continue
@@ -586,11 +664,18 @@ def chunk_totals(results: list[ShapeResult]) -> dict[str, float]:
         tot["plan0"] += p0_ms * r.calls
         tot["best_plan"] += best_ms * r.calls
         tot["best_of_both"] += min(best_ms, r.torch_ms) * r.calls
+        if triton:
+            tri = r.best_triton()
+            tri_ms = tri.ms if tri and tri.ms is not None else r.torch_ms
+            tot["best_triton"] += tri_ms * r.calls
+            tot["best_of_all"] += min(best_ms, r.torch_ms, tri_ms) * r.calls
     return tot
 
 
-def print_summary(results: list[ShapeResult], video_chunks: int, max_err: float) -> dict[str, Any]:
-    tot = chunk_totals(results)
+def print_summary(
+    results: list[ShapeResult], video_chunks: int, max_err: float, triton: bool = False
+) -> dict[str, Any]:
+    tot = chunk_totals(results, triton)
     saving = tot["torch"] - tot["best_of_both"]
     faster = [(r, b) for r in results if (b := r.best_plan()) and b.ms and r.torch_ms and b.ms < 0.95 * r.torch_ms]
     calls = sum(r.calls for r in results)
@@ -605,11 +690,45 @@ def print_summary(results: list[ShapeResult], video_chunks: int, max_err: float)
     no_plan = [r for r in results if r.best is None]
     if no_plan:
         print(f"shapes with no usable cuDNN-frontend plan (counted at torch's ms): {len(no_plan)}")
-    return {"per_chunk_ms": tot, "saving_per_chunk_ms": saving, "video_chunks": video_chunks,
-            "saving_per_video_ms": saving * video_chunks, "faster_shapes": len(faster)}
+    summary = {"per_chunk_ms": tot, "saving_per_chunk_ms": saving, "video_chunks": video_chunks,
+               "saving_per_video_ms": saving * video_chunks, "faster_shapes": len(faster)}
+    if triton:
+        summary |= print_triton_summary(results, tot, video_chunks, max_err)
+    return summary
 
 
-def result_json(r: ShapeResult) -> dict[str, Any]:
+def print_triton_summary(
+    results: list[ShapeResult], tot: dict[str, float], video_chunks: int, max_err: float
+) -> dict[str, Any]:
+    """The --triton lines of the summary: Triton's total, the best of torch, plans and Triton, and
+    the shapes where Triton beats both by 5 %; the summary's extra --json keys."""
+    saving = tot["torch"] - tot["best_of_all"]
+    over_both = tot["best_of_both"] - tot["best_of_all"]
+    pct = 100 * saving / tot["torch"] if tot["torch"] else math.nan
+    print(f"with triton: best Triton config {tot['best_triton']:.3f}, best of torch, plans and triton "
+          f"{tot['best_of_all']:.3f} ms per chunk; saving {saving:.3f} ms per chunk ({pct:.1f} % of torch's), "
+          f"{saving * video_chunks:.1f} ms per {video_chunks}-chunk video, {over_both:.3f} ms per chunk over "
+          "the best of torch and plans")
+    wins = []
+    for r in results:
+        tri, best = r.best_triton(), r.best_plan()
+        rivals = [ms for ms in (r.torch_ms, best.ms if best else None) if ms is not None]
+        if tri and tri.ms and rivals and tri.ms < 0.95 * min(rivals):
+            wins.append((r, tri, min(rivals)))
+    print(f"shapes where the best Triton config (rel err <= {max_err}) is >= 5 % faster than torch and every plan: "
+          f"{len(wins)}" + "".join(f"\n  {r.sig.label()} x{r.calls}: {ms:.3f} -> {t.ms:.3f} ms ({t.name})"
+                                   for r, t, ms in wins))
+    skipped = [r for r in results if r.triton_skip]
+    if skipped:
+        print(f"shapes the Triton conv does not take (counted at torch's ms): {len(skipped)}")
+    failed = [r for r in results if r.torch_ms is not None and not r.triton_skip and r.triton_best is None]
+    if failed:
+        print(f"shapes where no Triton config ran within --max-err (counted at torch's ms): {len(failed)}")
+    return {"saving_with_triton_per_chunk_ms": saving, "saving_with_triton_per_video_ms": saving * video_chunks,
+            "triton_saving_over_best_of_both_per_chunk_ms": over_both, "triton_faster_shapes": len(wins)}
+
+
+def result_json(r: ShapeResult, triton: bool = False) -> dict[str, Any]:
     d = dataclasses.asdict(r)
     d["label"] = r.sig.label()
     d["out_spatial"] = r.sig.out_spatial()
@@ -618,6 +737,14 @@ def result_json(r: ShapeResult) -> dict[str, Any]:
     d["best_plan_name"] = best.name if best else None
     d["best_ms"] = best.ms if best else None
     d["best_tflops"] = tflops(r.tflop, best.ms if best else None)
+    if not triton:  # the file a run without --triton wrote before the column existed
+        for key in ("triton", "triton_best", "triton_skip"):
+            del d[key]
+        return d
+    tri = r.best_triton()
+    d["triton_best_config"] = tri.name if tri else None
+    d["triton_best_ms"] = tri.ms if tri else None
+    d["triton_best_tflops"] = tflops(r.tflop, tri.ms if tri else None)
     return d
 
 
@@ -637,6 +764,14 @@ def parse_hw(text: str) -> tuple[int, int]:
 def default_latent(model: str) -> tuple[int, int]:
     scale = RANDOM_CONFIGS[model].get("scale_factor_spatial", 8)
     return VIDEO_SIZE[0] // scale, VIDEO_SIZE[1] // scale
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except Exception as exc:  # noqa: BLE001 - a broken install raises its own errors at import
+        return f"? ({error_text(exc, 80)})"
+    return str(triton.__version__)
 
 
 def check_environment(heuristics: str) -> Frontend | str:
@@ -669,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a plan counts as best only within this max |plan - torch| / max |torch|")
     parser.add_argument("--video-chunks", type=int, default=VIDEO_CHUNKS, help="chunks per video for the projection")
     parser.add_argument("--json", metavar="PATH", help="write the per-shape results and the summary here")
+    parser.add_argument("--triton", action="store_true",
+                        help="also time benchmarks/triton_conv.py's implicit-GEMM conv (each config, checked like a "
+                             "plan) on the signatures it takes")
     args = parser.parse_args(argv)
     if args.frames < 2:
         parser.error("--frames must be >= 2 (the recorded frame must be a steady chunk)")
@@ -680,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     versions = fe.versions()
     print(f"torch {torch.__version__}, cuDNN (torch) {torch.backends.cudnn.version()}, cudnn frontend "
           f"{versions['frontend']} (backend {versions['backend']}), {torch.cuda.get_device_name(0)}, "
-          f"cudnn.benchmark={torch.backends.cudnn.benchmark}")
+          f"cudnn.benchmark={torch.backends.cudnn.benchmark}" + (f", triton {triton_version()}" if args.triton else ""))
 
     vae, ops = build_decoder(args.model, args.tier)
     z = latents_for(vae, hw, args.frames)
@@ -695,22 +833,27 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, (sig, calls) in enumerate(counts.items()):
         t0 = time.perf_counter()
-        results.append(measure_shape(fe, sig, calls, args.iters, args.max_err))
+        results.append(measure_shape(fe, sig, calls, args.iters, args.max_err, args.triton))
         torch.cuda.empty_cache()
         # a shape builds and times every plan: seconds each, so say where the run is
         print(f"  [{i + 1}/{len(counts)}] {sig.label()} measured in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
     results.sort(key=lambda r: -(r.torch_ms or 0.0) * r.calls)
-    print("\n" + HEADER)
+    print("\n" + header(args.triton))
     for k, r in enumerate(results):
-        print(shape_line(k, r, args.max_err))
+        print(shape_line(k, r, args.max_err, args.triton))
         for note in shape_notes(r, args.max_err):
             print(f"      {note}")
-    summary = print_summary(results, args.video_chunks, args.max_err)
+    summary = print_summary(results, args.video_chunks, args.max_err, args.triton)
     if args.json:
         env = {"torch": torch.__version__, "cudnn_torch": torch.backends.cudnn.version(), **versions,
                "device": torch.cuda.get_device_name(0), "cudnn_benchmark": torch.backends.cudnn.benchmark}
-        out = {"env": env, "args": vars(args) | {"latent": list(hw)}, "shapes": [result_json(r) for r in results],
+        run_args = vars(args) | {"latent": list(hw)}
+        if args.triton:
+            env["triton"] = triton_version()
+        else:  # the file a run without --triton wrote before the flag existed
+            del run_args["triton"]
+        out = {"env": env, "args": run_args, "shapes": [result_json(r, args.triton) for r in results],
                "summary": summary}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
