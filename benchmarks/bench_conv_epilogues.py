@@ -663,8 +663,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         gc.collect()
         torch.cuda.empty_cache()
-        print(f"  [{i + 1}/{len(sites)}] {site.label()} measured in {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr, flush=True)
+        # each site's line as it is measured (seconds to a minute each: every fused plan is built),
+        # so a run stopped by a time limit still reports the sites it got through
+        print(f"  [{i + 1}/{len(sites)}] {site.label()} measured in {time.perf_counter() - t0:.1f} s\n"
+              f"      {site_line(i, r, args.max_err)}", file=sys.stderr, flush=True)
     results.sort(key=lambda r: -(r.seq_ms or 0.0) * r.calls)
     print("\n" + HEADER)
     for k, r in enumerate(results):
