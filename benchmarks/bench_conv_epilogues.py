@@ -120,10 +120,8 @@ class Conv2Tracker:
     @contextmanager
     def watching_convs(self) -> Iterator[None]:
         """Wrap F.conv2d / F.conv3d (module attributes: the fast tier's calls and Conv3d's alike)."""
-        fn = torch.nn.functional
-        originals = {kind: getattr(fn, kind) for kind in ("conv2d", "conv3d")}
 
-        def wrap(kind: str, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def wrap(kind: str, original: bc.ConvFn) -> bc.ConvFn:
             def conv(*args: Any, **kwargs: Any) -> torch.Tensor:
                 out = original(*args, **kwargs)
                 if self.active:
@@ -132,13 +130,8 @@ class Conv2Tracker:
 
             return conv
 
-        try:
-            for kind, original in originals.items():
-                setattr(fn, kind, wrap(kind, original))
+        with bc.wrapped_convs(wrap):
             yield
-        finally:
-            for kind, original in originals.items():
-                setattr(fn, kind, original)
 
     def note_add(self, x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None) -> None:
         last, self._last = self._last, None
@@ -675,9 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {n}")
     summary = print_summary(results, args.video_chunks)
     if args.json:
-        env = {"torch": torch.__version__, "cudnn_torch": torch.backends.cudnn.version(), **versions,
-               "device": torch.cuda.get_device_name(0), "cudnn_benchmark": torch.backends.cudnn.benchmark}
-        out = {"env": env, "args": vars(args) | {"latent": list(hw)}, "selection": note,
+        out = {"env": bc.run_environment(versions), "args": vars(args) | {"latent": list(hw)}, "selection": note,
                "sites": [result_json(r) for r in results], "summary": summary}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

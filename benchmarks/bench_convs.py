@@ -194,20 +194,16 @@ def signature_of(kind: str, args: tuple, kwargs: dict[str, Any]) -> ConvSig:
     )
 
 
+ConvFn = Callable[..., torch.Tensor]
+
+
 @contextmanager
-def recording_convs(counts: dict[ConvSig, int]) -> Iterator[None]:
-    """Count every F.conv2d / F.conv3d call per signature into `counts` while inside."""
+def wrapped_convs(wrap: Callable[[str, ConvFn], ConvFn]) -> Iterator[None]:
+    """``torch.nn.functional.conv2d`` / ``conv3d`` replaced by ``wrap(kind, original)`` while
+    inside: the module attributes, which the fast tier's direct calls and ``nn.Conv3d``'s
+    forward both go through."""
     fn = torch.nn.functional
     originals = {kind: getattr(fn, kind) for kind in ("conv2d", "conv3d")}
-
-    def wrap(kind: str, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def conv(*args: Any, **kwargs: Any) -> torch.Tensor:
-            sig = signature_of(kind, args, kwargs)
-            counts[sig] = counts.get(sig, 0) + 1
-            return original(*args, **kwargs)
-
-        return conv
-
     try:
         for kind, original in originals.items():
             setattr(fn, kind, wrap(kind, original))
@@ -215,6 +211,22 @@ def recording_convs(counts: dict[ConvSig, int]) -> Iterator[None]:
     finally:
         for kind, original in originals.items():
             setattr(fn, kind, original)
+
+
+@contextmanager
+def recording_convs(counts: dict[ConvSig, int]) -> Iterator[None]:
+    """Count every F.conv2d / F.conv3d call per signature into `counts` while inside."""
+
+    def wrap(kind: str, original: ConvFn) -> ConvFn:
+        def conv(*args: Any, **kwargs: Any) -> torch.Tensor:
+            sig = signature_of(kind, args, kwargs)
+            counts[sig] = counts.get(sig, 0) + 1
+            return original(*args, **kwargs)
+
+        return conv
+
+    with wrapped_convs(wrap):
+        yield
 
 
 def num_causal_convs(vae: Any) -> int:
@@ -788,6 +800,13 @@ def check_environment(heuristics: str) -> Frontend | str:
         return f"the cuDNN frontend did not start: {error_text(exc)}"
 
 
+def run_environment(versions: dict[str, Any]) -> dict[str, Any]:
+    """What a --json file records of the machine: torch, cuDNN (torch's and the frontend's),
+    the GPU and torch's cudnn.benchmark flag."""
+    return {"torch": torch.__version__, "cudnn_torch": torch.backends.cudnn.version(), **versions,
+            "device": torch.cuda.get_device_name(0), "cudnn_benchmark": torch.backends.cudnn.benchmark}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="wan2.1", choices=sorted(RANDOM_CONFIGS),
@@ -846,8 +865,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {note}")
     summary = print_summary(results, args.video_chunks, args.max_err, args.triton)
     if args.json:
-        env = {"torch": torch.__version__, "cudnn_torch": torch.backends.cudnn.version(), **versions,
-               "device": torch.cuda.get_device_name(0), "cudnn_benchmark": torch.backends.cudnn.benchmark}
+        env = run_environment(versions)
         run_args = vars(args) | {"latent": list(hw)}
         if args.triton:
             env["triton"] = triton_version()

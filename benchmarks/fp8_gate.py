@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_convs import wrapped_convs  # noqa: E402  (beside this script)
 from vaed.bench import quality, stock_decode  # noqa: E402
 from vaed.models import load_model  # noqa: E402
 
@@ -76,17 +77,9 @@ def fp8_conv(original: ConvFn, selected: Callable[[torch.Tensor], bool]) -> Conv
     return conv
 
 
-@contextmanager
-def fp8_convs(selected: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+def fp8_convs(selected: Callable[[torch.Tensor], bool]) -> AbstractContextManager[None]:
     """Every F.conv2d / F.conv3d call (nn.Conv3d's forward goes through them) under fp8_conv."""
-    originals = {"conv2d": F.conv2d, "conv3d": F.conv3d}
-    try:
-        for name, fn in originals.items():
-            setattr(F, name, fp8_conv(fn, selected))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(F, name, fn)
+    return wrapped_convs(lambda _kind, original: fp8_conv(original, selected))
 
 
 def selector(variant: str) -> Callable[[torch.Tensor], bool]:
