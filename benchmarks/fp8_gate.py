@@ -38,8 +38,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# bench_convs lives beside this script (sys.path[0] when run as one; not when imported by path)
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parent))
 
-from bench_convs import wrapped_convs  # noqa: E402  (beside this script)
+from bench_convs import wrapped_convs  # noqa: E402
 from vaed.bench import quality, stock_decode  # noqa: E402
 from vaed.models import load_model  # noqa: E402
 
