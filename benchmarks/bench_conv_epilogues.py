@@ -519,8 +519,7 @@ def variant_notes(tag: str, v: VariantResult | None, max_err: float, max_plans: 
         notes.append(f"{tag} then the residual kernel: {v.seq_error}")
     bad = [p for p in v.plans if not p.ok(max_err)]
     for p in bad[:max_plans]:
-        why = p.error or f"rel err {p.rel_err:.4g} > --max-err {max_err} (not counted)"
-        notes.append(f"{tag} plan {p.index} {p.name}: {why}")
+        notes.append(f"{tag} plan {p.index} {p.name}: {p.why_not_counted(max_err)}")
     if len(bad) > max_plans:
         notes.append(f"{tag}: ... {len(bad) - max_plans} more plans did not count (see --json)")
     return notes

@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from vaed.models import RANDOM_CONFIGS
-from vaed.patches.conv_plans import gpu_ms
+from vaed.patches.conv_plans import gpu_ms, per_dim
 
 DEVICE = "cuda"
 VIDEO_SIZE = (480, 832)  # the default --latent is this size over the model's spatial scale
@@ -151,18 +151,11 @@ class ConvSig:
         return f"{self.kind} {c_in}->{self.w_shape[0]} k{kernel} in {dims} {self.layout()}{tail}"
 
 
-def _ntuple(value: Any, n: int) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * n
-    t = tuple(int(v) for v in value)
-    return t * n if len(t) == 1 else t
-
-
 def _padding(value: Any, w_shape: tuple[int, ...], dilation: tuple[int, ...]) -> tuple[int, ...] | str:
     """Explicit symmetric padding; torch's 'valid' and 'same' strings resolved where they can be."""
     n = len(w_shape) - 2
     if not isinstance(value, str):
-        return _ntuple(value, n)
+        return per_dim(value, n)
     if value == "valid":
         return (0,) * n
     totals = [d * (k - 1) for d, k in zip(dilation, w_shape[2:], strict=True)]
@@ -180,13 +173,13 @@ def signature_of(kind: str, args: tuple, kwargs: dict[str, Any]) -> ConvSig:
     bound.update(kwargs)
     x, w = bound["input"], bound["weight"]
     n = w.dim() - 2
-    dilation = _ntuple(bound["dilation"], n)
+    dilation = per_dim(bound["dilation"], n)
     return ConvSig(
         kind=kind,
         x_shape=tuple(x.shape), x_stride=tuple(x.stride()),
         w_shape=tuple(w.shape), w_stride=tuple(w.stride()),
         bias=bound["bias"] is not None,
-        stride=_ntuple(bound["stride"], n),
+        stride=per_dim(bound["stride"], n),
         padding=_padding(bound["padding"], tuple(w.shape), dilation),
         dilation=dilation,
         groups=int(bound["groups"]),
@@ -367,6 +360,14 @@ class PlanResult:
 
     def ok(self, max_err: float) -> bool:
         return self.ms is not None and self.rel_err is not None and self.rel_err <= max_err
+
+    def why_not_counted(self, max_err: float) -> str | None:
+        """Why this plan (or Triton config) is not a candidate for the best, or None if it is."""
+        if self.error:
+            return self.error
+        if not self.ok(max_err):
+            return f"rel err {self.rel_err:.4g} > --max-err {max_err} (not counted)"
+        return None
 
 
 @dataclass
@@ -643,15 +644,11 @@ def shape_notes(r: ShapeResult, max_err: float, max_plans: int = 6) -> list[str]
     if r.triton_skip:
         notes.append(f"triton: not run ({r.triton_skip})")
     for p in r.triton:  # a handful of configs: all listed
-        if p.error:
-            notes.append(f"triton {p.name}: {p.error}")
-        elif not p.ok(max_err):
-            notes.append(f"triton {p.name}: rel err {p.rel_err:.4g} > --max-err {max_err} (not counted)")
+        if (why := p.why_not_counted(max_err)) is not None:
+            notes.append(f"triton {p.name}: {why}")
     for p in r.plans:
-        if p.error:
-            notes.append(f"plan {p.index} {p.name}: {p.error}")
-        elif not p.ok(max_err):
-            notes.append(f"plan {p.index} {p.name}: rel err {p.rel_err:.4g} > --max-err {max_err} (not counted)")
+        if (why := p.why_not_counted(max_err)) is not None:
+            notes.append(f"plan {p.index} {p.name}: {why}")
     head = [n for n in notes if not n.startswith("plan ")]
     plans = notes[len(head):]
     more = [f"... {len(plans) - max_plans} more failed plans (see --json)"] if len(plans) > max_plans else []

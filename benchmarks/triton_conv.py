@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from vaed.kernels import _runtime as rt
+from vaed.patches.conv_plans import per_dim
 
 if TYPE_CHECKING:  # what the kernel's `tl.constexpr` annotations name (triton has no hints: Any)
     import triton.language as tl
@@ -120,16 +121,9 @@ def configs_for(c: int, k: int) -> list[Config]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _ntuple(value: int | Sequence[int], n: int) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * n
-    t = tuple(int(v) for v in value)
-    return t * n if len(t) == 1 else t
-
-
 def _pads(padding: Any, n: int) -> tuple[int, ...]:
     """Per-dim symmetric zero padding from F.conv's int / tuple / 'valid'."""
-    return (0,) * n if padding == "valid" else _ntuple(padding, n)
+    return (0,) * n if padding == "valid" else per_dim(padding, n)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,9 +151,9 @@ def why_unsupported(
     n = dims - 2
     if isinstance(padding, str) and padding != "valid":
         return f"padding={padding!r}"
-    if any(s != 1 for s in _ntuple(stride, n)):
+    if any(s != 1 for s in per_dim(stride, n)):
         return f"stride={stride}"
-    if any(d != 1 for d in _ntuple(dilation, n)):
+    if any(d != 1 for d in per_dim(dilation, n)):
         return f"dilation={dilation}"
     pad = _pads(padding, n)
     if len(pad) != n or any(p < 0 for p in pad):

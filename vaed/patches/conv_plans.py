@@ -96,8 +96,8 @@ class ConvCall:
         n = w.dim() - 2
         if isinstance(padding, str) or x.dtype not in _FE_DTYPES or x.dim() != w.dim() or n not in (2, 3):
             return None
-        return cls(tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), _ntuple(stride, n), _ntuple(padding, n),
-                   _ntuple(dilation, n), int(groups), str(x.dtype).removeprefix("torch."))
+        return cls(tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), per_dim(stride, n), per_dim(padding, n),
+                   per_dim(dilation, n), int(groups), str(x.dtype).removeprefix("torch."))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -134,7 +134,9 @@ class ConvCall:
         return conv(x, w, None, self.stride, self.padding, self.dilation, self.groups)
 
 
-def _ntuple(value: Any, n: int) -> tuple[int, ...]:
+def per_dim(value: Any, n: int) -> tuple[int, ...]:
+    """A conv argument (stride, padding, dilation) as one int per spatial dim: an int or a
+    1-tuple repeated, a longer tuple as it is."""
     if isinstance(value, int):
         return (value,) * n
     t = tuple(int(v) for v in value)
