@@ -56,12 +56,13 @@ def serve(sends_path: str, period: float) -> None:
             # the upload is read beside the answer, as the real server does
             threading.Thread(target=lambda: all(True for _ in request_iterator), daemon=True).start()
             start = time.perf_counter() + 0.02
-            sent = []
+            first_sent = 0.0
             for i, (first, frames) in enumerate(zip(firsts, groups, strict=True)):
                 time.sleep(max(0.0, start + period * i - time.perf_counter()))
-                sent.append(time.time())
+                first_sent = first_sent or time.time()
                 yield vaed_pb2.FrameChunk(request_id="paced", chunk_index=i, first_frame=first, frames=frames)
-            sends.write(f"{sent[0]} {time.time()}\n")
+            # the generator resumes once gRPC has taken the last group: its send time
+            sends.write(f"{first_sent} {time.time()}\n")
             sends.flush()
             yield vaed_pb2.FrameChunk(request_id="paced", final=True)
 
