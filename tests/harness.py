@@ -1,11 +1,13 @@
 """The one test harness: an in-process vaed server on port 0 (on its own event
 loop thread, reached through the real client and the real wire), diffusers
-reference computations, TLS material, and a fake VaeDecoder for client tests."""
+reference computations, TLS material, a fake VaeDecoder for client tests, and
+the repository's scripts as modules."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -14,6 +16,8 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterator
 
 import grpc
@@ -30,6 +34,21 @@ from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
 from vaed_client.video import output_frames
 
 CUDA = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative_path: str, name: str | None = None) -> ModuleType:
+    """A script of the repository (benchmarks/ and scripts/ are no packages) loaded as a module,
+    afresh, and registered under `name` (the file's stem by default): dataclasses look their
+    module up while a class is built, and a script importing another by name gets this one."""
+    path = REPO / relative_path
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from harness import load_script
 
 
 def test_committed_stubs_match_proto():
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
-    gen_proto = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen_proto)
+    gen_proto = load_script("scripts/gen_proto.py")
     with tempfile.TemporaryDirectory() as tmp:
         fresh = gen_proto.generate(pathlib.Path(tmp))
     for name, text in fresh.items():

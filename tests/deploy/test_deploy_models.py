@@ -6,13 +6,13 @@ derived targets, the prometheus-adapter rule, and the docs naming them."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from harness import load_script
 from manifests import (
     K8S,
     K8S_VERSION,
@@ -48,11 +48,7 @@ FETCH_SCRIPT = "/opt/vaed/fetch_weights.py"
 
 @pytest.fixture(scope="module")
 def fetch_weights() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fetch_weights_for_k8s", ROOT / "scripts" / "fetch_weights.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/fetch_weights.py", "fetch_weights_for_k8s")
 
 
 def fetch_args(fw: ModuleType, c_args: list[str]) -> argparse.Namespace:

@@ -3,27 +3,18 @@ files themselves, copies offline atomically, and is a no-op on a complete folder
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "fetch_weights.py"
+from harness import load_script
 
 
 @pytest.fixture(scope="module")
 def fw() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fetch_weights", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fetch_weights"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/fetch_weights.py")
 
 
 def make_vae(folder: Path, z_dim: int = 16, cls: str = "AutoencoderKLWan") -> Path:

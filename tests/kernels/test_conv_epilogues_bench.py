@@ -5,33 +5,20 @@ CUDA (exit 2). The measurements themselves need the H200 and the cuDNN frontend.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from harness import load_script
 
 from vaed import patches as P
 from vaed.kernels import _runtime as rt
 from vaed.models import build_random_vae
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_conv_epilogues.py"
 CL3D = torch.channels_last_3d
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_conv_epilogues", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-E = _load()
+E = load_script("benchmarks/bench_conv_epilogues.py")
 ConvSig = E.bc.ConvSig
 
 

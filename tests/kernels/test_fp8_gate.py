@@ -3,28 +3,12 @@ leaves torch as it was, and its verdict on a tiny decode (CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gate.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fp8_gate", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-G = _load()
+G = load_script("benchmarks/fp8_gate.py")
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

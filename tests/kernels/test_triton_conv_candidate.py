@@ -19,7 +19,6 @@ wrong tap, channel or pixel offset moves a value by many ulps.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -33,21 +32,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from backends import Backend, kernel_cases
+from harness import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str) -> ModuleType:
-    """A benchmarks/ script as a module (the folder is no package), registered under its name, as
-    bench_convs imports triton_conv."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """A benchmarks/ script as a module, the one already imported under its name if any (as
+    bench_convs imports triton_conv)."""
+    return sys.modules.get(name) or load_script(f"benchmarks/{name}.py")
 
 
 tc = _load("triton_conv")
