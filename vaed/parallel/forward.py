@@ -155,8 +155,9 @@ def _halo_filled(ctx: ShardContext, build: CausalPadOp) -> CausalPadOp:
 
 def shard_ops(ctx: ShardContext) -> OpSet:
     """The shard's op set: ctx.ops with halo exchange at the sites that read across the split.
-    The fused norm conv is off (its input must be halo-filled before the conv) and biases stay
-    in their convs (the sharded path never deferred them)."""
+    The fused norm conv is off (its input must be halo-filled before the conv), biases stay
+    in their convs (the sharded path never deferred them) and a first chunk keeps its whole
+    conv3d (the cut form is judged per signature on one device, never measured sharded)."""
     inner = ctx.ops
     return dataclasses.replace(
         inner,
@@ -167,6 +168,7 @@ def shard_ops(ctx: ShardContext) -> OpSet:
         conv2d=functools.partial(conv2d, ctx),
         attention=functools.partial(attention, ctx),
         defer_bias=frozenset(),
+        cut_first_frame=False,
     )
 
 

@@ -70,6 +70,7 @@ from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.residual import bias_residual_add
 from vaed.patches.conv_plans import planned_conv
 from vaed.patches.derived import derived
+from vaed.patches.first_frame import causal_time_taps, is_first_frame, last_tap_weight
 from vaed.patches.ops import (
     ALL_BIAS_SITES,
     LOSSLESS_OPS,
@@ -144,17 +145,6 @@ def unfolded_weight(conv: nn.Conv3d) -> torch.Tensor:
     return derived(conv, "unfolded_weight", (w,), build)
 
 
-def last_tap_weight(conv: nn.Conv3d) -> torch.Tensor:
-    """The conv3d weight's last time tap [C_out, C_in, kh, kw] as a channels-last conv2d weight:
-    the only tap a first chunk's one frame meets behind its zero padding."""
-    w = conv.weight
-
-    def build() -> torch.Tensor:
-        return w.detach()[:, :, -1].contiguous(memory_format=torch.channels_last)
-
-    return derived(conv, "last_tap_weight", (w,), build)
-
-
 def unfolded_norm_causal_conv(
     conv: nn.Conv3d,
     x: torch.Tensor,
@@ -175,17 +165,6 @@ def unfolded_norm_causal_conv(
     return unfolded_causal_conv(conv, x, cache, pad, norm, bias=bias)
 
 
-def _causal_time_taps(conv: nn.Conv3d, pad: PadTuple) -> int:
-    """The time taps of a WanCausalConv3d-style conv (all time padding in front, none in the
-    module, stride and dilation 1, no groups), else 0."""
-    kt = conv.weight.shape[2]
-    plain = (
-        tuple(conv.stride) == (1, 1, 1) and tuple(conv.dilation) == (1, 1, 1)
-        and tuple(conv.padding) == (0, 0, 0) and conv.groups == 1
-    )
-    return kt if plain and kt >= 2 and pad[4] == kt - 1 else 0
-
-
 def unfolded_causal_conv(
     conv: nn.Conv3d,
     x: torch.Tensor,
@@ -200,10 +179,10 @@ def unfolded_causal_conv(
     w = conv.weight
     if w.dim() != 5 or x.dtype not in UNFOLD_DTYPES:
         return None
-    kt = _causal_time_taps(conv, pad)
+    kt = causal_time_taps(conv, pad)
     if not kt:
         return None
-    if cache is None and x.shape[2] == 1:
+    if is_first_frame(x, cache):
         # a first chunk: padded frames [0, .., 0, x0], so the one output frame is the last tap
         # on x0; the next cache is x0's either way (diffusers caches the unpadded frames)
         pad, taps, weight = (*pad[:4], 0, 0), 1, last_tap_weight(conv)
@@ -300,4 +279,7 @@ FAST_OPS: OpSet = dataclasses.replace(
         "upsample_interleave", channels_last_upsample_interleave, reference_upsample_interleave
     ),
     defer_bias=ALL_BIAS_SITES,
+    # its norm sites cut a first chunk's taps inside the unfolded conv above; the one conv left
+    # (conv_in, 0.03 ms of frame 0) keeps the tier's planned conv3d
+    cut_first_frame=False,
 )

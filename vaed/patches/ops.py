@@ -85,6 +85,7 @@ from vaed import kernels as K
 from vaed.kernels import _runtime as rt
 from vaed.kernels.rms_silu import NormSilu
 from vaed.kernels.upsample import upsample_nearest2x_reference
+from vaed.patches import first_frame
 
 PadTuple = tuple[int, int, int, int, int, int]
 
@@ -367,6 +368,9 @@ class OpSet:
     # a site hook, not a switchable op (not in OP_NAMES): every one-device set calls the
     # module; the sharded set attends over the gathered frame
     attention: AttentionOp = module_attention
+    # a first chunk's causal convs on their last time tap where that is checked to give this
+    # set's own bits (vaed.patches.first_frame): frame 0's convs without their zero taps
+    cut_first_frame: bool = False
 
     def causal_conv_input(
         self,
@@ -393,12 +397,17 @@ class OpSet:
         bias: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached causal conv: (conv output, next cache); ``bias=False`` leaves the conv's
-        bias out. A norm site tries the fused ``norm_causal_conv`` first; otherwise, and when
-        it declines, input build then ``conv3d``."""
+        bias out. A norm site tries the fused ``norm_causal_conv`` first; a first chunk's conv
+        then its last time tap (``cut_first_frame``); otherwise, and when they decline, input
+        build then ``conv3d``."""
         if norm is not None:
             fused = self.norm_causal_conv(conv, x, cache, pad, norm=norm, bias=bias)
             if fused is not None:
                 return fused
+        if self.cut_first_frame and first_frame.is_first_frame(x, cache):
+            cut = first_frame.cut_causal_conv(self, conv, x, pad, norm=norm, bias=bias)
+            if cut is not None:
+                return cut
         padded, nxt = self.causal_conv_input(x, cache, pad, norm=norm)
         return self.conv3d(conv, padded, bias=bias), nxt
 
@@ -479,4 +488,5 @@ LOSSLESS_OPS = OpSet(
     residual_add=FusedOp("residual_add", exact_residual_add, reference_residual_add),
     norm_causal_conv=unfused_norm_causal_conv,
     defer_bias=EXACT_BIAS_SITES,
+    cut_first_frame=True,
 )
