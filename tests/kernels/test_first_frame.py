@@ -1,7 +1,7 @@
 """A first chunk's causal convs cut to their last time tap (``vaed.patches.first_frame``): judged
 once per signature against the op set's own input build + conv3d over the zero-padded frame,
-used only where the bits (and strides, and the next cache) match on the call's input and a
-random one, never in a steady chunk or for another conv.
+used only where the bits (and strides, and the next cache) match on the call's input and on
+seeded random ones, never in a steady chunk or for another conv.
 
 CPU cases run the plain-torch op set with the cut switched on, so the judging and the cut path
 are the ones the lossless tier runs, over torch's own builders; the GPU case runs the lossless
@@ -93,18 +93,20 @@ def _first_tap(conv: torch.nn.Conv3d, frame: torch.Tensor, bias: bool) -> torch.
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_matching_form_is_judged_once_then_used(monkeypatch: pytest.MonkeyPatch, fresh_verdicts: dict,
                                                    with_norm: bool, bias: bool) -> None:
-    """The judging call answers with stock's result and runs the form on the call's input and a
-    random one; later calls run the form alone, with stock's bits, strides and next cache."""
+    """The judging call answers with stock's result and runs the form on the call's input and on
+    seeded random ones (a small conv: the most there are); later calls run the form alone, with
+    stock's bits, strides and next cache."""
     calls = _spied(monkeypatch, {"repadded": _repadded})
     conv, norm = _conv(), _norm() if with_norm else None
     x = _frame()
     with torch.no_grad():
         first = CUTTING.causal_conv(conv, x, None, PAD, norm=norm, bias=bias)
-        assert calls["repadded"] == 2 and list(first_frame.verdicts().values()) == ["repadded"]
+        judged = 1 + first_frame.MAX_RANDOM_INPUTS
+        assert calls["repadded"] == judged and list(first_frame.verdicts().values()) == ["repadded"]
         _same_built(first, _stock(conv, x, norm, bias))
         other = _frame(seed=7)
         got = CUTTING.causal_conv(conv, other, None, PAD, norm=norm, bias=bias)
-    assert calls["repadded"] == 3 and len(fresh_verdicts) == 1
+    assert calls["repadded"] == judged + 1 and len(fresh_verdicts) == 1
     _same_built(got, _stock(conv, other, norm, bias))
 
 
@@ -125,22 +127,33 @@ def test_a_form_that_misses_stock_bits_is_never_used(monkeypatch: pytest.MonkeyP
     _same_built(got, _stock(conv, x))
 
 
-def test_a_form_must_match_on_the_random_input_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A form right on the call's own input but not on the seeded random one is refused: the
-    verdict is not left to one input's luck (a constant frame sums the same in any order)."""
+@pytest.mark.parametrize("wrong_at", [1, 16])
+def test_a_form_must_match_on_every_random_input(monkeypatch: pytest.MonkeyPatch, wrong_at: int) -> None:
+    """A form right on the call's own input but wrong on one of the seeded random ones (the first
+    or the last) is refused: the verdict is not left to one input's luck (a small conv has few
+    outputs, and a constant frame sums the same in any order)."""
     seen: list[torch.Tensor] = []
 
-    def right_once(conv: torch.nn.Conv3d, frame: torch.Tensor, bias: bool) -> torch.Tensor:
+    def wrong_once(conv: torch.nn.Conv3d, frame: torch.Tensor, bias: bool) -> torch.Tensor:
         seen.append(frame)
         y = _repadded(conv, frame, bias)
-        return y if len(seen) == 1 else y * 2
+        return y * 2 if len(seen) == 1 + wrong_at else y
 
-    _spied(monkeypatch, {"right once": right_once})
+    assert first_frame.MAX_RANDOM_INPUTS == 16
+    _spied(monkeypatch, {"wrong once": wrong_once})
     conv, x = _conv(), _frame()
     with torch.no_grad():
         got = CUTTING.causal_conv(conv, x, None, PAD)
-    assert len(seen) == 2 and list(first_frame.verdicts().values()) == [None]
+    assert len(seen) == 1 + wrong_at and list(first_frame.verdicts().values()) == [None]
     _same_built(got, _stock(conv, x))
+
+
+def test_a_large_conv_is_judged_on_fewer_random_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spied(monkeypatch, {"repadded": _repadded})
+    monkeypatch.setattr(first_frame, "JUDGED_ELEMENTS", 4 * 5 * 7 * 3)  # three of this conv's outputs
+    with torch.no_grad():
+        CUTTING.causal_conv(_conv(), _frame(), None, PAD)
+    assert calls["repadded"] == 1 + 3
 
 
 def test_minus_zero_is_not_plus_zero() -> None:
