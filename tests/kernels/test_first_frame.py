@@ -265,3 +265,15 @@ def test_lossless_first_chunk_at_480p_is_cut_and_keeps_stock_bits() -> None:
     for a, b in zip(got_cache, want_cache, strict=True):
         if isinstance(b, torch.Tensor):
             assert_same(a, b)
+
+
+def test_a_cut_output_takes_stock_strides_only_over_the_same_memory_order() -> None:
+    """A channels-last conv2d output is channels_last_3d memory with T = 1: viewed with stock's
+    strides (a size-1 dim's stride is free, and cuDNN's conv3d picks its own); an NCHW one is not."""
+    y = torch.arange(140.0).reshape(1, 5, 7, 4).permute(0, 3, 1, 2).unsqueeze(2)  # NHWC memory
+    assert y.squeeze(2).is_contiguous(memory_format=torch.channels_last)
+    stock_stride = (140, 1, 1, 28, 4)
+    viewed = first_frame._in_layout(y, stock_stride)
+    assert viewed is not None and viewed.stride() == stock_stride and torch.equal(viewed, y)
+    assert viewed.data_ptr() == y.data_ptr()
+    assert first_frame._in_layout(y.contiguous(), stock_stride) is None
