@@ -25,7 +25,7 @@ from vaed.patches.ops import NormSilu
 from harness import assert_same, lay
 
 PAD = (1, 1, 1, 1, 2, 0)
-CUTTING = dataclasses.replace(P.REFERENCE_OPS, name="reference-cutting", cut_first_frame=True)
+CUTTING = dataclasses.replace(P.REFERENCE_OPS, name="reference-cutting", cut_first_frame=frozenset({"cpu"}))
 CUDA = torch.cuda.is_available()
 
 
@@ -197,13 +197,21 @@ def test_nan_activations_leave_the_verdict_open(monkeypatch: pytest.MonkeyPatch)
     assert torch.equal(torch.isnan(got[0]), torch.isnan(_stock(conv, x)[0]))
 
 
-def test_the_lossless_tier_cuts_and_the_fast_and_sharded_sets_do_not() -> None:
+def test_the_lossless_tier_cuts_on_cuda_only_and_the_fast_and_sharded_sets_do_not() -> None:
     from vaed.parallel.forward import shard_ops
 
-    assert P.LOSSLESS_OPS.cut_first_frame and P.LOSSLESS_TILED_OPS.cut_first_frame
+    assert P.LOSSLESS_OPS.cut_first_frame == {"cuda"} and P.LOSSLESS_TILED_OPS.cut_first_frame == {"cuda"}
     assert not P.FAST_OPS.cut_first_frame and not P.REFERENCE_OPS.cut_first_frame
     ctx = type("Ctx", (), {"ops": P.LOSSLESS_OPS})()
     assert not shard_ops(ctx).cut_first_frame  # type: ignore[arg-type]
+
+
+def test_a_cpu_decode_in_the_lossless_tier_is_not_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spied(monkeypatch, {"repadded": _repadded})
+    with torch.no_grad():
+        got = P.LOSSLESS_OPS.causal_conv(_conv(), _frame(), None, PAD)
+    assert calls["repadded"] == 0 and not first_frame.verdicts()
+    _same_built(got, _stock(_conv(), _frame()))
 
 
 def _chunked(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:

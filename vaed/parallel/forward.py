@@ -168,7 +168,7 @@ def shard_ops(ctx: ShardContext) -> OpSet:
         conv2d=functools.partial(conv2d, ctx),
         attention=functools.partial(attention, ctx),
         defer_bias=frozenset(),
-        cut_first_frame=False,
+        cut_first_frame=frozenset(),
     )
 
 

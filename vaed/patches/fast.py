@@ -281,5 +281,5 @@ FAST_OPS: OpSet = dataclasses.replace(
     defer_bias=ALL_BIAS_SITES,
     # its norm sites cut a first chunk's taps inside the unfolded conv above; the one conv left
     # (conv_in, 0.03 ms of frame 0) keeps the tier's planned conv3d
-    cut_first_frame=False,
+    cut_first_frame=frozenset(),
 )

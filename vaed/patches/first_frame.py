@@ -19,7 +19,8 @@ first form whose output has stock's bits (int views: -0 and +0 differ) and strid
 and whose conv input build hands on stock's next cache; a signature where none does keeps
 stock's conv. That call answers with stock's result. As for the norm denominator's verdict,
 a call inside a CUDA graph capture (no syncs allowed) or with NaN in stock's output runs
-stock's path and leaves the verdict to a later call.
+stock's path and leaves the verdict to a later call. An op set names the device types it cuts
+on (``OpSet.cut_first_frame``: CUDA for the lossless tier).
 """
 
 from __future__ import annotations
