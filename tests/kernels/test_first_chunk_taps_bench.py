@@ -38,7 +38,8 @@ def test_a_first_chunk_conv_is_told_from_a_steady_one() -> None:
     assert not T.is_first_chunk_causal(torch.zeros(1, 6, 1, 5, 7), torch.zeros(4, 6, 1, 3, 3))
 
 
-def test_a_tiny_first_chunk_is_probed_conv_by_conv(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_a_tiny_first_chunk_is_probed_conv_by_conv(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(T, "gpu_ms", lambda fn, iters=1: 1.0)
     vae = build_random_vae("wan2.1-tiny").to(torch.bfloat16).eval().requires_grad_(False)
     prepare_decoder(vae, kernels=Kernels.OFF, layout=Layout.CHANNELS_LAST)
