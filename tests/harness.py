@@ -217,6 +217,27 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b)
 
 
+def chunked_decode(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The engine's loop: session cache, one decoder call per latent frame; returns (decoder
+    output, cache)."""
+    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
+    cache: list = [None] * n
+    x = vae.post_quant_conv(z)
+    outs = [vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0))
+            for i in range(x.shape[2])]
+    return torch.cat(outs, 2), cache
+
+
+def assert_same_cache(got: list, want: list) -> None:
+    """Two decoder caches entry for entry: tensors bit-exact with their strides, markers equal."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if isinstance(b, torch.Tensor):
+            assert_same(a, b)
+        else:
+            assert a == b
+
+
 def every_value(dtype: torch.dtype, device: str = "cuda") -> torch.Tensor:
     """A channels-last [1, 4, 1, n, 16] activation holding every finite bf16/fp16 bit
     pattern (fp32: 2^20 normal samples), for exhaustive rounding tests."""

@@ -22,7 +22,7 @@ from vaed.models import build_random_vae
 from vaed.patches import first_frame
 from vaed.patches.ops import NormSilu
 
-from harness import assert_same, lay
+from harness import assert_same, assert_same_cache, chunked_decode, lay
 
 PAD = (1, 1, 1, 1, 2, 0)
 CUTTING = dataclasses.replace(P.REFERENCE_OPS, name="reference-cutting", cut_first_frame=frozenset({"cpu"}))
@@ -214,15 +214,6 @@ def test_a_cpu_decode_in_the_lossless_tier_is_not_judged(monkeypatch: pytest.Mon
     _same_built(got, _stock(_conv(), _frame()))
 
 
-def _chunked(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:
-    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
-    cache: list = [None] * n
-    x = vae.post_quant_conv(z)
-    outs = [vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0))
-            for i in range(x.shape[2])]
-    return torch.cat(outs, 2), cache
-
-
 @pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiny_decoders_with_cut_first_frames_keep_stock_bits(monkeypatch: pytest.MonkeyPatch, arch: str,
@@ -234,21 +225,17 @@ def test_tiny_decoders_with_cut_first_frames_keep_stock_bits(monkeypatch: pytest
     z = P.to_decoder_layout(torch.randn(1, vae.config.z_dim, 3, 4, 4).to(dtype), "channels_last")
     with torch.no_grad():
         P.prepare_decoder(vae, layout="channels_last", ops=P.REFERENCE_OPS)
-        want, want_cache = _chunked(vae, z)
+        want, want_cache = chunked_decode(vae, z)
         with P.using(CUTTING):
-            got, got_cache = _chunked(vae, z)
-            again, _ = _chunked(vae, z)  # every signature judged: the cut forms alone
+            got, got_cache = chunked_decode(vae, z)
+            again, _ = chunked_decode(vae, z)  # every signature judged: the cut forms alone
     convs = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
     verdicts = first_frame.verdicts()
     assert verdicts and all(v is not None for v in verdicts.values()), verdicts
     assert sum(calls.values()) >= convs  # the judging runs and the cut calls of the second decode
     for out in (got, again):
         assert_same(out, want)
-    for a, b in zip(got_cache, want_cache, strict=True):
-        if isinstance(b, torch.Tensor):
-            assert_same(a, b)
-        else:
-            assert a == b
+    assert_same_cache(got_cache, want_cache)
 
 
 @pytest.mark.cuda
@@ -262,17 +249,15 @@ def test_lossless_first_chunk_at_480p_is_cut_and_keeps_stock_bits() -> None:
                             "channels_last")
     with torch.inference_mode():
         P.prepare_decoder(vae, kernels="off", layout="channels_last")
-        want, want_cache = _chunked(vae, z)
+        want, want_cache = chunked_decode(vae, z)
         P.prepare_decoder(vae, kernels="triton", layout="channels_last")
-        got, got_cache = _chunked(vae, z)      # judges each first-chunk signature
-        again, _ = _chunked(vae, z)            # runs the cut forms
+        got, got_cache = chunked_decode(vae, z)      # judges each first-chunk signature
+        again, _ = chunked_decode(vae, z)            # runs the cut forms
     verdicts = [v for k, v in first_frame.verdicts().items() if k[0].name == "lossless"]
     assert len(verdicts) >= 10 and sum(v is not None for v in verdicts) >= len(verdicts) * 2 // 3, verdicts
     for out in (got, again):
         assert_same(out, want)
-    for a, b in zip(got_cache, want_cache, strict=True):
-        if isinstance(b, torch.Tensor):
-            assert_same(a, b)
+    assert_same_cache(got_cache, want_cache)
 
 
 def test_a_cut_output_takes_stock_strides_only_over_the_same_memory_order() -> None:

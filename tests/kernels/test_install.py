@@ -20,22 +20,10 @@ from vaed.patches import (
 from vaed.models import build_random_vae
 
 from backends import Backend, kernel_cases
+from harness import assert_same_cache, chunked_decode
 
 CUDA = torch.cuda.is_available()
 cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
-
-
-def _decode(vae: Any, z: torch.Tensor, toggle: Any = None) -> tuple[torch.Tensor, list]:
-    """The engine's loop: session cache, one decoder call per latent frame; returns (out, cache)."""
-    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
-    cache: list = [None] * n
-    x = vae.post_quant_conv(z)
-    outs = []
-    for i in range(x.shape[2]):
-        if toggle is not None:
-            toggle(i)
-        outs.append(vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)))
-    return torch.cat(outs, 2), cache
 
 
 def _vae(arch: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
@@ -94,9 +82,9 @@ def test_cpu_fallback_bit_identical_to_stock(arch: str, layout: str) -> None:
         rep = prepare_decoder(vae, kernels="off", layout=layout, ops=REFERENCE_OPS)
         assert rep.ops == "reference"
         assert any("forward" in m.__dict__ for m in vae.decoder.modules())
-        outs = [_decode(vae, to_decoder_layout(z, layout))[0]]
+        outs = [chunked_decode(vae, to_decoder_layout(z, layout))[0]]
         with using(LOSSLESS_OPS):
-            outs.append(_decode(vae, to_decoder_layout(z, layout))[0])
+            outs.append(chunked_decode(vae, to_decoder_layout(z, layout))[0])
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
     for out in outs:
@@ -145,18 +133,14 @@ def test_cuda_decode_bit_identical(arch: str, size: tuple, dtype: torch.dtype, l
     with torch.inference_mode():
         prepare_decoder(vae, kernels="off", layout=layout)
         want = vae.decode(z, return_dict=False)[0]
-        want_raw, want_cache = _decode(vae, z)
+        want_raw, want_cache = chunked_decode(vae, z)
         rep = prepare_decoder(vae, kernels="triton", layout=layout)
         assert rep.kernels == "triton"
         got = vae.decode(z, return_dict=False)[0]
-        got_raw, got_cache = _decode(vae, z)
+        got_raw, got_cache = chunked_decode(vae, z)
     assert torch.equal(got, want)
     assert got_raw.stride() == want_raw.stride() and torch.equal(got_raw, want_raw)
-    for a, b in zip(got_cache, want_cache):
-        if isinstance(a, torch.Tensor):
-            assert a.stride() == b.stride() and torch.equal(a, b)
-        else:
-            assert a == b
+    assert_same_cache(got_cache, want_cache)
 
 
 @pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
@@ -191,12 +175,12 @@ def test_cuda_lossless_defers_biases_exactly_and_checks_it_at_start_up(arch: str
     assert check_bias_deferral(torch.device("cuda"), torch.bfloat16) is None
     with torch.inference_mode():
         prepare_decoder(vae, kernels="off", layout="channels_last")
-        want, _ = _decode(vae, z)
+        want, _ = chunked_decode(vae, z)
         rep = prepare_decoder(vae, kernels="triton", layout="channels_last")
         assert rep.op_sets["lossless"].defer_bias == EXACT_BIAS_SITES, rep
         monkeypatch.setattr(K, "bias_residual_add", residual)
         monkeypatch.setattr(K, "upsample_nearest2x", upsample)
-        got, _ = _decode(vae, z)
+        got, _ = chunked_decode(vae, z)
         assert calls == {"residual": blocks * 3, "upsample": time_convs * 2}, calls  # time_conv: chunks 2, 3
         assert got.stride() == want.stride() and torch.equal(got, want)
         monkeypatch.setattr(installer, "check_bias_deferral", lambda device, dtype: "a conv adds its bias in its sum")
@@ -204,7 +188,7 @@ def test_cuda_lossless_defers_biases_exactly_and_checks_it_at_start_up(arch: str
         assert rep.op_sets["lossless"].defer_bias == frozenset(), rep
         assert any("deferred conv biases: start-up check failed" in s for s in rep.skipped), rep.skipped
         calls.update(residual=0, upsample=0)
-        kept, _ = _decode(vae, z)
+        kept, _ = chunked_decode(vae, z)
         assert calls == {"residual": 0, "upsample": 0}, calls
         assert torch.equal(kept, want)
         with pytest.raises(FastPathError, match="its bias in its sum"):

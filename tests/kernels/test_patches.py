@@ -23,7 +23,7 @@ from vaed.patches.ops import (
     reference_upsample,
 )
 
-from harness import assert_same
+from harness import assert_same, assert_same_cache, chunked_decode
 
 ARCHS = ["wan2.1-tiny", "wan2.2-tiny"]
 
@@ -47,24 +47,6 @@ def _counting(ops: P.OpSet, name: str = "counting") -> tuple[P.OpSet, collection
     return dataclasses.replace(ops, name=name, uses_triton=False, **fields), calls
 
 
-def _chunked(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """The engine's loop: session cache, one decoder call per latent frame; returns (out, cache)."""
-    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
-    cache: list = [None] * n
-    x = vae.post_quant_conv(z)
-    outs = [vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)) for i in range(x.shape[2])]
-    return torch.cat(outs, 2), cache
-
-
-def _same_cache(got: list, want: list) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        if isinstance(b, torch.Tensor):
-            assert_same(a, b)
-        else:
-            assert a == b
-
-
 def _patched(vae: Any) -> list[str]:
     return sorted({type(m).__name__ for m in vae.modules() if "forward" in m.__dict__})
 
@@ -84,7 +66,7 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
     with torch.no_grad():
         P.prepare_decoder(vae, kernels="off", layout=layout)
         assert _patched(vae) == []  # kernels off: the stock decoder
-        want, want_cache = _chunked(vae, z)
+        want, want_cache = chunked_decode(vae, z)
         want_decode = vae.decode(z, return_dict=False)[0]
         rep = P.prepare_decoder(vae, layout=layout, ops=ops)
         calls.clear()  # the start-up checks called each op
@@ -92,10 +74,10 @@ def test_reference_forwards_bit_identical_to_stock(arch: str, layout: str, dtype
         expect = ["WanCausalConv3d", "WanDecoder3d", "WanEncoder3d", "WanResample", "WanResidualBlock"]
         expect += ["WanResidualUpBlock", "WanResidualDownBlock"] if arch.startswith("wan2.2") else ["WanUpBlock"]
         assert _patched(vae) == sorted(expect)
-        got, got_cache = _chunked(vae, z)
+        got, got_cache = chunked_decode(vae, z)
         got_decode = vae.decode(z, return_dict=False)[0]
     assert_same(got, want)
-    _same_cache(got_cache, want_cache)
+    assert_same_cache(got_cache, want_cache)
     assert_same(got_decode, want_decode)
     used = {"causal_pad", "norm_causal_pad", "upsample", "upsample_interleave", "conv3d", "conv2d", "residual_add",
             "norm_causal_conv"}  # asked first at every norm site; the reference declines, the pair above runs
@@ -114,12 +96,12 @@ def test_triton_op_sets_fall_back_per_call_on_cpu(arch: str, tier: str) -> None:
     vae = _vae(arch)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
     with torch.no_grad():
-        want, want_cache = _chunked(vae, z)
+        want, want_cache = chunked_decode(vae, z)
         P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
         with P.using(ops):
-            got, got_cache = _chunked(vae, z)
+            got, got_cache = chunked_decode(vae, z)
     assert_same(got, want)
-    _same_cache(got_cache, want_cache)
+    assert_same_cache(got_cache, want_cache)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -154,7 +136,7 @@ def test_using_is_per_call_and_per_thread() -> None:
     P.prepare_decoder(vae, layout="contiguous", ops=default)
     d_calls.clear()
     with torch.no_grad():
-        want, _ = _chunked(vae, z)
+        want, _ = chunked_decode(vae, z)
         n_default = sum(d_calls.values())
         assert n_default > 0 and sum(o_calls.values()) == 0
         seen: list[P.OpSet | None] = []
@@ -164,7 +146,7 @@ def test_using_is_per_call_and_per_thread() -> None:
             th = threading.Thread(target=lambda: seen.append(P.current_ops()))
             th.start()
             th.join()
-            got, _ = _chunked(vae, z)
+            got, _ = chunked_decode(vae, z)
         assert P.current_ops() is None
     assert seen == [None]
     assert sum(o_calls.values()) == n_default and sum(d_calls.values()) == n_default
@@ -220,7 +202,7 @@ def test_disabled_ops_flag() -> None:
     ops = rep.ops_for("counting")
     assert ops.dupup_add is P.REFERENCE_OPS.dupup_add and ops.upsample is reference_upsample
     with torch.no_grad():
-        _chunked(vae, torch.randn(1, 6, 2, 2, 2))
+        chunked_decode(vae, torch.randn(1, 6, 2, 2, 2))
     assert calls["dupup_add"] == 0 and calls["upsample"] == 0 and calls["upsample_interleave"] > 0
     with pytest.raises(ValueError, match="unknown op names"):
         P.prepare_decoder(vae, disabled_ops={"norm"})
@@ -265,14 +247,14 @@ def test_version_guard_serves_stock(monkeypatch: pytest.MonkeyPatch) -> None:
     vae = _vae("wan2.1-tiny")
     z = torch.randn(1, 4, 2, 4, 4)
     with torch.no_grad():
-        want, _ = _chunked(vae, z)
+        want, _ = chunked_decode(vae, z)
     monkeypatch.setattr(diffusers, "__version__", "0.37.1")
     rep = P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
     assert rep.stock_reason is not None and "diffusers 0.37.1" in rep.stock_reason
     assert rep.stock_reason in rep.summary and rep.summary.startswith("stock decoder")
     assert rep.op_sets == {} and rep.ops == "stock" and _patched(vae) == []
     with torch.no_grad():
-        got, _ = _chunked(vae, z)
+        got, _ = chunked_decode(vae, z)
     assert_same(got, want)
     with pytest.raises(P.FastPathError, match="0.37.1"):
         P.prepare_decoder(vae, kernels="triton")
@@ -453,7 +435,7 @@ def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, mon
     vae = _vae(arch, torch.float64)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4, dtype=torch.float64)
     with torch.no_grad():
-        want, _ = _chunked(vae, z)
+        want, _ = chunked_decode(vae, z)
     seen: collections.Counter = collections.Counter()
     deferring = dataclasses.replace(
         P.REFERENCE_OPS, name="deferring", exact=False, uses_triton=True, defer_bias=ALL_BIAS_SITES,
@@ -471,7 +453,7 @@ def test_deferred_biases_reach_the_ops_that_read_the_conv_outputs(arch: str, mon
     with torch.no_grad():
         P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
         with P.using(deferring):
-            got, _ = _chunked(vae, z)
+            got, _ = chunked_decode(vae, z)
     chunks = z.shape[2]
     expect = {  # a time_conv runs from the second chunk on (the first leaves diffusers' "Rep")
         "conv3d without bias": (2 * len(blocks) + conv_shortcuts) * chunks + time_convs * (chunks - 1),
@@ -512,10 +494,10 @@ def test_exact_deferred_biases_keep_stock_bits(arch: str, monkeypatch: pytest.Mo
     with torch.no_grad():
         P.prepare_decoder(vae, layout="channels_last", ops=P.REFERENCE_OPS)
         with P.using(keeping):
-            want, want_cache = _chunked(vae, z)
+            want, want_cache = chunked_decode(vae, z)
         assert not +seen, seen  # not deferring: every bias in its conv (zero counts dropped)
         with P.using(deferring):
-            got, got_cache = _chunked(vae, z)
+            got, got_cache = chunked_decode(vae, z)
     chunks = z.shape[2]
     expect = {
         "conv3d without bias": len(blocks) * chunks + time_convs * (chunks - 1),
@@ -526,7 +508,7 @@ def test_exact_deferred_biases_keep_stock_bits(arch: str, monkeypatch: pytest.Mo
     }
     assert +seen == {k: n for k, n in expect.items() if n}, seen
     assert_same(got, want)
-    _same_cache(got_cache, want_cache)
+    assert_same_cache(got_cache, want_cache)
 
 
 # --- the one decoder tree ---------------------------------------------------------------
@@ -542,14 +524,14 @@ def test_the_tree_walked_directly_on_a_stock_decoder_equals_stock(arch: str) -> 
     vae = _vae(arch)
     z = torch.randn(1, vae.config.z_dim, 3, 4, 4)
     with torch.no_grad():
-        want, want_cache = _chunked(vae, z)
+        want, want_cache = chunked_decode(vae, z)
         assert _patched(vae) == []
         x = vae.post_quant_conv(z)
         cache: list = [None] * len(want_cache)
         got = torch.cat([tree.decode(P.REFERENCE_OPS, vae.decoder, x[:, :, i : i + 1], cache, i == 0, strict=True)
                          for i in range(x.shape[2])], 2)
     assert_same(got, want)
-    _same_cache(cache, want_cache)
+    assert_same_cache(cache, want_cache)
 
 
 def test_a_strict_walk_refuses_a_module_the_tree_does_not_port() -> None:
@@ -565,10 +547,10 @@ def test_a_strict_walk_refuses_a_module_the_tree_does_not_port() -> None:
     vae = _vae("wan2.1-tiny")
     z = torch.randn(1, vae.config.z_dim, 1, 4, 4)
     with torch.no_grad():
-        want, _ = _chunked(vae, z)
+        want, _ = chunked_decode(vae, z)
         mid = vae.decoder.mid_block
         mid.resnets[0].__class__ = Block
-        n = len(_chunked(vae, z)[1])
+        n = len(chunked_decode(vae, z)[1])
         x = vae.post_quant_conv(z)
         with pytest.raises(TypeError, match="Block is not a module the decoder tree ports"):
             tree.decode(P.REFERENCE_OPS, vae.decoder, x, [None] * n, True, strict=True)

@@ -20,7 +20,7 @@ from vaed.models import build_random_vae
 from vaed.patches.checks import check_op_set
 
 from backends import Backend, kernel_cases
-from harness import assert_same
+from harness import assert_same, chunked_decode
 
 
 @kernel_cases("dtype", cuda=[(d,) for d in (torch.bfloat16, torch.float16, torch.float32)],
@@ -74,11 +74,8 @@ def _vae(arch: str, dtype: torch.dtype) -> Any:
 
 
 def _chunked(vae: Any, z: torch.Tensor) -> tuple[torch.Tensor, list]:
-    n = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
-    cache: list = [None] * n
-    x = vae.post_quant_conv(z)
-    outs = [vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0)) for i in range(x.shape[2])]
-    out = torch.cat(outs, 2)
+    """The engine's loop, then diffusers' unpatchify (Wan2.2) and the clamp: decoded frames."""
+    out, cache = chunked_decode(vae, z)
     if vae.config.patch_size is not None:
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
