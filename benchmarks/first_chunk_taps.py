@@ -44,9 +44,8 @@ from bench_convs import (  # noqa: E402
     StepError,
     build_graph,
     error_text,
-    execute_plan,
     plan_count,
-    plan_name,
+    run_plan,
     signature_of,
     wrapped_convs,
 )
@@ -123,17 +122,11 @@ def plan_candidates(fe: Frontend, x2: torch.Tensor, w2: torch.Tensor, want: torc
         return [Candidate("plans", error=str(exc))]
     out = []
     for i in range(plan_count(graph)):
-        c = Candidate(f"plan{i} {plan_name(graph, i)}")
-        try:
-            workspace = torch.empty(max(int(graph.get_workspace_size_plan_at_index(i)), 1), dtype=torch.uint8,
-                                    device=x2.device)
-            y.fill_(math.nan)
-            execute_plan(fe, graph, pack, workspace, i)
-            torch.cuda.synchronize()
+        # bench_convs' own execute-check-time step; y then holds the plan's output
+        run = run_plan(fe, graph, pack, y, want[:, :, 0], i, iters)
+        c = Candidate(f"plan{i} {run.name}", ms=run.ms, error=run.error)
+        if run.error is None:
             c.mismatches = bit_mismatches(y.reshape(want.shape), want)
-            c.ms = gpu_ms(lambda ws=workspace, k=i: execute_plan(fe, graph, pack, ws, k), iters)
-        except Exception as exc:  # noqa: BLE001 - unbuilt plans, execute refusals
-            c.error = error_text(exc)
         out.append(c)
     return out
 
