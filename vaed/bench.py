@@ -175,8 +175,7 @@ def vaed_decoder(
 
     def warm(z: torch.Tensor) -> None:
         hw = (int(z.shape[-2]), int(z.shape[-1]))
-        if precision == Precision.FAST:
-            engine.prepare_conv_plans([hw])
+        engine.prepare_conv_plans([hw], (Precision(precision),))
         warm_up(engine, hw, precision)
 
     return (lambda _vae, z: engine.decode_video(z, raw)), warm, engine.close

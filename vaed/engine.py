@@ -136,68 +136,84 @@ class DecodeEngine(Engine):
             self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs,
                                         first_chunk_only=graph_mode == CudaGraphs.FIRST)
         self.conv_plans = ConvPlans.parse(conv_plans, "conv_plans")
-        self.conv_planner = self._open_conv_planner(conv_plan_file)
+        # one planner per tier on this device: the fast tier's within a tolerance, the lossless
+        # tier's with torch's bits (vaed.patches.conv_plans)
+        self.conv_planners = self._open_conv_planners(conv_plan_file)
         log.info("decoder ready on %s: %s%s%s", self.device, self.fast_paths.summary,
                  f", CUDA graphs {graph_mode}" if self.graphs is not None else "",
-                 f", conv plans {self.conv_plans} ({len(self.conv_planner.choices)} in the file)"
-                 if self.conv_planner is not None else "")
+                 f", conv plans {self.conv_plans} ("
+                 + ", ".join(f"{p}: {len(pl.choices)} in the file" for p, pl in self.conv_planners.items()) + ")"
+                 if self.conv_planners else "")
 
-    def _open_conv_planner(self, plan_file: str | None) -> conv_plans.ConvPlanner | None:
-        """The fast tier's conv planner on this device (`vaed.patches.conv_plans`), installed;
-        None when off, without the fast tier, or where the frontend cannot run (logged)."""
-        if self.conv_plans == ConvPlans.OFF or Precision.FAST not in self.fast_paths.op_sets:
-            return None
-        if self.device.type != "cuda":
-            return None
-        planner = conv_plans.ConvPlanner.open(
-            self.device, conv_plans.PlanFile(plan_file) if plan_file is not None else None)
-        if isinstance(planner, str):
-            log.warning("conv plans off on %s: %s", self.device, planner)
-            return None
-        conv_plans.install(planner)
-        return planner
+    def _open_conv_planners(self, plan_file: str | None) -> dict[Precision, conv_plans.ConvPlanner]:
+        """Each prepared tier's conv planner on this device (`vaed.patches.conv_plans`; the
+        lossless tier's takes only plans with torch's bits), installed; none when off, off
+        CUDA, or where the frontend cannot run (logged)."""
+        if self.conv_plans == ConvPlans.OFF or self.device.type != "cuda":
+            return {}
+        planners: dict[Precision, conv_plans.ConvPlanner] = {}
+        for precision in self.fast_paths.op_sets:
+            p = Precision(precision)
+            planner = conv_plans.ConvPlanner.open(
+                self.device, conv_plans.PlanFile(plan_file) if plan_file is not None else None,
+                exact=p == Precision.LOSSLESS)
+            if isinstance(planner, str):
+                log.warning("conv plans off on %s: %s", self.device, planner)
+                return {}
+            conv_plans.install(planner)
+            planners[p] = planner
+        return planners
 
     def close(self) -> None:
-        """Take this engine's conv planner off its device (the registry holds one per device)."""
-        if self.conv_planner is not None and conv_plans.planner_for(self.device) is self.conv_planner:
-            conv_plans.uninstall(self.device)
-        self.conv_planner = None
+        """Take this engine's conv planners off its device (the registry holds one per device and rule)."""
+        for planner in self.conv_planners.values():
+            if conv_plans.planner_for(self.device, planner.exact) is planner:
+                conv_plans.uninstall(self.device, planner.exact)
+        self.conv_planners = {}
 
-    def prepare_conv_plans(self, latent_hws: list[tuple[int, int]]) -> None:
-        """`--conv-plans tune`: decode each size once in the fast tier to see its convs, time
-        those the plan file lacks, and write what won to the file. The pass runs eagerly: CUDA
-        graphs are captured by the warm-up after it, with the plans."""
-        planner = self.conv_planner
-        if planner is None or self.conv_plans != ConvPlans.TUNE:
+    def prepare_conv_plans(self, latent_hws: list[tuple[int, int]],
+                           precisions: tuple[Precision, ...] | None = None) -> None:
+        """`--conv-plans tune`: decode each size once in each planned tier (of ``precisions``, default
+        all) to see its convs, time those the plan file lacks, and write what won to the file. The
+        pass runs eagerly: CUDA graphs are captured by the warm-up after it, with the plans."""
+        planners = {p: pl for p, pl in self.conv_planners.items() if precisions is None or p in precisions}
+        if self.conv_plans != ConvPlans.TUNE or not planners:
             return
         with phase("conv plans"):
             graphs, self.graphs = self.graphs, None
             try:
-                for hw in latent_hws:
-                    warm_up(self, hw, Precision.FAST)
+                for precision in planners:
+                    for hw in latent_hws:
+                        warm_up(self, hw, precision)
             finally:
                 self.graphs = graphs
-            todo = len(planner.unplanned)
-            if not todo:
-                log.info("conv plans on %s: every conv of the warm-up sizes is in the file", self.device)
-                return
-            log.info("conv plans on %s: timing %d conv shapes on cuDNN's engines", self.device, todo)
+            for precision, planner in planners.items():
+                self._tune_conv_plans(precision, planner)
 
-            def progress(done: int, total: int, call: conv_plans.ConvCall, choice: conv_plans.PlanChoice) -> None:
-                verdict = f"{choice.name} {choice.gain:.2f}x" if choice.engine_id is not None else "torch's pick"
-                log.info("conv plans on %s: %d/%d %s: torch %.3f ms -> %s", self.device, done, total,
-                         call.label(), choice.torch_ms, verdict)
+    def _tune_conv_plans(self, precision: Precision, planner: conv_plans.ConvPlanner) -> None:
+        where = f"{self.device}, {precision}"
+        todo = len(planner.unplanned)
+        if not todo:
+            log.info("conv plans on %s: every conv of the warm-up sizes is in the file", where)
+            return
+        rule = "with torch's bits" if planner.exact else "within tolerance"
+        log.info("conv plans on %s: timing %d conv shapes on cuDNN's engines (plans %s)", where, todo, rule)
 
-            report = planner.tune(progress=progress)
-            log.info("conv plans on %s: %d of %d shapes on another engine, their convs %.2f -> %.2f ms "
-                     "(one launch each), %.1f s", self.device, report.planned, report.calls, report.torch_ms,
-                     report.chosen_ms, report.seconds)
-            if report.left:
-                log.warning("conv plans on %s: %d shapes left untimed after %.0f s (torch's pick runs them; "
-                            "the next start with --conv-plans tune times them)", self.device, report.left,
-                            report.seconds)
-            for failure in report.failed:
-                log.warning("conv plans on %s: the frontend refused %s", self.device, failure)
+        def progress(done: int, total: int, call: conv_plans.ConvCall, choice: conv_plans.PlanChoice) -> None:
+            verdict = f"{choice.name} {choice.gain:.2f}x" if choice.engine_id is not None else "torch's pick"
+            log.info("conv plans on %s: %d/%d %s: torch %.3f ms -> %s", where, done, total,
+                     call.label(), choice.torch_ms, verdict)
+
+        report = planner.tune(progress=progress)
+        log.info("conv plans on %s: %d of %d shapes on another engine, their convs %.2f -> %.2f ms "
+                 "(one launch each), %.1f s", where, report.planned, report.calls, report.torch_ms,
+                 report.chosen_ms, report.seconds)
+        if report.left:
+            log.warning("conv plans on %s: %d shapes left untimed after %.0f s (torch's pick runs them; "
+                        "the next start with --conv-plans tune times them)", where, report.left,
+                        report.seconds)
+        for failure in report.failed:
+            log.warning("conv plans on %s: the frontend refused %s", where, failure)
 
     @classmethod
     def load(

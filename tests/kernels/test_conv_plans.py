@@ -1,8 +1,11 @@
-"""The fast tier's tuned cuDNN conv plans (vaed.patches.conv_plans).
+"""The tuned cuDNN conv plans (vaed.patches.conv_plans): the fast tier's, and the lossless tier's
+with torch's bits.
 
-CPU: the call signature, the choice rule, the plan file, and that without a planner every
-conv op is torch's. CUDA (the H200): tuning real decoder shapes, replaying from the file,
-capture in a CUDA graph, and a served fast decode on plans while lossless stays stock's.
+CPU: the call signature, the choice rule, the plan file, the registry per rule, and that without
+a planner every conv op is torch's. CUDA (the H200): tuning real decoder shapes under both
+rules, replaying from the file, the exact rule refusing a plan the tolerance takes, capture in a
+CUDA graph, and an engine's fast decode on plans while its lossless decode runs on exact plans
+and stays stock's bits.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from torch import nn
 from vaed.choices import ConvPlans, Precision
 from vaed.patches import FAST_OPS, LOSSLESS_OPS, REFERENCE_OPS
 from vaed.patches import conv_plans as CP
-from vaed.patches.fast import conv_with_plan
+from vaed.patches.bits import same_bits
+from vaed.patches.conv_plans import conv_with_plan
 from vaed.startup import CONV_PLAN_FILE
 
 CUDA = torch.cuda.is_available()
@@ -122,10 +126,13 @@ def test_without_a_planner_the_fast_convs_are_torchs() -> None:
     img = torch.randn(2, 4, 5, 7)
     assert torch.equal(FAST_OPS.conv2d(conv2, img), REFERENCE_OPS.conv2d(conv2, img))
     assert torch.equal(FAST_OPS.conv2d(conv2, img, bias=False), REFERENCE_OPS.conv2d(conv2, img, bias=False))
-    # the lossless tier's convs are torch's by construction: they never consult a planner
-    assert LOSSLESS_OPS.conv3d is REFERENCE_OPS.conv3d and LOSSLESS_OPS.conv2d is REFERENCE_OPS.conv2d
-    assert {"conv3d", "conv2d"} <= set(FAST_OPS.differs_from_reference())
-    assert FAST_OPS.without({"conv3d"}).conv3d is REFERENCE_OPS.conv3d  # --disable-op conv3d
+    # the lossless tier's convs ask the exact planner alone; without one they are torch's, bit for bit
+    for bias in (True, False):
+        assert same_bits(LOSSLESS_OPS.conv3d(conv3, x, bias=bias), REFERENCE_OPS.conv3d(conv3, x, bias=bias))
+        assert same_bits(LOSSLESS_OPS.conv2d(conv2, img, bias=bias), REFERENCE_OPS.conv2d(conv2, img, bias=bias))
+    for ops in (FAST_OPS, LOSSLESS_OPS):
+        assert {"conv3d", "conv2d"} <= set(ops.differs_from_reference())
+        assert ops.without({"conv3d"}).conv3d is REFERENCE_OPS.conv3d  # --disable-op conv3d
 
 
 def test_conv2d_with_hooks_stays_the_module_call() -> None:
@@ -133,12 +140,14 @@ def test_conv2d_with_hooks_stays_the_module_call() -> None:
     conv2.register_forward_hook(lambda _m, _i, out: out * 0)
     img = torch.randn(1, 4, 5, 7)
     assert torch.count_nonzero(FAST_OPS.conv2d(conv2, img)) == 0
+    assert torch.count_nonzero(LOSSLESS_OPS.conv2d(conv2, img)) == 0
 
 
 def test_registry_routes_cuda_calls_only_and_uninstall_removes_it() -> None:
     asked: list[CP.ConvCall] = []
     device = torch.device("cpu")
-    CP.install(types.SimpleNamespace(device=device, run=lambda call, x, w: asked.append(call)))  # type: ignore[arg-type]
+    CP.install(types.SimpleNamespace(device=device, exact=False,  # type: ignore[arg-type]
+                                     run=lambda call, x, w: asked.append(call)))
     try:
         assert CP.planner_for(device) is not None
         x, w = torch.randn(1, 4, 5, 7), torch.randn(4, 4, 3, 3)
@@ -151,8 +160,25 @@ def test_registry_routes_cuda_calls_only_and_uninstall_removes_it() -> None:
     assert CP.planner_for(device) is None
 
 
+def test_registry_keeps_one_planner_per_rule() -> None:
+    device = torch.device("cpu")
+    fast = types.SimpleNamespace(device=device, exact=False)
+    exact = types.SimpleNamespace(device=device, exact=True)
+    CP.install(fast)  # type: ignore[arg-type]
+    CP.install(exact)  # type: ignore[arg-type]
+    try:
+        assert CP.planner_for(device) is fast and CP.planner_for(device, exact=True) is exact
+        CP.uninstall(device, exact=True)
+        assert CP.planner_for(device) is fast and CP.planner_for(device, exact=True) is None
+    finally:
+        CP.uninstall(device)
+        CP.uninstall(device, exact=True)
+    assert CP.planner_for(device) is None
+
+
 def test_open_refuses_a_cpu_device() -> None:
     assert isinstance(CP.ConvPlanner.open(torch.device("cpu"), None), str)
+    assert isinstance(CP.ConvPlanner.open(torch.device("cpu"), None, exact=True), str)
 
 
 # --- CUDA ----------------------------------------------------------------------------------------
@@ -175,9 +201,9 @@ def _decoder_calls() -> list[tuple[torch.Tensor, torch.Tensor, Any]]:
     return out
 
 
-def _open(tmp_path: Any) -> CP.ConvPlanner:
+def _open(tmp_path: Any, exact: bool = False) -> CP.ConvPlanner:
     planner = CP.ConvPlanner.open(torch.device("cuda", torch.cuda.current_device()),
-                                  CP.PlanFile(str(tmp_path / CONV_PLAN_FILE)))
+                                  CP.PlanFile(str(tmp_path / CONV_PLAN_FILE)), exact=exact)
     if isinstance(planner, str):
         pytest.skip(planner)  # the frontend is not installed: the feature is off, as in a server
     return planner
@@ -220,6 +246,82 @@ def test_cuda_tuned_plans_are_accurate_and_replay_from_the_file_bit_for_bit(tmp_
         assert y is not None and torch.equal(y, first), call.label()
 
 
+def _fresh(call: CP.ConvCall, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operands of the call's layouts from another generator than the planner's verdict inputs."""
+    g = torch.Generator(device="cuda").manual_seed(1000 + seed)
+    x = torch.empty_strided(call.x_shape, call.x_stride, dtype=torch.bfloat16, device="cuda")
+    w = torch.empty_strided(call.w_shape, call.w_stride, dtype=torch.bfloat16, device="cuda")
+    x.copy_(torch.randn(call.x_shape, generator=g, device="cuda") * 2)
+    w.copy_(torch.randn(call.w_shape, generator=g, device="cuda") / math.prod(call.w_shape[1:]) ** 0.5)
+    return x, w
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@torch.inference_mode()
+def test_cuda_exact_plans_give_torchs_bits_and_keep_their_own_fingerprint(tmp_path: Any) -> None:
+    exact = _open(tmp_path, exact=True)
+    assert exact.fingerprint["rule"] == "exact" and "rule" not in _open(tmp_path).fingerprint
+    calls = [CP.ConvCall.of(x, w, 1, pad) for x, w, pad in _decoder_calls()]
+    assert all(c is not None for c in calls)
+    report = exact.tune(calls, min_gain=-math.inf)  # a plan wherever one has torch's bits
+    assert report.calls == len(calls), report.failed
+    planned = [c for c in calls if c is not None and exact.choices[c].engine_id is not None]
+    assert planned, exact.choices  # on the H200 most engines sum these convs in torch's order
+    for call in planned:
+        for seed in range(3):
+            x, w = _fresh(call, seed)
+            y = exact.run(call, x, w)
+            assert y is not None and same_bits(y, call.run_torch(x, w)), call.label()
+    # the fast planner's section of the same file is its own: empty, and the exact one survives its write
+    fast = _open(tmp_path)
+    assert fast.choices == {}
+    fast.tune(calls[:1], min_gain=-math.inf)
+    again = _open(tmp_path, exact=True)
+    assert again.choices == exact.choices and _open(tmp_path).choices == fast.choices
+    for call in planned:
+        x, w = _fresh(call, 7)
+        y = again.run(call, x, w)  # replayed from the file, checked again
+        assert y is not None and same_bits(y, call.run_torch(x, w)), call.label()
+
+
+def _plan_without_torchs_bits(planner: CP.ConvPlanner) -> tuple[CP.ConvCall, CP.PlanChoice]:
+    """A decoder call and a backend plan that runs it within the fast tier's tolerance but not
+    with torch's bits (found by running every plan the frontend offers)."""
+    cudnn = planner._cudnn
+    for x, w, pad in _decoder_calls():
+        call = CP.ConvCall.of(x, w, 1, pad)
+        assert call is not None
+        want = call.run_torch(x, w)
+        g = CP._build_graph(cudnn, planner._handle, call, want.stride())
+        g.graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        for i in range(int(g.graph.get_execution_plan_count())):
+            try:
+                engine_id, knobs = g.graph.get_engine_and_knobs_at_index(i)
+                g.graph.build_plan_at_index(i)
+                g.workspace = int(g.graph.get_workspace_size_plan_at_index(i))
+                got = planner._execute(g, x, w, i)
+            except Exception:  # noqa: BLE001 - plans that do not build or run
+                continue
+            if not same_bits(got, want) and CP._rel_err(got, want) <= CP.MAX_REL_ERR:
+                knob_record = tuple(sorted((int(k), int(v)) for k, v in knobs.items()))
+                return call, CP.PlanChoice(int(engine_id), knob_record, want.stride(), 1.0, 0.5, f"plan{i}")
+    raise AssertionError("every plan of every decoder call gave torch's bits")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@torch.inference_mode()
+def test_cuda_the_exact_rule_refuses_a_plan_the_tolerance_takes(tmp_path: Any, caplog: Any) -> None:
+    fast, exact = _open(tmp_path), _open(tmp_path, exact=True)
+    call, choice = _plan_without_torchs_bits(fast)
+    fast.choices[call] = exact.choices[call] = choice  # as if a file said so
+    x, w = _fresh(call, 0)
+    assert fast.run(call, x, w) is not None  # within the tolerance: replayed
+    assert exact.run(call, x, w) is None  # not torch's bits: torch runs it
+    assert "does not give torch's bits" in caplog.text
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @torch.inference_mode()
@@ -252,7 +354,9 @@ def test_cuda_a_planned_conv_is_captured_by_a_cuda_graph(tmp_path: Any) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @torch.inference_mode()
-def test_cuda_engine_runs_fast_convs_on_plans_and_lossless_stays_stock(tmp_path: Any, monkeypatch: Any) -> None:
+def test_cuda_engine_runs_fast_convs_on_plans_and_lossless_on_exact_plans_stays_stock(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
     from vaed.engine import DecodeEngine, OutputSpec
     from vaed.models import LoadedModel, build_random_vae
 
@@ -264,39 +368,47 @@ def test_cuda_engine_runs_fast_convs_on_plans_and_lossless_stays_stock(tmp_path:
     want = {p: plain.decode_video(z, spec[p]).cpu() for p in Precision}
     plain.close()
 
-    # every conv the fast tier runs gets a plan, whatever its time (min_gain forced)
+    # every conv gets a plan that meets its tier's rule, whatever its time (min_gain forced)
     real_tune = CP.ConvPlanner.tune
     monkeypatch.setattr(CP.ConvPlanner, "tune", lambda self, calls=None, progress=None, min_gain=0.0:
                         real_tune(self, calls, progress, min_gain=-math.inf))
     engine = DecodeEngine(loaded, kernels="auto", layout="channels_last", conv_plans=ConvPlans.TUNE,
                           conv_plan_file=str(tmp_path / CONV_PLAN_FILE))
     try:
-        planner = engine.conv_planner
-        if planner is None:
+        if not engine.conv_planners:
             pytest.skip("the cuDNN frontend is not installed")
-        assert CP.planner_for(engine.device) is planner
+        planner, exact = engine.conv_planners[Precision.FAST], engine.conv_planners[Precision.LOSSLESS]
+        assert CP.planner_for(engine.device) is planner and not planner.exact
+        assert CP.planner_for(engine.device, exact=True) is exact and exact.exact
         engine.prepare_conv_plans([(12, 20)])
         planned = [c for c, ch in planner.choices.items() if ch.engine_id is not None]
         assert len(planned) >= 8, planner.choices  # the decoder's conv shapes at this size
-        runs: list[CP.ConvCall] = []
-        real_run = planner.run
+        assert any(ch.engine_id is not None for ch in exact.choices.values()), exact.choices
+        runs: dict[bool, list[CP.ConvCall]] = {False: [], True: []}
 
-        def counted_run(call: CP.ConvCall, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-            runs.append(call)
-            return real_run(call, x, w)
+        def counting(p: CP.ConvPlanner) -> Any:
+            real_run = p.run
 
-        monkeypatch.setattr(planner, "run", counted_run)
+            def counted_run(call: CP.ConvCall, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+                runs[p.exact].append(call)
+                return real_run(call, x, w)
+            return counted_run
+
+        monkeypatch.setattr(planner, "run", counting(planner))
+        monkeypatch.setattr(exact, "run", counting(exact))
         fast = engine.decode_video(z, spec[Precision.FAST]).cpu()
-        assert runs and set(runs) <= set(planner.choices)
-        ran_plans = [c for c in runs if planner.choices[c].engine_id is not None]
+        assert runs[False] and set(runs[False]) <= set(planner.choices) and runs[True] == []
+        ran_plans = [c for c in runs[False] if planner.choices[c].engine_id is not None]
         assert ran_plans, "no conv of the fast decode ran on a plan"
         # the fast tier on plans: close to the fast tier on torch's convs (not its bits: other engines)
         mse = float(((fast.float() - want[Precision.FAST].float()) ** 2).mean())
         assert 10 * math.log10(4.0 / max(mse, 1e-20)) > 40.0  # PSNR over the [-1, 1] range
-        runs.clear()
+        runs[False].clear()
         lossless = engine.decode_video(z, spec[Precision.LOSSLESS]).cpu()
-        assert runs == []  # the lossless tier never asks the planner
+        assert runs[False] == []  # the lossless tier never asks the fast planner
+        ran_exact = [c for c in runs[True] if exact.choices[c].engine_id is not None]
+        assert ran_exact, "no conv of the lossless decode ran on an exact plan"
         assert torch.equal(lossless, want[Precision.LOSSLESS])
     finally:
         engine.close()
-    assert CP.planner_for(engine.device) is None
+    assert CP.planner_for(engine.device) is None and CP.planner_for(engine.device, exact=True) is None

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from vaed import patches as P
 from vaed.models import build_random_vae
-from vaed.patches import first_frame
+from vaed.patches import bits, first_frame
 from vaed.patches.ops import NormSilu
 
 from harness import assert_same, assert_same_cache, chunked_decode, lay
@@ -59,7 +59,7 @@ def _stock(conv: torch.nn.Conv3d, x: torch.Tensor, norm: NormSilu | None = None,
 
 def _same_built(got: Any, want: Any) -> None:
     assert_same(got[0], want[0])
-    assert first_frame.same_bits(got[0], want[0])
+    assert bits.same_bits(got[0], want[0])
     assert_same(got[1], want[1])
 
 
@@ -101,7 +101,7 @@ def test_a_matching_form_is_judged_once_then_used(monkeypatch: pytest.MonkeyPatc
     x = _frame()
     with torch.no_grad():
         first = CUTTING.causal_conv(conv, x, None, PAD, norm=norm, bias=bias)
-        judged = 1 + first_frame.MAX_RANDOM_INPUTS
+        judged = 1 + bits.MAX_RANDOM_INPUTS
         assert calls["repadded"] == judged and list(first_frame.verdicts().values()) == ["repadded"]
         _same_built(first, _stock(conv, x, norm, bias))
         other = _frame(seed=7)
@@ -139,7 +139,7 @@ def test_a_form_must_match_on_every_random_input(monkeypatch: pytest.MonkeyPatch
         y = _repadded(conv, frame, bias)
         return y * 2 if len(seen) == 1 + wrong_at else y
 
-    assert first_frame.MAX_RANDOM_INPUTS == 16
+    assert bits.MAX_RANDOM_INPUTS == 16
     _spied(monkeypatch, {"wrong once": wrong_once})
     conv, x = _conv(), _frame()
     with torch.no_grad():
@@ -150,7 +150,7 @@ def test_a_form_must_match_on_every_random_input(monkeypatch: pytest.MonkeyPatch
 
 def test_a_large_conv_is_judged_on_fewer_random_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _spied(monkeypatch, {"repadded": _repadded})
-    monkeypatch.setattr(first_frame, "JUDGED_ELEMENTS", 4 * 5 * 7 * 3)  # three of this conv's outputs
+    monkeypatch.setattr(bits, "JUDGED_ELEMENTS", 4 * 5 * 7 * 3)  # three of this conv's outputs
     with torch.no_grad():
         CUTTING.causal_conv(_conv(), _frame(), None, PAD)
     assert calls["repadded"] == 1 + 3
@@ -158,8 +158,8 @@ def test_a_large_conv_is_judged_on_fewer_random_inputs(monkeypatch: pytest.Monke
 
 def test_minus_zero_is_not_plus_zero() -> None:
     a, b = torch.zeros(3, dtype=torch.bfloat16), -torch.zeros(3, dtype=torch.bfloat16)
-    assert torch.equal(a, b) and not first_frame.same_bits(a, b)
-    assert first_frame.same_bits(a, a.clone()) and not first_frame.same_bits(a, a.float())
+    assert torch.equal(a, b) and not bits.same_bits(a, b)
+    assert bits.same_bits(a, a.clone()) and not bits.same_bits(a, a.float())
 
 
 @pytest.mark.parametrize("case", ["cache", "two frames", "1x1x1 kernel", "stride 2", "padding in the module"])

@@ -163,7 +163,7 @@ def test_without_swaps_single_ops() -> None:
     assert ops.upsample is P.REFERENCE_OPS.upsample and ops.dupup_add is P.REFERENCE_OPS.dupup_add
     assert ops.causal_pad is P.LOSSLESS_OPS.causal_pad and ops.upsample_interleave is P.LOSSLESS_OPS.upsample_interleave
     assert set(ops.differs_from_reference()) == {
-        "causal_pad", "norm_causal_pad", "upsample_interleave", "avgdown_add", "residual_add"
+        "causal_pad", "norm_causal_pad", "upsample_interleave", "avgdown_add", "conv3d", "conv2d", "residual_add"
     }
     assert P.LOSSLESS_OPS.without(()) is P.LOSSLESS_OPS
     with pytest.raises(ValueError, match="unknown op names"):

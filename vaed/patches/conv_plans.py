@@ -1,4 +1,4 @@
-"""The fast tier's convs on the cuDNN engine that times fastest per shape, where it beats torch's.
+"""Convs on the cuDNN engine that times fastest per shape, where it beats torch's pick.
 
 torch runs every conv on the plan cuDNN's heuristics rank first. On the Wan decoder's own
 shapes other engines are faster: on an H200 (Wan2.1, a steady 480x832 fast-tier chunk,
@@ -21,10 +21,24 @@ How (``nvidia-cudnn-frontend``, an optional dependency):
 * :func:`planned_conv` runs a call's plan when its device's planner has one, else returns
   None and torch runs it.
 
-The fast tier only: another engine sums in another order, so its bits are not stock's; the
-lossless tier's convs never come here. torch's own benchmark mode
-(``torch.backends.cudnn.benchmark``) would time engines too, but it is one process-wide
-flag, read by every thread's convs, the lossless tier's included.
+Two planners per device, one per rule a plan must meet:
+
+* the fast tier's (``exact=False``): within ``MAX_REL_ERR`` of torch's output. Most engines
+  sum in another order, so their bits are not stock's;
+* the lossless tier's (``exact=True``): torch's bits. Many engines do sum each output in
+  torch's order (their tiles and schedules differ, not the order of one output's products):
+  on an H200 (cuDNN 9.19, ``bench_convs.py --tier lossless --max-err 0``) a steady 480x832
+  Wan2.1 chunk's convs take 32.6 ms on torch's picks and 23.2 ms on the fastest plan with
+  torch's bits per shape; the 96->96 3x3x3 convs at full resolution, six a chunk, 2.71 ->
+  1.39 ms each (torch's pick sits first in the heuristics' order, that plan 21st). That is
+  checked, never assumed: a plan is the call's only when its output has torch's bits
+  (integer views, strides too) on seeded random inputs covering ``bits.JUDGED_ELEMENTS``
+  outputs, at tuning and again at every replay, and only for calls torch runs on cuDNN (there
+  torch adds a bias in a pass of its own after the conv, as :func:`conv_with_plan` does).
+
+Both keep their choices in one file, each under its own fingerprint. torch's own benchmark
+mode (``torch.backends.cudnn.benchmark``) would time engines too, but it is one process-wide
+flag, read by every thread's convs, and its choices need not keep torch's bits.
 
 A plan runs on torch's current stream (set on the handle per call) with a workspace from
 torch's allocator, so a CUDA graph capture records it like any other kernel.
@@ -46,6 +60,8 @@ from typing import Any
 
 import torch
 
+from vaed.patches.bits import random_inputs_for, same_bits, seeded_normal
+
 log = logging.getLogger(__name__)
 
 FILE_FORMAT = 1
@@ -56,6 +72,9 @@ MIN_GAIN = 0.03
 # engine lands within a few ulps, a broken one far outside
 MAX_REL_ERR = 0.02
 MAX_PLANS = 16  # candidate plans timed per call (heuristics order: the likely winners first)
+# the exact rule's: a plan with torch's bits may sit anywhere in that order (index 20 of 61 for
+# Wan2.1's 96-channel conv3d on an H200), and a plan without them costs one run, no timing
+MAX_EXACT_PLANS = 128
 MAX_WORKSPACE_BYTES = 256 << 20
 TIMING_ITERS = 10
 WARMUP_ITERS = 2
@@ -178,11 +197,13 @@ def choose(torch_ms: float, plans: Iterable[tuple[float, float]], min_gain: floa
 # --- the plan file --------------------------------------------------------------------------------
 
 
-def fingerprint(device: torch.device, frontend_version: str) -> dict[str, Any]:
-    """What a choice depends on: the GPU model, cuDNN, the frontend and torch."""
+def fingerprint(device: torch.device, frontend_version: str, exact: bool = False) -> dict[str, Any]:
+    """What a choice depends on: the GPU model, cuDNN, the frontend and torch; and the rule it
+    met (the exact planner's entries say so, the fast one's are as they always were)."""
     props = torch.cuda.get_device_properties(device)
-    return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
-            "cudnn": torch.backends.cudnn.version(), "frontend": frontend_version, "torch": torch.__version__}
+    fp = {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+          "cudnn": torch.backends.cudnn.version(), "frontend": frontend_version, "torch": torch.__version__}
+    return fp | {"rule": "exact"} if exact else fp
 
 
 @dataclass
@@ -317,10 +338,16 @@ def gpu_ms(fn: Callable[[], Any], iters: int = TIMING_ITERS) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
-def _random(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-            std: float) -> torch.Tensor:
-    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    return t.normal_(0.0, std)
+def torch_runs_cudnn(call: ConvCall, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch dispatches the call to cuDNN (a private API: False where it moved). Only
+    there is torch's conv with a bias its conv without one and then ``add_`` of the bias."""
+    try:
+        backend = torch._C._select_conv_backend(
+            x, w, None, list(call.stride), list(call.padding), list(call.dilation), False,
+            [0] * (len(call.w_shape) - 2), call.groups, None)
+    except Exception:  # noqa: BLE001 - its signature moves between torch releases
+        return False
+    return str(backend).rsplit(".", 1)[-1] == "Cudnn"
 
 
 # --- the planner --------------------------------------------------------------------------------
@@ -341,11 +368,13 @@ class ConvPlanner:
     """One device's choices and built plans. Thread-safe (one lock: calls come from the device's
     worker thread, tuning from its start-up)."""
 
-    def __init__(self, device: torch.device, cudnn: Any, plan_file: PlanFile | None = None) -> None:
+    def __init__(self, device: torch.device, cudnn: Any, plan_file: PlanFile | None = None,
+                 exact: bool = False) -> None:
         self.device = device
+        self.exact = exact  # the rule: torch's bits (the lossless tier's), else MAX_REL_ERR
         self._cudnn = cudnn
         self._handle = cudnn.create_handle()
-        self.fingerprint = fingerprint(device, str(getattr(cudnn, "__version__", "?")))
+        self.fingerprint = fingerprint(device, str(getattr(cudnn, "__version__", "?")), exact)
         self.plan_file = plan_file
         self.choices: dict[ConvCall, PlanChoice] = plan_file.read(self.fingerprint) if plan_file else {}
         self._graphs: dict[ConvCall, _Graph | None] = {}  # built on first use; None: replay failed
@@ -353,8 +382,8 @@ class ConvPlanner:
         self._lock = threading.RLock()
 
     @classmethod
-    def open(cls, device: torch.device, plan_file: PlanFile | None) -> ConvPlanner | str:
-        """A planner with the file's choices for this device, or why there cannot be one."""
+    def open(cls, device: torch.device, plan_file: PlanFile | None, exact: bool = False) -> ConvPlanner | str:
+        """A planner with the file's choices for this device and rule, or why there cannot be one."""
         if device.type != "cuda" or not torch.backends.cudnn.is_available():
             return "conv plans need CUDA and cuDNN"
         cudnn = import_frontend()
@@ -362,7 +391,7 @@ class ConvPlanner:
             return cudnn
         with torch.cuda.device(device):
             try:
-                planner = cls(device, cudnn, plan_file=plan_file)
+                planner = cls(device, cudnn, plan_file=plan_file, exact=exact)
             except Exception as exc:  # noqa: BLE001 - a frontend that cannot make a handle
                 return f"the cuDNN frontend did not start: {type(exc).__name__}: {exc}"
         return planner
@@ -402,7 +431,8 @@ class ConvPlanner:
 
     def _replay(self, call: ConvCall, choice: PlanChoice) -> _Graph | None:
         """The chosen plan rebuilt and checked once against torch; None (torch stays) when the
-        frontend refuses it or it lands outside MAX_REL_ERR."""
+        frontend refuses it or it fails the planner's rule (outside MAX_REL_ERR; or, exact,
+        torch's bits missed on any of the verdict's inputs)."""
         assert choice.engine_id is not None
         cudnn = self._cudnn
         try:
@@ -412,27 +442,47 @@ class ConvPlanner:
             index = g.graph.get_execution_plan_count() - 1
             g.graph.build_plan_at_index(index)
             g.workspace = int(g.graph.get_workspace_size())
-            err = self._check(call, g)
+            why = self._fails_rule(call, g)
         except Exception as exc:  # noqa: BLE001 - frontend versions raise their own types
             log.warning("conv plans: %s: replaying %s failed (%s: %s); torch's pick runs it",
                         call.label(), choice.name, type(exc).__name__, exc)
             return None
-        if not err <= MAX_REL_ERR:
-            log.warning("conv plans: %s: %s is off torch's output by %.3g (> %g); torch's pick runs it",
-                        call.label(), choice.name, err, MAX_REL_ERR)
+        if why is not None:
+            log.warning("conv plans: %s: %s %s; torch's pick runs it", call.label(), choice.name, why)
             return None
         return g
 
+    def _fails_rule(self, call: ConvCall, g: _Graph) -> str | None:
+        """Why the built plan of ``g`` fails this planner's rule on fresh inputs, or None."""
+        if self.exact:
+            x, w = self._inputs(call, 0)
+            if not torch_runs_cudnn(call, x, w):
+                return "replaces a conv torch does not run on cuDNN"
+            return None if self._exact_on_inputs(call, g, None) else "does not give torch's bits here"
+        err = self._check(call, g)
+        return None if err <= MAX_REL_ERR else f"is off torch's output by {err:.3g} (> {MAX_REL_ERR:g})"
+
     def _check(self, call: ConvCall, g: _Graph) -> float:
-        x, w = self._inputs(call)
+        x, w = self._inputs(call, 0)
         want = call.run_torch(x, w)
         got = self._execute(g, x, w)
         return _rel_err(got, want)
 
-    def _inputs(self, call: ConvCall) -> tuple[torch.Tensor, torch.Tensor]:
+    def _exact_on_inputs(self, call: ConvCall, g: _Graph, index: int | None, first: int = 0) -> bool:
+        """Whether the plan (``index``, or the built one) gives torch's bits and strides on the
+        verdict's seeded inputs from the ``first``-th on (``bits.random_inputs_for`` the call's
+        outputs)."""
+        for seed in range(first, random_inputs_for(math.prod(call.out_shape()))):
+            x, w = self._inputs(call, seed)
+            if not same_bits(self._execute(g, x, w, index), call.run_torch(x, w)):
+                return False
+        return True
+
+    def _inputs(self, call: ConvCall, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Seeded random operands of the call's layouts (a weight of a conv layer's scale)."""
         fan_in = math.prod(call.w_shape[1:])
-        x = _random(call.x_shape, call.x_stride, call.torch_dtype, self.device, 1.0)
-        w = _random(call.w_shape, call.w_stride, call.torch_dtype, self.device, fan_in**-0.5)
+        x = seeded_normal(call.x_shape, call.x_stride, call.torch_dtype, self.device, 2 * seed)
+        w = seeded_normal(call.w_shape, call.w_stride, call.torch_dtype, self.device, 2 * seed + 1, fan_in**-0.5)
         return x, w
 
     # -- tuning ----------------------------------------------------------------------------------
@@ -474,10 +524,12 @@ class ConvPlanner:
         return report
 
     def _tune_one(self, call: ConvCall, report: TuneReport, min_gain: float) -> PlanChoice:
-        x, w = self._inputs(call)
+        x, w = self._inputs(call, 0)
         want = call.run_torch(x, w)
         torch_ms = gpu_ms(lambda: call.run_torch(x, w))
         keep_torch = PlanChoice(None, (), want.stride(), torch_ms, None, "torch")
+        if self.exact and not torch_runs_cudnn(call, x, w):
+            return keep_torch  # torch's bits (and its bias pass) are cuDNN's only where it runs cuDNN
         cudnn = self._cudnn
         try:
             g = _build_graph(cudnn, self._handle, call, want.stride())
@@ -489,8 +541,10 @@ class ConvPlanner:
         tried: list[tuple[float, float]] = []
         records: list[tuple[int, tuple[tuple[int, int], ...], str]] = []
         seen: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+        indices: list[int] = []  # each tried plan's index and workspace bytes
+        needs: list[int] = []
         for index in range(count):
-            if len(records) >= MAX_PLANS:
+            if len(records) >= (MAX_EXACT_PLANS if self.exact else MAX_PLANS):
                 break
             try:
                 engine_id, knobs = g.graph.get_engine_and_knobs_at_index(index)
@@ -504,45 +558,69 @@ class ConvPlanner:
                     continue
                 g.workspace = need
                 got = self._execute(g, x, w, index)
-                err = _rel_err(got, want)
+                # the exact rule as an error: 0 with torch's bits (strides included), else inf
+                err = (0.0 if same_bits(got, want) else math.inf) if self.exact else _rel_err(got, want)
                 ms = gpu_ms(lambda: self._execute(g, x, w, index)) if err <= MAX_REL_ERR else math.inf  # noqa: B023
             except Exception:  # noqa: BLE001 - plans that do not build or run are skipped
                 continue
             tried.append((ms, err))
+            indices.append(index)
+            needs.append(need)
             records.append((*record, str(g.graph.get_plan_name_at_index(index))))
-        best = choose(torch_ms, tried, min_gain)
-        if best is None:
-            return keep_torch
-        engine_id, knobs, name = records[best]
-        return PlanChoice(engine_id, knobs, want.stride(), torch_ms, tried[best][0], name)
+        while (best := choose(torch_ms, tried, min_gain)) is not None:
+            # exact: the fastest plan with torch's bits on the first input, on the verdict's others
+            g.workspace = needs[best]
+            if not self.exact or self._exact_on_inputs(call, g, indices[best], first=1):
+                engine_id, knobs, name = records[best]
+                return PlanChoice(engine_id, knobs, want.stride(), torch_ms, tried[best][0], name)
+            tried[best] = (math.inf, math.inf)
+        return keep_torch
 
 
 # --- the per-device registry and the op -----------------------------------------------------------
 
-_PLANNERS: dict[torch.device, ConvPlanner] = {}
+_PLANNERS: dict[tuple[torch.device, bool], ConvPlanner] = {}
 
 
 def install(planner: ConvPlanner) -> None:
-    """Make ``planner`` the one :func:`planned_conv` uses on its device (one per device and
-    process: the engine that installs it takes it off again when it closes)."""
-    _PLANNERS[planner.device] = planner
+    """Make ``planner`` the one :func:`planned_conv` uses on its device for its rule (one per
+    device, rule and process: the engine that installs it takes it off again when it closes)."""
+    _PLANNERS[(planner.device, planner.exact)] = planner
 
 
-def uninstall(device: torch.device) -> None:
-    _PLANNERS.pop(device, None)
+def uninstall(device: torch.device, exact: bool = False) -> None:
+    _PLANNERS.pop((device, exact), None)
 
 
-def planner_for(device: torch.device) -> ConvPlanner | None:
-    return _PLANNERS.get(device)
+def planner_for(device: torch.device, exact: bool = False) -> ConvPlanner | None:
+    return _PLANNERS.get((device, exact))
 
 
 def planned_conv(
-    x: torch.Tensor, w: torch.Tensor, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1
+    x: torch.Tensor, w: torch.Tensor, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1,
+    *, exact: bool = False,
 ) -> torch.Tensor | None:
-    """``F.conv2d/3d(x, w, None, ...)`` on the device's chosen plan; None when there is none (no
-    planner on the device, no choice for the call, or torch's pick won)."""
-    planner = _PLANNERS.get(x.device) if x.is_cuda else None
+    """``F.conv2d/3d(x, w, None, ...)`` on the device's chosen plan under the rule (``exact``:
+    torch's bits); None when there is none (no such planner on the device, no choice for the
+    call, or torch's pick won)."""
+    planner = _PLANNERS.get((x.device, exact)) if x.is_cuda else None
     if planner is None or torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return None
     call = ConvCall.of(x, w, stride, padding, dilation, groups)
     return None if call is None else planner.run(call, x, w)
+
+
+def conv_with_plan(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1, padding: Any = 0,
+    dilation: Any = 1, groups: int = 1, *, exact: bool = False,
+) -> torch.Tensor:
+    """``F.conv2d/3d`` on the device's tuned cuDNN plan when it has one for the call under the
+    rule, else torch's; the bias, if any, in a pass of its own after the plan, as torch adds it
+    after a cuDNN conv (``output.add_(bias)``: an exact plan keeps torch's bits with it)."""
+    y = planned_conv(x, w, stride, padding, dilation, groups, exact=exact)
+    if y is None:
+        conv = torch.nn.functional.conv3d if w.dim() == 5 else torch.nn.functional.conv2d
+        return conv(x, w, bias, stride, padding, dilation, groups)
+    if bias is not None:
+        y += bias.view(1, -1, *([1] * (y.dim() - 2)))
+    return y

@@ -59,16 +59,14 @@ the biases are not deferred either: ``OpSet.defers_bias_for``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vaed import kernels as K
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.residual import bias_residual_add
-from vaed.patches.conv_plans import planned_conv
+from vaed.patches.conv_plans import conv_with_plan
 from vaed.patches.derived import derived
 from vaed.patches.first_frame import causal_time_taps, is_first_frame, last_tap_weight
 from vaed.patches.ops import (
@@ -78,9 +76,8 @@ from vaed.patches.ops import (
     NormSilu,
     OpSet,
     PadTuple,
+    conv_on_plan,
     reference_causal_pad,
-    reference_conv2d,
-    reference_conv3d,
     reference_residual_add,
     reference_upsample,
     reference_upsample_interleave,
@@ -204,37 +201,14 @@ def unfolded_causal_conv(
     return y.as_strided(shape, (shape[2] * h * w_ * c, 1, h * w_ * c, w_ * c, c)), nxt
 
 
-def conv_with_plan(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: Any = 1, padding: Any = 0,
-    dilation: Any = 1, groups: int = 1,
-) -> torch.Tensor:
-    """``F.conv2d/3d`` on the device's tuned cuDNN plan when it has one for the call
-    (``vaed.patches.conv_plans``), else torch's; the bias, if any, in a pass of its own after
-    the plan, as torch adds it after a cuDNN conv."""
-    y = planned_conv(x, w, stride, padding, dilation, groups)
-    if y is None:
-        conv = F.conv3d if w.dim() == 5 else F.conv2d
-        return conv(x, w, bias, stride, padding, dilation, groups)
-    if bias is not None:
-        y += bias.view(1, -1, *([1] * (y.dim() - 2)))
-    return y
-
-
 def planned_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
     """Lossy: a Conv3d's convolution of its (pre-padded) input on the tuned plan, if any."""
-    c = cast(nn.Conv3d, conv)
-    if isinstance(c.padding, str) or c.padding_mode != "zeros":
-        return reference_conv3d(conv, x, bias=bias)
-    return conv_with_plan(x, c.weight, c.bias if bias else None, c.stride, c.padding, c.dilation, c.groups)
+    return conv_on_plan(conv, x, bias=bias, exact=False)
 
 
 def planned_conv2d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
-    """Lossy: WanResample's image conv on the tuned plan, if any; the module call when it has
-    hooks or a non-zero padding mode (what stock's ``conv(x)`` would honour)."""
-    c = cast(nn.Conv2d, conv)
-    if isinstance(c.padding, str) or c.padding_mode != "zeros" or c._forward_hooks or c._forward_pre_hooks:
-        return reference_conv2d(conv, x, bias=bias)
-    return conv_with_plan(x, c.weight, c.bias if bias else None, c.stride, c.padding, c.dilation, c.groups)
+    """Lossy: WanResample's image conv on the tuned plan, if any."""
+    return conv_on_plan(conv, x, bias=bias, exact=False)
 
 
 def channels_last_upsample(

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vaed.kernels.rms_silu import NormSilu
+from vaed.patches.bits import random_inputs_for, same_bits, seeded_normal
 from vaed.patches.derived import derived
 
 if TYPE_CHECKING:  # the op sets call this module: types only from there
@@ -44,12 +45,6 @@ CutConv = Callable[[nn.Conv3d, torch.Tensor, bool], torch.Tensor]
 # signature -> (the cut form that gives stock's bits, stock's output strides), or None: stock's conv
 _VERDICTS: dict[tuple[Any, ...], tuple[str, tuple[int, ...]] | None] = {}
 _MAX_SIGNATURES = 4096
-# Output elements the random inputs of one verdict cover at least (more inputs for small convs,
-# up to MAX_RANDOM_INPUTS). Where a cut form sums in another order, 2-3 in 10^4 outputs of a
-# bf16 conv differ (480x832 Wan2.1: 811 of 2.4 M, 9305 of 38.6 M), so one input of a small conv
-# (a few thousand outputs) can pass by chance; 2^20 elements leave such a form ~250 chances.
-JUDGED_ELEMENTS = 1 << 20
-MAX_RANDOM_INPUTS = 16
 
 
 def causal_time_taps(conv: nn.Module, pad: PadTuple) -> int:
@@ -124,16 +119,6 @@ def _in_layout(y: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor | None:
     return y.as_strided(y.shape, stride)
 
 
-def same_bits(got: torch.Tensor | None, want: torch.Tensor | None) -> bool:
-    """Same shape, strides and bit patterns (so -0 differs from +0, unlike torch.equal)."""
-    if got is None or want is None:
-        return got is want
-    if got.shape != want.shape or got.stride() != want.stride() or got.dtype != want.dtype:
-        return False
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.element_size()]
-    return bool(torch.equal(got.view(ints), want.view(ints)))
-
-
 def _signature(ops: OpSet, conv: nn.Conv3d, x: torch.Tensor, pad: PadTuple, norm: NormSilu | None,
                bias: bool) -> tuple:
     w = conv.weight
@@ -166,19 +151,13 @@ def _matches(ops: OpSet, conv: nn.Conv3d, x: torch.Tensor, pad: PadTuple, norm: 
     return got is not None and same_bits(got[0], stock[0]) and same_bits(got[1], stock[1])
 
 
-def _random_like(x: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=x.device).manual_seed(seed)
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).normal_(generator=g)
-
-
 def _judge(ops: OpSet, conv: nn.Conv3d, x: torch.Tensor, pad: PadTuple, norm: NormSilu | None, bias: bool,
            stock: Built) -> str | None:
     """The first cut form with stock's bits on this call's input and on seeded random ones
-    (``JUDGED_ELEMENTS`` outputs at least, up to ``MAX_RANDOM_INPUTS``), or None."""
-    inputs = min(MAX_RANDOM_INPUTS, max(1, -(-JUDGED_ELEMENTS // max(stock[0].numel(), 1))))
+    (``bits.random_inputs_for`` its outputs), or None."""
     cases = [(x, stock)]
-    for seed in range(inputs):
-        random_x = _random_like(x, seed)
+    for seed in range(random_inputs_for(stock[0].numel())):
+        random_x = seeded_normal(tuple(x.shape), x.stride(), x.dtype, x.device, seed)
         cases.append((random_x, _stock(ops, conv, random_x, pad, norm, bias)))
     for name, form in CUT_FORMS.items():
         if all(_matches(ops, conv, xi, pad, norm, bias, form, want) for xi, want in cases):

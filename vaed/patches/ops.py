@@ -86,6 +86,7 @@ from vaed.kernels import _runtime as rt
 from vaed.kernels.rms_silu import NormSilu
 from vaed.kernels.upsample import upsample_nearest2x_reference
 from vaed.patches import first_frame
+from vaed.patches.conv_plans import conv_with_plan
 
 PadTuple = tuple[int, int, int, int, int, int]
 
@@ -249,6 +250,29 @@ def reference_conv2d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> 
         return conv(x)  # the module call stock makes (its hooks included)
     conv2 = cast(nn.Conv2d, conv)
     return conv2._conv_forward(x, conv2.weight, None)
+
+
+def conv_on_plan(conv: nn.Module, x: torch.Tensor, *, bias: bool, exact: bool) -> torch.Tensor:
+    """A Conv3d's convolution of its (pre-padded) input, or WanResample's Conv2d's, on the
+    device's tuned cuDNN plan under the planner's rule (``exact``: torch's bits), if it has
+    one; else, and where a plan cannot stand in for the module (string padding, a padding
+    mode, a Conv2d's hooks, which stock's ``conv(x)`` honours), the reference's call."""
+    c = cast(nn.Conv3d | nn.Conv2d, conv)
+    hooks = isinstance(c, nn.Conv2d) and bool(c._forward_hooks or c._forward_pre_hooks)
+    if isinstance(c.padding, str) or c.padding_mode != "zeros" or hooks:
+        return (reference_conv2d if isinstance(c, nn.Conv2d) else reference_conv3d)(conv, x, bias=bias)
+    return conv_with_plan(x, c.weight, c.bias if bias else None, c.stride, c.padding, c.dilation, c.groups,
+                          exact=exact)
+
+
+def exact_conv3d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+    """Exact: ``reference_conv3d``'s bits, on a cuDNN plan that gives them where one was tuned."""
+    return conv_on_plan(conv, x, bias=bias, exact=True)
+
+
+def exact_conv2d(conv: nn.Module, x: torch.Tensor, *, bias: bool = True) -> torch.Tensor:
+    """Exact: ``reference_conv2d``'s bits, on a cuDNN plan that gives them where one was tuned."""
+    return conv_on_plan(conv, x, bias=bias, exact=True)
 
 
 def reference_residual_add(x: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -484,8 +508,8 @@ LOSSLESS_OPS = OpSet(
     upsample_interleave=FusedOp("upsample_interleave", triton_upsample_interleave, reference_upsample_interleave),
     dupup_add=FusedOp("dupup_add", K.dupup_add, reference_dupup_add),
     avgdown_add=FusedOp("avgdown_add", K.avgdown_add, reference_avgdown_add),
-    conv3d=reference_conv3d,
-    conv2d=reference_conv2d,
+    conv3d=exact_conv3d,
+    conv2d=exact_conv2d,
     residual_add=FusedOp("residual_add", exact_residual_add, reference_residual_add),
     norm_causal_conv=unfused_norm_causal_conv,
     defer_bias=EXACT_BIAS_SITES,
