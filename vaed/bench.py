@@ -111,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", choices=CudaGraphs.values(), default=CudaGraphs.OFF,
                         help="vaed variants replay captured decoder calls (vaed serve --cuda-graphs)")
     parser.add_argument("--conv-plans", choices=ConvPlans.values(), default=ConvPlans.OFF,
-                        help="vaed-fast's convs on tuned cuDNN plans (vaed serve --conv-plans); the plan "
-                             "file is the kernel cache's")
+                        help="the vaed variants' convs on tuned cuDNN plans (vaed serve --conv-plans; "
+                             "vaed-lossless's with torch's bits); the plan file is the kernel cache's")
     parser.add_argument("--seed", type=int, default=0, help="latents seed")
     parser.add_argument("--psnr", action="store_true", help="PSNR / max abs error against an fp32 stock decode")
     parser.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write rows as JSON")

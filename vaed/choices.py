@@ -69,8 +69,9 @@ class CudaGraphs(Choice):
 
 
 class ConvPlans(Choice):
-    """The fast tier's convs on cuDNN engines timed per shape (vaed.patches.conv_plans): replay
-    the choices found in the plan file, also time the warm-up shapes it lacks, or torch's pick."""
+    """Each tier's convs on cuDNN engines timed per shape (vaed.patches.conv_plans; the lossless
+    tier's on engines with torch's bits): replay the choices found in the plan file, also time the
+    warm-up shapes it lacks, or torch's pick."""
 
     CACHED = "cached"
     TUNE = "tune"

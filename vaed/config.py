@@ -138,8 +138,8 @@ class ServerConfig:
         "(bit-identical; more GPU memory for the graphs' buffers): on = every call, first = each "
         "video's first chunk only (the first frame's launches), off = none", choices=CudaGraphs)
     conv_plans: ConvPlans = option(
-        ConvPlans.CACHED, "the fast tier's convs on the cuDNN engine timed fastest per conv shape "
-        "(needs nvidia-cudnn-frontend): cached = replay the choices in the kernel cache's plan file, "
+        ConvPlans.CACHED, "each tier's convs on the cuDNN engine timed fastest per conv shape, the "
+        "lossless tier's on engines that give torch's bits (needs nvidia-cudnn-frontend): cached = replay the choices in the kernel cache's plan file, "
         "tune = also time the warm-up sizes' convs it lacks at start-up (at most 120 s a start; once "
         "per GPU model and cache) and add them, off = torch's pick", choices=ConvPlans)
     kernel_cache: str | None = option(
