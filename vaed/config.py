@@ -139,9 +139,10 @@ class ServerConfig:
         "video's first chunk only (the first frame's launches), off = none", choices=CudaGraphs)
     conv_plans: ConvPlans = option(
         ConvPlans.CACHED, "each tier's convs on the cuDNN engine timed fastest per conv shape, the "
-        "lossless tier's on engines that give torch's bits (needs nvidia-cudnn-frontend): cached = replay the choices in the kernel cache's plan file, "
-        "tune = also time the warm-up sizes' convs it lacks at start-up (at most 120 s a start; once "
-        "per GPU model and cache) and add them, off = torch's pick", choices=ConvPlans)
+        "lossless tier's on engines that give torch's bits (needs nvidia-cudnn-frontend): cached = "
+        "replay the choices in the kernel cache's plan file, tune = also time the warm-up sizes' convs "
+        "it lacks at start-up (at most 120 s a start and tier; once per GPU model and cache) and add "
+        "them, off = torch's pick", choices=ConvPlans)
     kernel_cache: str | None = option(
         None, "directory Triton keeps its compiled kernels in (TRITON_CACHE_DIR of this process): a "
         "restart that finds them there skips the compiles; mount it on a volume that outlives the pod",
