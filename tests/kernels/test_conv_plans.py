@@ -176,6 +176,11 @@ def test_registry_keeps_one_planner_per_rule() -> None:
     assert CP.planner_for(device) is None
 
 
+def test_a_plan_takes_only_aligned_operands() -> None:
+    x = torch.empty(64, dtype=torch.bfloat16)
+    assert CP.aligned(x, x[8:]) and not CP.aligned(x, x[1:]) and not CP.aligned(x[4:])
+
+
 def test_open_refuses_a_cpu_device() -> None:
     assert isinstance(CP.ConvPlanner.open(torch.device("cpu"), None), str)
     assert isinstance(CP.ConvPlanner.open(torch.device("cpu"), None, exact=True), str)

@@ -76,6 +76,9 @@ MAX_PLANS = 16  # candidate plans timed per call (heuristics order: the likely w
 # Wan2.1's 96-channel conv3d on an H200), and a plan without them costs one run, no timing
 MAX_EXACT_PLANS = 128
 MAX_WORKSPACE_BYTES = 256 << 20
+# the frontend's tensors assume 16-byte aligned data (its default); a view at another offset
+# (torch's allocator aligns to 512 bytes, a slice need not) keeps torch's conv
+OPERAND_ALIGNMENT = 16
 TIMING_ITERS = 10
 WARMUP_ITERS = 2
 SLEEP_CYCLES = 1_000_000  # a GPU sleep before each timed launch (~0.5 ms) hides its host cost
@@ -338,6 +341,12 @@ def gpu_ms(fn: Callable[[], Any], iters: int = TIMING_ITERS) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every operand's data starts on an ``OPERAND_ALIGNMENT`` boundary, as a plan's
+    tensors assume."""
+    return all(t.data_ptr() % OPERAND_ALIGNMENT == 0 for t in tensors)
+
+
 def torch_runs_cudnn(call: ConvCall, x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch dispatches the call to cuDNN (a private API: False where it moved). Only
     there is torch's conv with a bias its conv without one and then ``add_`` of the bias."""
@@ -413,7 +422,7 @@ class ConvPlanner:
                     return None  # replaying checks against torch (a sync): never inside a capture
                 self._graphs[call] = self._replay(call, choice)
             g = self._graphs[call]
-            if g is None:
+            if g is None or not aligned(x, w):
                 return None
             return self._execute(g, x, w)
 
