@@ -160,8 +160,9 @@ class DecodeEngine(Engine):
             if isinstance(planner, str):
                 log.warning("conv plans off on %s: %s", self.device, planner)
                 return {}
-            conv_plans.install(planner)
             planners[p] = planner
+        for planner in planners.values():  # all or none
+            conv_plans.install(planner)
         return planners
 
     def close(self) -> None:

@@ -37,7 +37,9 @@ Op signatures (every op set honours all of them):
     it to the op that reads the output: see ``defer_bias``).
 ``conv2d(conv, x, *, bias=True)`` -> ``conv(x)`` for WanResample's 3x3 image conv
     (it pads itself; a sharded variant swaps in halo rows and one-sided padding
-    here); ``bias=False`` as for ``conv3d``.
+    here); ``bias=False`` as for ``conv3d``. Both run on the device's tuned cuDNN
+    plan for the call where there is one (``conv_plans``): within a tolerance in the
+    fast set, with torch's bits in the exact ones.
 ``residual_add(x, h, bias=None)`` -> ``x + h`` (the residual block's output),
     ``(x + bias) + h`` with the deferred per-channel biases reaching it: in the
     exact sets conv2's alone, ``x + bias`` rounded first; in the fast set also
