@@ -46,7 +46,7 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import CancelledError, ClientClosedError, VaedError, from_rpc_error
+from .errors import CancelledError, ClientClosedError, VaedError
 from .mp4 import Mp4Output, mp4_output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -149,7 +149,7 @@ class AsyncVaeClient:
                     wire.pb.ModelInfoRequest(), timeout=progress.remaining(), metadata=self._metadata)
                 break
             except grpc.RpcError as e:
-                await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))
+                await asyncio.sleep(progress.retry_delay(progress.error_of(e)))
         self._info = ModelInfo.from_proto(reply)
         return self._info
 
@@ -195,7 +195,7 @@ class AsyncVaeClient:
                             assembly.add(reply)
                     return assembly.result()
                 except grpc.RpcError as e:
-                    await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+                    await asyncio.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
                 except BaseException:
                     call.cancel()
                     raise
@@ -239,7 +239,7 @@ class AsyncVaeClient:
                         assembly.add(reply)
                 return assembly.result()
             except grpc.RpcError as e:
-                await asyncio.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+                await asyncio.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
             except BaseException:
                 call.cancel()
                 raise
@@ -273,7 +273,7 @@ class AsyncVaeClient:
                         yield chunk_result(reply, spec, streamed.as_torch)
                 return
             except grpc.RpcError as e:
-                error = from_rpc_error(e)
+                error = progress.error_of(e)
             finally:
                 first_reply.set()
                 call.cancel()  # no-op once the call ended
@@ -399,7 +399,7 @@ class AsyncDecodeSession(SessionView):
                             replies.put_nowait(reply)
                     break
                 except grpc.RpcError as e:
-                    error = from_rpc_error(e)
+                    error = self._progress.error_of(e)
                 await asyncio.sleep(self._progress.retry_delay(error, resumable=self._log.resumable))
                 if self._state.cancelled:
                     raise error

@@ -43,7 +43,7 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import ClientClosedError, VaedError, from_rpc_error
+from .errors import ClientClosedError, VaedError
 from .mp4 import mp4_output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -152,7 +152,7 @@ class VaeClient:
                     wire.pb.ModelInfoRequest(), timeout=progress.remaining(), metadata=self._metadata)
                 break
             except grpc.RpcError as e:
-                time.sleep(progress.retry_delay(from_rpc_error(e)))
+                time.sleep(progress.retry_delay(progress.error_of(e)))
         self._info = ModelInfo.from_proto(reply)
         return self._info
 
@@ -214,7 +214,7 @@ class VaeClient:
                         gate.opened.set()  # after the first reply is placed (see _iterate_chunks)
                     return assembly.result()
                 except grpc.RpcError as e:
-                    time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+                    time.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
                 except BaseException:
                     gate.call.cancel()
                     raise
@@ -262,7 +262,7 @@ class VaeClient:
                         assembly.add(reply)
                 return assembly.result()
             except grpc.RpcError as e:
-                time.sleep(progress.retry_delay(from_rpc_error(e)))  # raises when the call ends here
+                time.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
             except BaseException:
                 call.cancel()
                 raise
@@ -310,7 +310,7 @@ class VaeClient:
                 yield from _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened, progress)
                 return
             except grpc.RpcError as e:
-                time.sleep(progress.retry_delay(from_rpc_error(e)))
+                time.sleep(progress.retry_delay(progress.error_of(e)))
             gate = self._open_stream(streamed, spec, progress)
 
     def session(
@@ -483,7 +483,7 @@ class DecodeSession(SessionView):
                             self._replies.put(reply)
                     break
                 except grpc.RpcError as e:
-                    error = from_rpc_error(e)
+                    error = self._progress.error_of(e)
                 delay = self._progress.retry_delay(error, resumable=self._log.resumable)
                 time.sleep(delay)
                 if self._state.cancelled:

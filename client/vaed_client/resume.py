@@ -53,7 +53,7 @@ import grpc
 import numpy as np
 
 from . import wire
-from .errors import DeadlineExceededError, InternalError, VaedError
+from .errors import DeadlineExceededError, InternalError, VaedError, from_rpc_error
 from .tensors import TensorFormatError, storage_view
 from .video import TIME_AXIS
 
@@ -254,6 +254,20 @@ class Progress:
         self._failed_at = None
 
     # -- after a failure --------------------------------------------------------------
+    def error_of(self, rpc_error: grpc.RpcError) -> VaedError:
+        """The VaedError an attempt's failure stands for. An INTERNAL seen once the call's own
+        timeout has run out is that timeout: grpc.aio reports a message written into a call that
+        its deadline has just ended as INTERNAL ("Internal error from Core"), and a deadline's
+        status is best effort in grpc (a server-side cancel can arrive first as a bare stream
+        reset), so the caller gets the DEADLINE_EXCEEDED its timeout asked for."""
+        error = from_rpc_error(rpc_error)
+        if (isinstance(error, InternalError) and self.deadline is not None
+                and time.monotonic() >= self.deadline):
+            late = DeadlineExceededError(f"the call's timeout ran out (gRPC reported: {error.details})")
+            late.__cause__ = error
+            return late
+        return error
+
     def retry_delay(self, error: VaedError, *, resumable: bool = True) -> float:
         """Seconds to wait before the next attempt, or raise `error` when the call ends here: not a
         retryable status, cancelled by the application, out of attempts or time, or not resumable

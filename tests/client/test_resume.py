@@ -3,12 +3,16 @@ which statuses are retried, exactly-once delivery across attempts, the replay bo
 
 from __future__ import annotations
 
+import time
+
 import grpc
+import grpc.aio
 import numpy as np
 import pytest
 
 from vaed_client import wire
 from vaed_client.errors import (
+    DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
     ResourceExhaustedError,
@@ -158,3 +162,24 @@ def test_encode_replies_pass_once_each_by_latent_frame():
     assert progress.accept_latent(end) is end
     with pytest.raises(InternalError, match="skipped latent frames 4..5"):
         progress.accept_latent(wire.pb.LatentFrameChunk(latent_frame=6))
+
+
+def _aio_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_an_internal_error_past_the_calls_timeout_is_its_deadline() -> None:
+    # grpc.aio reports a request message written into a call its deadline just ended as INTERNAL
+    progress = _progress("a:1", timeout=3600.0)
+    core = _aio_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
+    assert type(progress.error_of(core)) is InternalError  # the timeout has not run out
+    progress.deadline = time.monotonic() - 0.001
+    late = progress.error_of(core)
+    assert type(late) is DeadlineExceededError and late.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "Internal error from Core" in str(late) and isinstance(late.__cause__, InternalError)
+    with pytest.raises(DeadlineExceededError):
+        progress.retry_delay(late)
+    # only INTERNAL stands for the timeout: a server's own answer keeps its status
+    refused = progress.error_of(_aio_error(grpc.StatusCode.INVALID_ARGUMENT, "bad latents"))
+    assert type(refused) is InvalidArgumentError
+    assert type(_progress("a:1").error_of(core)) is InternalError  # no timeout at all
