@@ -151,12 +151,11 @@ class DecodeEngine(Engine):
         CUDA, or where the frontend cannot run (logged)."""
         if self.conv_plans == ConvPlans.OFF or self.device.type != "cuda":
             return {}
+        shared = conv_plans.PlanFile(plan_file) if plan_file is not None else None  # one file, a section per rule
         planners: dict[Precision, conv_plans.ConvPlanner] = {}
         for precision in self.fast_paths.op_sets:
             p = Precision(precision)
-            planner = conv_plans.ConvPlanner.open(
-                self.device, conv_plans.PlanFile(plan_file) if plan_file is not None else None,
-                exact=p == Precision.LOSSLESS)
+            planner = conv_plans.ConvPlanner.open(self.device, shared, exact=p == Precision.LOSSLESS)
             if isinstance(planner, str):
                 log.warning("conv plans off on %s: %s", self.device, planner)
                 return {}
