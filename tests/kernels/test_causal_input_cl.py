@@ -190,3 +190,48 @@ def test_causal_pad_cl_declines_contiguous(backend: Backend) -> None:
     """Layouts the aten chain writes contiguous are left to the 1-D kernel."""
     xc = torch.randn(1, 5, 2, 4, 6, device=backend.device)
     assert K.causal_pad_cl(xc, None, (1, 1, 1, 1, 2, 0)) is None
+
+
+def _aten_not_channels_last(backend: Backend, dtype, case: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inputs whose aten chain writes the padded input NCDHW: an up block's one-frame first input
+    (a permuted conv2d output of batch 1, its size-1 dims' strides not channels_last_3d's), the
+    cache that chunk leaves (NCDHW, as aten wrote it) beside a channels-last chunk, and an NCDHW
+    activation (the mid block's attention output)."""
+    g = backend.generator(11)
+    c, h, w = 5, 4, 6
+    if case == "one-frame view":
+        base = torch.randn(1, c, h, w, device=backend.device, dtype=dtype, generator=g)
+        base = base.contiguous(memory_format=torch.channels_last)
+        return base.as_strided((1, c, 1, h, w), (c, 1, c, w * c, c)), None
+    if case == "ncdhw cache":
+        x = lay(torch.randn(1, c, 2, h, w, device=backend.device, dtype=dtype, generator=g), "cl3d")
+        return x, torch.randn(1, c, 2, h, w, device=backend.device, dtype=dtype, generator=g)
+    return torch.randn(1, c, 2, h, w, device=backend.device, dtype=dtype, generator=g), None
+
+
+@kernel_cases("dtype, case", cuda=grid((torch.bfloat16, torch.float32), ("one-frame view", "ncdhw cache", "ncdhw")),
+              interpreter=grid((torch.bfloat16,), ("one-frame view", "ncdhw cache", "ncdhw")))
+def test_causal_pad_cl_channels_last_out(backend: Backend, dtype, case: str) -> None:
+    """channels_last_out: where aten's chain writes NCDHW (which the default leaves to the 1-D
+    kernel), the padded input and next cache come out channels_last_3d with the reference's
+    values: bit-exact without a norm, within a rounding with the fast prologue (also unfolded)."""
+    x, cache = _aten_not_channels_last(backend, dtype, case)
+    pad = (1, 1, 1, 1, 2, 0)
+    want = K.causal_pad_reference(x, cache, pad)
+    assert not want[0].is_contiguous(memory_format=CL)  # the case is one where aten leaves channels-last
+    assert K.causal_pad_cl(x, cache, pad) is None
+    got = K.causal_pad_cl(x, cache, pad, channels_last_out=True)
+    assert got is not None
+    for a, b in zip(got, want):
+        assert a.is_contiguous(memory_format=CL) and a.shape == b.shape
+        assert torch.equal(a, b)
+    gamma = (torch.rand(5, 1, 1, 1, device=backend.device, generator=backend.generator(5)) + 0.5).to(dtype)
+    norm = K.NormSilu(gamma, 5**0.5, 0.0)
+    want = K.causal_pad_reference(x, cache, pad, norm=norm)
+    got = K.causal_pad_cl(x, cache, pad, norm_cl=norm, channels_last_out=True)
+    assert got is not None
+    for a, b in zip(got, want):
+        assert a.is_contiguous(memory_format=CL)
+        torch.testing.assert_close(a, b, **_tolerance(dtype))
+    u, nu = K.causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=3, channels_last_out=True)
+    assert torch.equal(u, _unfolded(got[0], 3)) and torch.equal(nu, got[1])

@@ -69,6 +69,40 @@ def test_tiny_decodes_under_each_tier(backend: Backend, monkeypatch: Any, arch, 
 
 
 
+@kernel_cases("arch", cuda=[("wan2.1-tiny",), ("wan2.2-tiny",)], interpreter=[("wan2.1-tiny",)])
+def test_fast_convs_read_channels_last(backend: Backend, monkeypatch: Any, arch) -> None:
+    """Every conv of a fast decode reads a channels-last input, first chunk and steady ones: stock's
+    chain turns NCDHW after the mid block's attention and at each up block's first conv (a
+    one-frame input with ambiguous strides, then the cache it leaves), where cuDNN runs slower
+    kernels (a 96-channel 3x3x3 conv at 480x832: 3.7 ms NCDHW, 1.4 ms channels-last on a plan)."""
+    import vaed.patches.fast as fast_module
+    import vaed.patches.ops as ops_module
+
+    layouts: list[tuple[tuple[int, ...], bool]] = []
+    real_conv = ops_module.conv_with_plan
+    assert fast_module.conv_with_plan is real_conv
+
+    def spied(x: torch.Tensor, w: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+        layouts.append((tuple(x.shape), x.is_contiguous(memory_format=fmt)))
+        return real_conv(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(ops_module, "conv_with_plan", spied)  # the tier's conv3d and conv2d
+    monkeypatch.setattr(fast_module, "conv_with_plan", spied)  # its unfolded and first-chunk convs
+    torch.manual_seed(0)
+    vae = build_random_vae(arch).to(device=backend.device, dtype=torch.bfloat16).eval().requires_grad_(False)
+    z = P.to_decoder_layout(torch.randn(1, vae.config.z_dim, 3, 4, 6, device=backend.device,
+                                        dtype=torch.bfloat16), "channels_last")
+    with torch.no_grad():
+        rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
+        assert rep.op_sets["fast"] == P.FAST_OPS, rep
+        layouts.clear()  # the start-up checks' tiny convs
+        with P.using(rep.ops_for("fast")):
+            chunked_decode(vae, z)
+    assert len(layouts) > 40, layouts  # the decoder's convs went through the tier's conv op
+    assert [shape for shape, channels_last in layouts if not channels_last] == []
+
+
 def _vae(arch: str, dtype: torch.dtype) -> Any:
     return build_random_vae(arch).to(device="cuda", dtype=dtype).eval().requires_grad_(False)
 

@@ -142,6 +142,7 @@ def causal_pad_cl(
     norm_cl: NormSilu | None = None,
     emit_cache: bool = True,
     unfold: int = 0,
+    channels_last_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Channels-last causal conv input; None when not handled (caller falls back).
 
@@ -152,7 +153,11 @@ def causal_pad_cl(
     aten's denominator passed in); ``norm_cl`` the lossy one-pass prologue
     (its ``x_bias`` added in fp32 first; ``denom`` unused). At most one of them. ``unfold=KT > 0`` returns the
     input with KT time taps unfolded into channels (module docstring) in place
-    of the padded tensor.
+    of the padded tensor. ``channels_last_out`` writes the padded input and the next cache
+    channels_last_3d whatever aten's chain would give (lossy sets only: stock's chain turns
+    NCDHW where an input's strides are ambiguous, e.g. an up block's one-frame first input,
+    or NCDHW already, the mid block's attention output, and every later chunk's cache
+    follows it, so the conv after it runs NCDHW on cuDNN's slower kernels).
     """
     if zero_history and cache is not None:
         raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
@@ -169,7 +174,9 @@ def causal_pad_cl(
         tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t,
         norm is not None or norm_cl is not None, x.dtype,
     )
-    if not rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D):
+    if channels_last_out:
+        p_stride, n_stride = rt.dense_strides(p_shape, rt.ORDER_CL3D), rt.dense_strides(n_shape, rt.ORDER_CL3D)
+    elif not rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D):
         return None
     B, C, T, H, W = x.shape
     _, _, TP, HP, WP = p_shape

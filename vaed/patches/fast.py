@@ -121,7 +121,7 @@ def fast_norm_causal_pad(
     if norm is not None:
         r = causal_pad_cl(
             x, cache, pad, zero_history=zero_history, emit_cache=emit_cache,
-            norm_cl=norm,
+            norm_cl=norm, channels_last_out=True,
         )
         if r is not None:
             return r
@@ -187,7 +187,7 @@ def unfolded_causal_conv(
         taps, weight = kt, unfolded_weight(conv)
     else:
         return None
-    r = causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=taps)
+    r = causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=taps, channels_last_out=True)
     if r is None:
         return None
     images, nxt = r
