@@ -13,7 +13,6 @@ replica has exited, and the proxy cuts after set byte counts.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Any, Iterator
 
