@@ -154,10 +154,11 @@ def causal_pad_cl(
     (its ``x_bias`` added in fp32 first; ``denom`` unused). At most one of them. ``unfold=KT > 0`` returns the
     input with KT time taps unfolded into channels (module docstring) in place
     of the padded tensor. ``channels_last_out`` writes the padded input and the next cache
-    channels_last_3d whatever aten's chain would give (lossy sets only: stock's chain turns
-    NCDHW where an input's strides are ambiguous, e.g. an up block's one-frame first input,
-    or NCDHW already, the mid block's attention output, and every later chunk's cache
-    follows it, so the conv after it runs NCDHW on cuDNN's slower kernels).
+    channels_last_3d whatever aten's chain would give (lossy sets only). That chain writes
+    NCDHW for an NCDHW input (the mid block's attention output) and for one whose size-1
+    dims' strides it reads as ambiguous (an up block's one-frame first input); the cache it
+    leaves carries that into the next chunk, and the conv reading it runs on cuDNN's slower
+    NCDHW kernels.
     """
     if zero_history and cache is not None:
         raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")

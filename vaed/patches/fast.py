@@ -9,6 +9,9 @@ benchmarks/profile_fast.py shows it pays on the H200):
   activation, an aten norm reduction and the exact fused prologue -- two
   fewer full passes per norm site (2 per residual block + the head). Not
   bit-exact: ~1 bf16 ulp from stock, and no further from an fp32 decode.
+  Its output and next cache are channels_last_3d even where stock's chain
+  writes NCDHW (after the mid block's attention, an up block's first two
+  chunks), so every norm site's conv reads channels-last.
 * ``causal_pad``: the same 2-D channels-last tile kernel without the norm --
   pure data movement, bit-exact.
 
@@ -117,7 +120,9 @@ def fast_norm_causal_pad(
     zero_history: bool = False,
     emit_cache: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Lossy: norm+SiLU reduced and applied in one channels-last pass, else the exact kernels."""
+    """Lossy: norm+SiLU reduced and applied in one channels-last pass, written channels_last_3d
+    whatever aten's chain would give (the conv after it reads channels-last), else the exact
+    kernels."""
     if norm is not None:
         r = causal_pad_cl(
             x, cache, pad, zero_history=zero_history, emit_cache=emit_cache,
