@@ -65,8 +65,8 @@ REFUSAL_LINGER_SECONDS = 0.25
 # default BDP-probed windows 6-30 MiB a stream on loopback. 64 concurrent
 # refused DecodeStream calls pushing 4 x 16 MiB on one connection grew a
 # server by 759 MiB RSS with no cap, by 103-460 MiB with 16 (noisy), and by
-# 3 MiB answering at once; with the server options grpc.http2.bdp_probe=0 and
-# grpc.http2.lookahead_bytes=4 MiB, by 43-112 MiB with or without the cap.
+# 3 MiB answering at once; with the fixed 4 MiB stream windows the server now
+# sets (`vaed.server.STREAM_WINDOW_BYTES`), by 43-112 MiB with or without the cap.
 MAX_LINGERING_REFUSALS = 16
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
