@@ -281,10 +281,11 @@ def _deadline_passed(context: grpc.aio.ServicerContext) -> Callable[[], bool]:
 
 
 def _stream_input(requests: AsyncIterator[bytes], parse_one: Callable[[bytes], Any]) -> CallInput[bytes]:
-    messages = requests.__aiter__()
-
+    # `anext` on grpc.aio's receiver itself: its `__aiter__` makes the generator, which a call
+    # refused before its first read (an Encode to a decode-only server, say) would leave never
+    # awaited, and Python warns "coroutine ... was never awaited" at garbage collection.
     async def receive() -> bytes | None:
-        return await anext(messages, None)
+        return await anext(requests, None)
 
     return CallInput(receive, parse_one)
 

@@ -8,6 +8,8 @@ keeps serving)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +23,7 @@ from vaed.models import build_random_vae
 from vaed_client import AsyncVaeClient, RemoteAutoencoderKLWan, VaeClient, wire
 from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
 from vaed_client.encoding import encode_options, prepare_video, video_chunks
+from vaed_client.errors import InvalidArgumentError
 
 ARCHS = ["wan2.1-tiny", "wan2.2-tiny"]
 
@@ -258,6 +261,22 @@ def test_a_decode_only_server_refuses_encode(tiny_server: Any) -> None:
         with pytest.raises(Exception, match="--encode"):
             client.encode(_video(1, 1))
         assert client.decode(torch.randn(1, 4, 1, 4, 6)).shape[1] == 1  # still serving
+
+
+def test_a_stream_refused_before_its_first_read_leaves_no_unawaited_receiver(tiny_server: Any) -> None:
+    """grpc.aio's request receiver makes its generator when asked for an iterator: a refused
+    Encode that had asked and never read left it to garbage collection, which warned
+    "coroutine '_MessageReceiver._async_message_receiver' was never awaited" on the server."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with VaeClient(tiny_server.target) as client:
+            for _ in range(3):
+                with pytest.raises(InvalidArgumentError, match="--encode"):
+                    client.encode(_video(1, 1))
+            assert client.decode(torch.randn(1, 4, 1, 4, 6)).shape[1] == 1
+        gc.collect()
+    unawaited = [str(w.message) for w in seen if "never awaited" in str(w.message)]
+    assert unawaited == []
 
 
 def _options(**kw: Any) -> Any:
