@@ -145,9 +145,9 @@ def connection_cap(config: ServerConfig) -> int:
 # the server. gRPC's default BDP probing sizes the window from the measured delay, so a loaded
 # machine grows it: a DecodeStream pushing 1 MiB messages into a full backlog parked 68-134 MiB
 # in the server's transport (RSS +87-220 MiB on 2 busy cores); fixed at 4 MiB, 5-8 messages and
-# +24-33 MiB. A read of a larger message still opens the window to that message's length, and
-# 4 MiB is 8 GB/s at a 0.5 ms round trip: loopback uploads ran 1.0-1.4 GB/s with BDP probing
-# and 1.4 GB/s without it.
+# +10-33 MiB. A read of a larger message still opens the window to that message's length, and
+# 4 MiB is 8 GB/s at a 0.5 ms round trip: loopback uploads of 1 and 8 MiB messages ran 1.0-1.3 GB/s with BDP probing
+# and 1.35-1.45 GB/s without it.
 STREAM_WINDOW_BYTES = 4 << 20
 
 
