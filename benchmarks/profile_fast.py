@@ -184,7 +184,8 @@ def free(*objs: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(name: str, runs: int, smooth: bool, do_profile: bool, profile_only: bool = False, shapes: bool = False) -> dict[str, Any]:
+def run_case(name: str, runs: int, smooth: bool, do_profile: bool, profile_only: bool = False, shapes: bool = False,
+             profile_tiers: tuple[str, ...] = ("fast",)) -> dict[str, Any]:
     spec, (frames, height, width) = CASES[name]
     g = torch.Generator(device=DEVICE).manual_seed(0)
     print(f"\n==================== {name}: {spec} {height}x{width}x{frames} bf16 ====================", flush=True)
@@ -194,7 +195,8 @@ def run_case(name: str, runs: int, smooth: bool, do_profile: bool, profile_only:
         rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless", "fast"))
         z = torch.randn(latent_shape(vae, frames, height, width), generator=g, device=DEVICE)
         zb1 = P.to_decoder_layout(z.to(torch.bfloat16), "channels_last")
-        profile_chunk(vae, zb1, rep.ops_for("fast"), f"{name} fast", shapes=shapes)
+        for tier in profile_tiers:
+            profile_chunk(vae, zb1, rep.ops_for(tier), f"{name} {tier}", shapes=shapes)
         free(vae)
         return {}
     # fp32 stock reference (plain diffusers: contiguous, nothing installed)
@@ -275,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="cpu only for a smoke test under TRITON_INTERPRET=1")
     parser.add_argument("--runs", type=int, default=2, help="timed runs per variant (min is reported)")
     parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--profile-only", action="store_true", help="only the fast tier's steady-chunk profile")
+    parser.add_argument("--profile-only", action="store_true", help="only the steady-chunk profiles of --tiers")
+    parser.add_argument("--tiers", nargs="+", default=["fast"], choices=["lossless", "fast"],
+                        help="with --profile-only: the tiers to profile (default: fast)")
     parser.add_argument("--shapes", action="store_true", help="also list the fast chunk's aten ops by input shapes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.cases:
         smooth = name in ("wan2.1-480p", "tiny")
         summary[name] = run_case(name, args.runs, smooth=smooth, do_profile=not args.no_profile,
-                                 profile_only=args.profile_only, shapes=args.shapes)
+                                 profile_only=args.profile_only, shapes=args.shapes, profile_tiers=tuple(args.tiers))
     print("\n==================== summary (seconds, min of runs) ====================")
     for case, res in summary.items():
         if not res:  # --profile-only

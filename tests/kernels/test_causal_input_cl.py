@@ -235,3 +235,41 @@ def test_causal_pad_cl_channels_last_out(backend: Backend, dtype, case: str) -> 
         torch.testing.assert_close(a, b, **_tolerance(dtype))
     u, nu = K.causal_pad_cl(x, cache, pad, norm_cl=norm, unfold=3, channels_last_out=True)
     assert torch.equal(u, _unfolded(got[0], 3)) and torch.equal(nu, got[1])
+
+
+@kernel_cases("dtype, case, with_norm",
+              cuda=grid((torch.bfloat16, torch.float32), ("one-frame view", "ncdhw cache", "ncdhw", "ntchw"), (False, True)),
+              interpreter=grid((torch.bfloat16, torch.float32), ("one-frame view", "ncdhw cache", "ncdhw", "ntchw"), (False, True)))
+def test_exact_conv_input_for_a_channels_last_conv(backend: Backend, dtype, case: str, with_norm: bool) -> None:
+    """The lossless conv input for a conv that runs channels-last whatever its input's layout
+    (``channels_last=True``: cuDNN with a channels_last_3d weight copies any other input to that
+    layout first): where aten's chain writes another layout, the padded input comes out
+    channels_last_3d with the reference's values (the exact norm prologue's too), and the next
+    cache keeps the reference's strides; without the flag, the reference's layout."""
+    if case == "ntchw":  # Wan2.2's activations after an upsampler: the image conv's NCHW output;
+        # 72 channels: three of the transposing tile's channel blocks, the last one partial
+        shape = (1, 72, 2, 4, 6)
+        x = lay(torch.randn(shape, device=backend.device, dtype=dtype, generator=backend.generator(3)), "ntchw")
+        cache = lay(torch.randn(shape, device=backend.device, dtype=dtype, generator=backend.generator(4)), "ntchw")
+    else:
+        x, cache = _aten_not_channels_last(backend, dtype, case)
+    pad = (1, 1, 1, 1, 2, 0)
+    c = x.shape[1]
+    gamma = (torch.rand(c, 1, 1, 1, device=backend.device, generator=backend.generator(5)) + 0.5).to(dtype)
+    norm = K.NormSilu(gamma, c**0.5, 0.0) if with_norm else None
+    want = K.causal_pad_reference(x, cache, pad, norm=norm)
+    assert not want[0].is_contiguous(memory_format=CL)  # the case is one where aten leaves channels-last
+    stock = P.LOSSLESS_OPS.causal_conv_input(x, cache, pad, norm=norm)
+    got = P.LOSSLESS_OPS.causal_conv_input(x, cache, pad, norm=norm, channels_last=True)
+    exact = not with_norm or backend.exact(dtype, exp=True)
+    for padded, nxt in (stock, got):
+        if exact:
+            assert torch.equal(padded, want[0])
+            assert_same(nxt, want[1])
+        else:
+            torch.testing.assert_close(padded, want[0], **_tolerance(dtype))
+            torch.testing.assert_close(nxt, want[1], **_tolerance(dtype))
+            assert nxt.stride() == want[1].stride()
+    assert stock[0].stride() == want[0].stride()
+    assert got[0].is_contiguous(memory_format=CL) and got[0].shape == want[0].shape
+    assert torch.equal(got[0], stock[0]) and torch.equal(got[1], stock[1])

@@ -103,6 +103,44 @@ def test_fast_convs_read_channels_last(backend: Backend, monkeypatch: Any, arch)
     assert [shape for shape, channels_last in layouts if not channels_last] == []
 
 
+@kernel_cases("arch", cuda=[("wan2.1-tiny",), ("wan2.2-tiny",), ("wan2.2",)])
+def test_lossless_padded_conv_inputs_are_channels_last(backend: Backend, monkeypatch: Any, arch) -> None:
+    """Every padded conv input of a lossless decode is written channels-last, steady chunks too,
+    where stock's chain gives NCDHW (after the mid block's attention; Wan2.2's NTCHW activations
+    after each upsampler): cuDNN runs those convs channels-last either way (their weights are
+    channels_last_3d), so the same decode without the copy it made of each such input; frames
+    and session caches bit-identical to stock's, strides too."""
+    import vaed.patches.ops as ops_module
+
+    vae = _vae(arch, torch.bfloat16)
+    torch.manual_seed(3)
+    z = P.to_decoder_layout(torch.randn(1, vae.config.z_dim, 4, 4, 6, device="cuda", dtype=torch.bfloat16),
+                            "channels_last")
+    layouts: list[tuple[tuple[int, ...], bool]] = []
+    real_conv = ops_module.conv_with_plan
+
+    def spied(x: torch.Tensor, w: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if x.dim() == 5 and w.shape[2:] != (1, 1, 1):  # a pointwise conv reads its input itself
+            layouts.append((tuple(x.shape), x.is_contiguous(memory_format=torch.channels_last_3d)))
+        return real_conv(x, w, *args, **kwargs)
+
+    with torch.inference_mode():
+        P.prepare_decoder(vae, kernels="off", layout="channels_last")
+        want, want_cache = _chunked(vae, z)
+        rep = P.prepare_decoder(vae, kernels="triton", layout="channels_last", tiers=("lossless",))
+        monkeypatch.setattr(ops_module, "conv_with_plan", spied)
+        with P.using(rep.ops_for("lossless")):
+            got, got_cache = _chunked(vae, z)
+    assert len(layouts) > 40, layouts
+    assert [shape for shape, channels_last in layouts if not channels_last] == []
+    assert_same(got, want)
+    for a, b in zip(got_cache, want_cache):
+        if isinstance(b, torch.Tensor):
+            assert_same(a, b)
+        else:
+            assert a == b
+
+
 def _vae(arch: str, dtype: torch.dtype) -> Any:
     return build_random_vae(arch).to(device="cuda", dtype=dtype).eval().requires_grad_(False)
 

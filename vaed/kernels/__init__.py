@@ -12,7 +12,7 @@ causal_input_cl), and ``bias_residual_add``, one rounding for ``x + bias + h``
 
 from vaed.kernels._runtime import interpreter_active, triton_available
 from vaed.kernels.avgdown import avgdown_add, avgdown_add_ordered_reference, avgdown_add_reference
-from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference
+from vaed.kernels.causal_input import CACHE_T, causal_pad, causal_pad_reference, stock_layout_is_channels_last
 from vaed.kernels.causal_input_cl import causal_pad_cl
 from vaed.kernels.dupup import dupup_add, dupup_add_reference
 from vaed.kernels.residual import bias_residual_add, bias_residual_add_reference
@@ -36,6 +36,7 @@ __all__ = [
     "norm_denominator",
     "norm_denominator_reference",
     "rms_silu_reference",
+    "stock_layout_is_channels_last",
     "triton_available",
     "upsample_nearest2x",
     "upsample_nearest2x_reference",

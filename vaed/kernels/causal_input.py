@@ -106,6 +106,24 @@ def _stock_layouts(
     return tuple(p.shape), tuple(p.stride()), tuple(n.shape), tuple(n.stride())
 
 
+def stock_layout_is_channels_last(
+    x: torch.Tensor,
+    cache: torch.Tensor | None,
+    pad: tuple[int, ...],
+    *,
+    zero_history: bool = False,
+    cache_t: int = CACHE_T,
+    with_norm: bool = False,
+) -> bool:
+    """Whether the aten chain (``causal_pad_reference``) writes the conv input channels_last_3d."""
+    use_cache = cache is not None and pad[4] > 0
+    c_meta = (tuple(cache.shape), tuple(cache.stride())) if cache is not None and use_cache else (None, None)
+    p_shape, p_stride, _, _ = _stock_layouts(
+        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, with_norm, x.dtype
+    )
+    return rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D)
+
+
 def _causal_pad_kernel(
     x_ptr, c_ptr, p_ptr, n_ptr, d_ptr, g_ptr,
     C, T, H, W, TP, HP, WP, INNER,

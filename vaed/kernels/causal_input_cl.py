@@ -52,6 +52,7 @@ triton: Any = None  # filled in by rt.jit_lazy
 libdevice: Any = None  # filled in by rt.jit_lazy: libdevice, or tl.math under the interpreter
 
 _MAX_C = 4096
+_TRANSPOSE_TILE = (64, 32, 4)  # (pixels, channels, warps) of a program reading x with channels not innermost
 NORM_EPS = 1e-12  # F.normalize's eps
 
 
@@ -69,7 +70,7 @@ def _causal_pad_cl_kernel(
 ):
     row = tl.program_id(0)  # (b, tp, hp) of the padded output
     wp = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    c = tl.arange(0, BLOCK_C)
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # one block of all channels but for a transpose
     if IDX64:  # int32 offsets unless a tensor spans 2^31 elements
         row = row.to(tl.int64)
         wp = wp.to(tl.int64)
@@ -143,6 +144,7 @@ def causal_pad_cl(
     emit_cache: bool = True,
     unfold: int = 0,
     channels_last_out: bool = False,
+    stock_cache: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Channels-last causal conv input; None when not handled (caller falls back).
 
@@ -154,11 +156,15 @@ def causal_pad_cl(
     (its ``x_bias`` added in fp32 first; ``denom`` unused). At most one of them. ``unfold=KT > 0`` returns the
     input with KT time taps unfolded into channels (module docstring) in place
     of the padded tensor. ``channels_last_out`` writes the padded input and the next cache
-    channels_last_3d whatever aten's chain would give (lossy sets only). That chain writes
-    NCDHW for an NCDHW input (the mid block's attention output) and for one whose size-1
-    dims' strides it reads as ambiguous (an up block's one-frame first input); the cache it
-    leaves carries that into the next chunk, and the conv reading it runs on cuDNN's slower
-    NCDHW kernels.
+    channels_last_3d whatever aten's chain would give: other strides, so only where the conv
+    reading them runs channels-last either way (a lossy set's, or torch's cuDNN conv with a
+    channels_last_3d weight, which copies any other input to that layout first). That chain
+    writes NCDHW for an NCDHW input (the mid block's attention output, Wan2.2's activations
+    after an upsampler) and for one whose size-1 dims' strides it reads as ambiguous (an up
+    block's one-frame first input); the cache it leaves carries that into the next chunk, and
+    a cuDNN plan built for those strides runs NCDHW kernels. ``stock_cache`` keeps the next
+    cache in the strides aten's chain gives even so (an exact set's session cache is stock's,
+    strides too).
     """
     if zero_history and cache is not None:
         raise ValueError("zero_history (the 'Rep' marker) and a cache tensor are exclusive")
@@ -176,7 +182,9 @@ def causal_pad_cl(
         norm is not None or norm_cl is not None, x.dtype,
     )
     if channels_last_out:
-        p_stride, n_stride = rt.dense_strides(p_shape, rt.ORDER_CL3D), rt.dense_strides(n_shape, rt.ORDER_CL3D)
+        p_stride = rt.dense_strides(p_shape, rt.ORDER_CL3D)
+        if not stock_cache:
+            n_stride = rt.dense_strides(n_shape, rt.ORDER_CL3D)
     elif not rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D):
         return None
     B, C, T, H, W = x.shape
@@ -202,8 +210,15 @@ def causal_pad_cl(
         x_bias = norm_cl.x_bias
     else:
         mode, g, scale, bias = 0, x, 1.0, 0.0
-    block_w, block_c, num_warps = rt.channel_tile(C, WP)
-    grid = (B * TP * HP, -(-WP // block_w))
+    if mode != 2 and x.stride(1) != 1 and C > 1:
+        # x's channels are not innermost (NCDHW, NTCHW): the tile transposes, and a program
+        # holding every channel of a few pixels (2 at 1024 channels) read 4-byte runs of each
+        # channel row (3.2 ms a call for Wan2.2's 1024-channel conv input at 176x320, H200);
+        # the exact prologue is per element, so the channels split into blocks
+        block_w, block_c, num_warps = _TRANSPOSE_TILE
+    else:
+        block_w, block_c, num_warps = rt.channel_tile(C, WP)
+    grid = (B * TP * HP, -(-WP // block_w), -(-C // block_c))
     _kernel()[grid](
         x, src_c, padded, padded if nxt is None else nxt, g, d, g if x_bias is None else x_bias,
         C, H, W, TP, HP, WP,

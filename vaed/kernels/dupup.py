@@ -6,15 +6,15 @@ output. This op reads ``source`` through the same index map and adds it to
 ``main`` in fp32 (aten's opmath for bf16/fp16), writing the strides aten's
 ``main + shortcut`` would give.
 
-With ``bias`` (the fast tier's upsampler conv bias, left out of the conv that
-wrote ``main``) the tile kernel adds it to ``main`` and rounds before the
-shortcut add: the two roundings of stock's separate bias pass and add, so
-still exact.
+With ``bias`` (the upsampler conv's bias, left out of the conv that wrote
+``main``) either kernel adds it to ``main`` and rounds before the shortcut
+add: the two roundings of stock's separate bias pass and add, so still exact.
 
-Two kernels, one index map: a channels_last_3d output (the GPU decoder's
-layout) goes to a 2-D tile kernel (pixels x channels, the repeat count a
-compile-time constant, no per-element division by a runtime value); other
-layouts to the flat kernel. On an H200 at Wan2.2 704x1280 (bf16, steady
+Two kernels, one index map, the repeat count a compile-time constant in both:
+a channels_last_3d output (the GPU decoder's layout) goes to a 2-D tile
+kernel (pixels x channels, no per-element division by a runtime value); other
+layouts (Wan2.2's lossless activations after an upsampler: NTCHW, the image
+conv's NCHW output) to the flat kernel. On an H200 at Wan2.2 704x1280 (bf16, steady
 chunk, 3 calls) the flat kernel took 10.2 ms, 8 % of the chunk; the tile
 kernel takes 0.93 ms.
 """
@@ -78,12 +78,13 @@ def _out_strides(shape: tuple[int, ...], main_stride: tuple[int, ...], full_t: i
 
 
 def _dupup_add_kernel(
-    m_ptr, s_ptr, o_ptr,
+    m_ptr, s_ptr, b_ptr, o_ptr,
     C, T, H, W, INNER, DIV, D1, D2,
     smb, smc, smt, smh, smw,
     ssb, ssc, sst, ssh, ssw,
-    T_OFF, REPEATS,
-    LAYOUT: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, BLOCK: tl.constexpr,
+    T_OFF,
+    REPEATS: tl.constexpr, LAYOUT: tl.constexpr, FT: tl.constexpr, FS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,6 +111,9 @@ def _dupup_add_kernel(
         h = q
         w = r
     a = tl.load(m_ptr + b * smb + c * smc + t * smt + h * smh + w * smw, mask=live, other=0.0)
+    if HAS_BIAS:  # as in the tile kernel: added and rounded first, the conv's own pass
+        bias = tl.load(b_ptr + c + 0 * i, mask=live, other=0.0)  # c is one row's or per element
+        a = (a.to(tl.float32) + bias.to(tl.float32)).to(a.dtype)
     tf = t + T_OFF
     k = ((c * FT + tf % FT) * FS + h % FS) * FS + w % FS  # channel in the repeat_interleave'd tensor
     src = b * ssb + (k // REPEATS) * ssc + (tf // FT) * sst + (h // FS) * ssh + (w // FS) * ssw
@@ -170,8 +174,7 @@ def dupup_add(
     first_chunk: bool,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Fused ``dupup_add_reference``; None when not handled (caller falls back). A ``bias``
-    is taken by the channels-last tile kernel only."""
+    """Fused ``dupup_add_reference``; None when not handled (caller falls back)."""
     if factor_t < 1 or factor_s < 1:
         raise ValueError(f"factors must be >= 1, got {factor_t}, {factor_s}")
     if not rt.shortcut_pair_ok(main, source):
@@ -201,6 +204,11 @@ def dupup_add(
     out = rt.empty_with_strides(shape, o_stride, main)
     repeats = c * factor_t * factor_s * factor_s // sc
     if order == rt.ORDER_CL3D and c <= _CL_MAX_C:
+        if not rt.matches_order(tuple(source.shape), source.stride(), rt.ORDER_CL3D):
+            # the tile kernel reads each pixel's source channels as one run; from another
+            # layout (Wan2.2's lossless activations after an upsampler are NTCHW) those loads
+            # are strided, so the smaller source is copied channels-last first
+            source = source.contiguous(memory_format=torch.channels_last_3d)
         block_w, block_c, num_warps = rt.channel_tile(c, w)
         _cl_kernel()[(b * t * h, -(-w // block_w))](
             main, source, main if bias is None else bias, out,
@@ -211,16 +219,14 @@ def dupup_add(
             num_warps=num_warps, **rt.launch_opts(main),
         )
         return out
-    if bias is not None:
-        return None
     rows = out.numel() // inner
     grid = (rows, -(-inner // _BLOCK))
     _kernel()[grid](
-        main, source, out,
+        main, source, main if bias is None else bias, out,
         c, t, h, w, inner, shape[order[4]], shape[order[1]], shape[order[2]],
         *main.stride(), *source.stride(),
-        t_off, repeats,
-        LAYOUT=layout, FT=factor_t, FS=factor_s, BLOCK=_BLOCK,
+        t_off,
+        REPEATS=repeats, LAYOUT=layout, FT=factor_t, FS=factor_s, HAS_BIAS=bias is not None, BLOCK=_BLOCK,
         num_warps=4, **rt.launch_opts(main),
     )
     return out

@@ -11,8 +11,8 @@ values, argument alignments and launch options) from which it compiles that vari
 - `manifests/sm<arch>.json` beside this module holds the records of a server's start-ups
   (Wan2.1 and Wan2.2, each with and without the encoder; both tiers, the default warm-up
   sizes) on that GPU architecture, written on such a GPU by `scripts/record_kernels.py`, and
-  names each kind of start's (`start_name`: sm_90's Wan2.1 decode start launches 189 of the
-  298 variants, Wan2.2's 143), so a server compiles only its own. A record is one
+  names each kind of start's (`start_name`: sm_90's Wan2.1 decode start launches 190 of the
+  302 variants, Wan2.2's 154), so a server compiles only its own. A record is one
   architecture's: its launch options are that target's (Triton 3.8 also names the target in
   it), so sm_90's (H100/H200) compile for sm_90 only;
 - `compile_ahead` compiles records for one architecture into Triton's cache, in worker processes

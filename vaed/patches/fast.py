@@ -106,9 +106,11 @@ def tiled_causal_pad(
     norm: NormSilu | None = None,
     zero_history: bool = False,
     emit_cache: bool = True,
+    channels_last: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Exact: the channels-last tile kernel, else the lossless kernel (None: reference)."""
-    return triton_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache, tiled=True)
+    return triton_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache,
+                             channels_last=channels_last, tiled=True)
 
 
 def fast_norm_causal_pad(
@@ -119,6 +121,7 @@ def fast_norm_causal_pad(
     norm: NormSilu | None = None,
     zero_history: bool = False,
     emit_cache: bool = True,
+    channels_last: bool = False,  # written channels-last at every site anyway
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Lossy: norm+SiLU reduced and applied in one channels-last pass, written channels_last_3d
     whatever aten's chain would give (the conv after it reads channels-last), else the exact
@@ -130,7 +133,8 @@ def fast_norm_causal_pad(
         )
         if r is not None:
             return r
-    return tiled_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
+    return tiled_causal_pad(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache,
+                            channels_last=channels_last)
 
 
 def unfolded_weight(conv: nn.Conv3d) -> torch.Tensor:

@@ -35,6 +35,7 @@ from torch import nn
 from vaed.kernels.rms_silu import NormSilu
 from vaed.patches.bits import random_inputs_for, same_bits, seeded_normal
 from vaed.patches.derived import derived
+from vaed.patches.layout import conv_reads_channels_last
 
 if TYPE_CHECKING:  # the op sets call this module: types only from there
     from vaed.patches.ops import OpSet, PadTuple
@@ -131,7 +132,7 @@ def _signature(ops: OpSet, conv: nn.Conv3d, x: torch.Tensor, pad: PadTuple, norm
 def _stock(ops: OpSet, conv: nn.Conv3d, x: torch.Tensor, pad: PadTuple, norm: NormSilu | None,
            bias: bool) -> Built:
     """Stock's conv of the zero-padded frame: the op set's input build, then its conv3d."""
-    padded, nxt = ops.causal_conv_input(x, None, pad, norm=norm)
+    padded, nxt = ops.causal_conv_input(x, None, pad, norm=norm, channels_last=conv_reads_channels_last(conv, x))
     return ops.conv3d(conv, padded, bias=bias), nxt
 
 

@@ -8,10 +8,13 @@ chosen once per decoder and applied to weights here and to inputs by
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from vaed.choices import Layout
+from vaed.kernels._runtime import ORDER_CL3D, dense_strides
 
 
 def resolve_layout(layout: str, device: torch.device) -> Layout:
@@ -58,3 +61,22 @@ def convert_conv3d_weights(vae: nn.Module, layout: str) -> int:
                 m.weight.data = m.weight.data.contiguous(memory_format=fmt)
                 n += 1
     return n
+
+
+def conv_reads_channels_last(conv: nn.Module, x: torch.Tensor) -> bool:
+    """Whether torch runs ``conv`` on ``x``'s device channels_last_3d whatever its input's
+    layout: cuDNN does where the weight is channels_last_3d (torch copies any other input to
+    that layout before the conv), so a conv input written channels-last gives the same call."""
+    w = getattr(conv, "weight", None)
+    return (
+        x.is_cuda and isinstance(w, torch.Tensor) and w.dim() == 5
+        and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
+        and _channels_last_3d_strides(tuple(w.shape), tuple(w.stride()))
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _channels_last_3d_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    # the exact dense strides, size-1 dims' too: a contiguous 1x1x1 weight is also
+    # channels-last "contiguous" to is_contiguous, and torch's convs read it as NCDHW
+    return stride == dense_strides(shape, ORDER_CL3D)

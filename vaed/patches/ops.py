@@ -9,7 +9,7 @@ op with one-sided padding) is a new bundle, never a copy of the forwards.
 
 Op signatures (every op set honours all of them):
 
-``causal_pad(x, cache, pad, *, norm=None, zero_history=False, emit_cache=True)``
+``causal_pad(x, cache, pad, *, norm=None, zero_history=False, emit_cache=True, channels_last=False)``
 ``norm_causal_pad(...)`` -- same signature, called with ``norm`` set
     -> ``(conv input, next cache | None)``. ``x`` [B, C, T, H, W] is the new
     frames (raw activation when ``norm`` is given: the op applies
@@ -19,6 +19,11 @@ Op signatures (every op set honours all of them):
     ``zero_history`` the upsample time_conv's first-chunk "Rep" marker;
     ``emit_cache=False`` returns None for the next cache. The conv input may
     alias ``x`` when ``pad`` is all zero: callers never write into it.
+    ``channels_last=True`` says the conv that reads the input runs channels_last_3d
+    whatever the input's layout (``conv_reads_channels_last``): the op may then write
+    the input in that layout where stock's chain gives another, and the conv reads the
+    same values in the layout it would have copied them to (the exact sets keep the
+    next cache in stock's strides).
 ``upsample(x, interleave=False, bias=None)`` / ``upsample_interleave(x, interleave=True, bias=None)``
     -> images [B*T', C', 2H, 2W]: WanResample's frame flattening (and, with
     ``interleave``, the upsample3d channel->time interleave of the time_conv
@@ -89,6 +94,7 @@ from vaed.kernels.rms_silu import NormSilu
 from vaed.kernels.upsample import upsample_nearest2x_reference
 from vaed.patches import first_frame
 from vaed.patches.conv_plans import conv_with_plan
+from vaed.patches.layout import conv_reads_channels_last
 
 PadTuple = tuple[int, int, int, int, int, int]
 
@@ -138,6 +144,7 @@ class CausalPadOp(Protocol):
         norm: NormSilu | None = None,
         zero_history: bool = False,
         emit_cache: bool = True,
+        channels_last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -221,6 +228,7 @@ def reference_causal_pad(
     norm: NormSilu | None = None,
     zero_history: bool = False,
     emit_cache: bool = True,
+    channels_last: bool = False,  # stock's layout: the conv converts it as stock's does
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     return K.causal_pad_reference(x, cache, pad, zero_history=zero_history, norm=norm, emit_cache=emit_cache)
 
@@ -325,10 +333,16 @@ def triton_causal_pad(
     norm: NormSilu | None = None,
     zero_history: bool = False,
     emit_cache: bool = True,
+    channels_last: bool = False,
     tiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The exact conv-input kernels (None: the caller runs the reference). ``tiled`` tries the
-    2-D channels-last tile kernel (``causal_pad_cl``) first for inputs that need a new tensor."""
+    2-D channels-last tile kernel (``causal_pad_cl``) first for inputs that need a new tensor;
+    ``channels_last`` (the conv converts its input to channels_last_3d) sends the inputs whose
+    stock layout is another to that kernel too, written channels-last: the conv's own copy of
+    the whole input is gone (Wan2.2's 1024-channel conv after its second upsampler reads NTCHW
+    activations, and torch's copy of its input took 2.3 ms of a steady 704x1280 chunk on an
+    H200)."""
     unpadded = norm is None and not emit_cache and not any(pad)
     if unpadded and _zero_pad_keeps_strides(tuple(x.shape), x.stride(), x.dtype):
         # F.pad with zero padding is a clone that keeps x's strides when x is dense in any
@@ -339,8 +353,14 @@ def triton_causal_pad(
         return None  # decided before the fp32 norm pass below is paid for
     x, norm = with_input_bias(x, norm)
     args = exact_norm_args(x, norm)
-    if tiled and not unpadded:
-        r = K.causal_pad_cl(x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args)
+    to_cl = channels_last and not K.stock_layout_is_channels_last(
+        x, cache, pad, zero_history=zero_history, with_norm=norm is not None
+    )
+    if (tiled or to_cl) and not unpadded:
+        r = K.causal_pad_cl(
+            x, cache, pad, zero_history=zero_history, emit_cache=emit_cache, norm=args,
+            channels_last_out=to_cl, stock_cache=True,
+        )
         if r is not None:
             return r
     return K.causal_pad(x, cache, tuple(pad), zero_history=zero_history, norm=args, emit_cache=emit_cache)
@@ -408,10 +428,12 @@ class OpSet:
         norm: NormSilu | None = None,
         zero_history: bool = False,
         emit_cache: bool = True,
+        channels_last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv input builder: routes to ``norm_causal_pad`` when a norm is fused in."""
         op = self.causal_pad if norm is None else self.norm_causal_pad
-        return op(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache)
+        return op(x, cache, pad, norm=norm, zero_history=zero_history, emit_cache=emit_cache,
+                  channels_last=channels_last)
 
     def causal_conv(
         self,
@@ -435,7 +457,7 @@ class OpSet:
             cut = first_frame.cut_causal_conv(self, conv, x, pad, norm=norm, bias=bias)
             if cut is not None:
                 return cut
-        padded, nxt = self.causal_conv_input(x, cache, pad, norm=norm)
+        padded, nxt = self.causal_conv_input(x, cache, pad, norm=norm, channels_last=conv_reads_channels_last(conv, x))
         return self.conv3d(conv, padded, bias=bias), nxt
 
     def deferred_bias_sites(self, x: torch.Tensor) -> frozenset[BiasSite]:

@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from vaed.patches.derived import derived
-from vaed.patches.layout import is_dense
+from vaed.patches.layout import conv_reads_channels_last, is_dense
 from vaed.patches.ops import BiasSite, NormSilu, OpSet
 
 # dtypes the op-set path takes; others (e.g. float8 activations, where diffusers'
@@ -188,7 +188,7 @@ def causal_conv(ops: OpSet, conv: Any, x: torch.Tensor, cache_x: torch.Tensor | 
     pad = tuple(conv._padding)
     if cache_x is not None and pad[4] > 0:
         cache_x = cache_x.to(x.device)
-    padded, _ = ops.causal_pad(x, cache_x, pad, emit_cache=False)
+    padded, _ = ops.causal_pad(x, cache_x, pad, emit_cache=False, channels_last=conv_reads_channels_last(conv, x))
     return ops.conv3d(conv, padded)
 
 
@@ -271,7 +271,8 @@ def resample(w: Walk, rs: Any, x_in: Act, *, image_conv_site: BiasSite = BiasSit
         else:
             rep = isinstance(prev, str)
             padded, nxt = w.ops.causal_conv_input(
-                x, None if rep else prev.to(x.device), tuple(rs.time_conv._padding), zero_history=rep
+                x, None if rep else prev.to(x.device), tuple(rs.time_conv._padding), zero_history=rep,
+                channels_last=conv_reads_channels_last(rs.time_conv, x),
             )
             if BiasSite.TIME_CONV_UPSAMPLE in w.defer:
                 time_bias = rs.time_conv.bias
@@ -307,7 +308,8 @@ def downsample(w: Walk, rs: Any, x_in: Act) -> Act:
             nxt = x[:, :, -1:].clone()
             # stock: time_conv(cat([prev[:, :, -1:], x])), whose own padding is zero; the
             # causal pad op builds the same [cache | x] input (one pass where a kernel runs)
-            padded, _ = w.ops.causal_pad(x, prev[:, :, -1:], (0, 0, 0, 0, 1, 0), emit_cache=False)
+            padded, _ = w.ops.causal_pad(x, prev[:, :, -1:], (0, 0, 0, 0, 1, 0), emit_cache=False,
+                                         channels_last=conv_reads_channels_last(rs.time_conv, x))
             x = w.ops.conv3d(rs.time_conv, padded)
             w.cache[idx] = nxt
         w.idx[0] += 1
