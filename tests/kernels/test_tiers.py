@@ -20,7 +20,7 @@ from vaed.models import build_random_vae
 from vaed.patches.checks import check_op_set
 
 from backends import Backend, kernel_cases
-from harness import assert_same, chunked_decode
+from harness import assert_same, assert_same_cache, chunked_decode
 
 
 @kernel_cases("dtype", cuda=[(d,) for d in (torch.bfloat16, torch.float16, torch.float32)],
@@ -134,11 +134,7 @@ def test_lossless_padded_conv_inputs_are_channels_last(backend: Backend, monkeyp
     assert len(layouts) > 40, layouts
     assert [shape for shape, channels_last in layouts if not channels_last] == []
     assert_same(got, want)
-    for a, b in zip(got_cache, want_cache):
-        if isinstance(b, torch.Tensor):
-            assert_same(a, b)
-        else:
-            assert a == b
+    assert_same_cache(got_cache, want_cache)
 
 
 def _vae(arch: str, dtype: torch.dtype) -> Any:
@@ -178,11 +174,7 @@ def test_tiled_lossless_bit_identical(backend: Backend, arch, size, dtype) -> No
         with P.using(P.LOSSLESS_TILED_OPS):
             got, got_cache = _chunked(vae, z)
     assert_same(got, want)
-    for a, b in zip(got_cache, want_cache):
-        if isinstance(b, torch.Tensor):
-            assert_same(a, b)
-        else:
-            assert a == b
+    assert_same_cache(got_cache, want_cache)
 
 
 def _smooth(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
