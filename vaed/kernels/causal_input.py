@@ -116,12 +116,20 @@ def stock_layout_is_channels_last(
     with_norm: bool = False,
 ) -> bool:
     """Whether the aten chain (``causal_pad_reference``) writes the conv input channels_last_3d."""
+    p_shape, p_stride, _, _ = stock_layouts(x, cache, pad, zero_history, cache_t, with_norm)
+    return rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D)
+
+
+def stock_layouts(
+    x: torch.Tensor, cache: torch.Tensor | None, pad: tuple[int, ...], zero_history: bool, cache_t: int,
+    with_norm: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``_stock_layouts`` of these tensors (the cache counts only where the conv input takes it)."""
     use_cache = cache is not None and pad[4] > 0
     c_meta = (tuple(cache.shape), tuple(cache.stride())) if cache is not None and use_cache else (None, None)
-    p_shape, p_stride, _, _ = _stock_layouts(
+    return _stock_layouts(
         tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, with_norm, x.dtype
     )
-    return rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D)
 
 
 def _causal_pad_kernel(
@@ -220,10 +228,7 @@ def causal_pad(
         return None
     use_cache = cache is not None and pad[4] > 0
     src_c = cache if cache is not None and use_cache else x  # the kernel's cache operand (x: unused)
-    c_meta = (tuple(src_c.shape), tuple(src_c.stride())) if use_cache else (None, None)
-    p_shape, p_stride, n_shape, n_stride = _stock_layouts(
-        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t, norm is not None, x.dtype
-    )
+    p_shape, p_stride, n_shape, n_stride = stock_layouts(x, cache, pad, zero_history, cache_t, norm is not None)
     if rt.matches_order(p_shape, p_stride, rt.ORDER_CL3D) and not rt.matches_order(
         p_shape, p_stride, rt.ORDER_CONTIGUOUS
     ):

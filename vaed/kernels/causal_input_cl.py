@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vaed.kernels import _runtime as rt
-from vaed.kernels.causal_input import CACHE_T, _stock_layouts
+from vaed.kernels.causal_input import CACHE_T, stock_layouts
 from vaed.kernels.causal_input import _eligible as _eligible_1d
 from vaed.kernels.rms_silu import NormSilu, low_precision, rms_silu_exact_tile
 
@@ -176,10 +176,8 @@ def causal_pad_cl(
         return None
     use_cache = cache is not None and pad[4] > 0
     src_c = cache if cache is not None and use_cache else x  # the kernel's cache operand (x: unused)
-    c_meta = (tuple(src_c.shape), tuple(src_c.stride())) if use_cache else (None, None)
-    p_shape, p_stride, n_shape, n_stride = _stock_layouts(
-        tuple(x.shape), tuple(x.stride()), *c_meta, tuple(pad), zero_history, cache_t,
-        norm is not None or norm_cl is not None, x.dtype,
+    p_shape, p_stride, n_shape, n_stride = stock_layouts(
+        x, cache, pad, zero_history, cache_t, norm is not None or norm_cl is not None
     )
     if channels_last_out:
         p_stride = rt.dense_strides(p_shape, rt.ORDER_CL3D)
