@@ -534,6 +534,59 @@ def test_the_tree_walked_directly_on_a_stock_decoder_equals_stock(arch: str) -> 
     assert_same_cache(cache, want_cache)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "time_major", "strided"])
+def test_an_up_blocks_shortcut_reads_its_input_itself_where_stocks_clone_keeps_strides(layout: str) -> None:
+    """Stock clones a residual up block's input for its DupUp3D shortcut; nothing below writes
+    into it, so where the clone keeps the strides (dense in any dim order: Wan2.2's NTCHW input
+    after an upsampler too) the shortcut reads the input itself, and only a view with gaps is
+    copied. The block's output and cache equal stock's, bit for bit, either way."""
+    from vaed.patches import tree
+
+    vae = _vae("wan2.2-tiny")
+    up = vae.decoder.up_blocks[1]
+    c = up.resnets[0].norm1.gamma.numel()
+    base = torch.randn(1, c, 3, 4, 6)
+    x = {
+        "contiguous": base,
+        "channels_last": base.contiguous(memory_format=torch.channels_last_3d),
+        "time_major": base.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4),  # NTCHW memory
+        "strided": torch.randn(1, c, 3, 4, 12)[..., ::2],
+    }[layout]
+    sources: list[torch.Tensor] = []
+
+    def spy(main: torch.Tensor, source: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        sources.append(source)
+        return P.REFERENCE_OPS.dupup_add(main, source, *args, **kwargs)
+
+    ops = dataclasses.replace(P.REFERENCE_OPS, dupup_add=spy)
+    first = torch.randn(1, c, 1, 4, 6)  # a first chunk fills the caches; the call judged is the next
+    with torch.no_grad():
+        want_cache: list = [None] * 16
+        up(first, feat_cache=want_cache, feat_idx=[0], first_chunk=True)
+        want = up(x, feat_cache=want_cache, feat_idx=[0], first_chunk=False)
+        cache: list = [None] * 16
+        for chunk, is_first in ((first, True), (x, False)):
+            got = tree.residual_up_block(tree.Walk(ops, cache, [0], is_first, defer=frozenset()), up, tree.Act(chunk))
+    assert len(sources) == 2
+    assert (sources[1] is x) == (layout != "strided")
+    assert got.bias is None
+    assert_same(got.x, want)
+    assert_same_cache(cache, want_cache)
+
+
+def test_clone_keeps_strides_of_every_dense_layout_and_of_no_view_with_gaps() -> None:
+    from vaed.patches.layout import clone_keeps_strides, is_dense
+
+    t = torch.randn(2, 3, 1, 4, 5)
+    dense = [t, t.contiguous(memory_format=torch.channels_last_3d), t.permute(0, 2, 1, 3, 4).contiguous(),
+             t.permute(0, 2, 1, 3, 4).contiguous().permute(0, 2, 1, 3, 4), t.transpose(3, 4)]
+    for d in dense:
+        assert clone_keeps_strides(tuple(d.shape), d.stride())
+    assert is_dense(t) and clone_keeps_strides(tuple(t.shape), t.stride())
+    for gappy in (t[..., ::2], t[:, :2], torch.randn(3, 1).expand(3, 4)):
+        assert not clone_keeps_strides(tuple(gappy.shape), gappy.stride())
+
+
 def test_a_strict_walk_refuses_a_module_the_tree_does_not_port() -> None:
     """A subclass may override the very forward a body mirrors: a strict walk (a shard's) raises
     instead of calling a module that would exchange no halo; a lenient one calls it as stock."""

@@ -32,6 +32,14 @@ def is_dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or (fmt is not None and t.is_contiguous(memory_format=fmt))
 
 
+@functools.lru_cache(maxsize=1024)
+def clone_keeps_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``t.clone()`` of a tensor of this shape and strides keeps the strides (torch's
+    preserve_format: ``t`` is dense in some order of its dims), asked of torch itself on a meta
+    tensor; where it does, ``t`` holds the clone's bytes in the clone's layout."""
+    return torch.empty_strided(shape, stride, device="meta").clone().stride() == stride
+
+
 def to_decoder_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """Make a 5-D activation channels_last_3d or contiguous ("auto": by device)."""
     if x.dim() != 5:
