@@ -1,6 +1,6 @@
 """`vaed-client encode`: video frames through a server's encoder to a latents file.
 
-    vaed-client encode video.mp4 -o latents.safetensors --server localhost:50051
+    vaed-client encode video.mp4 -o moments.safetensors --server localhost:50051
     vaed-client encode frames/ -o latents.npy --output-type latents   # a PNG folder
     vaed-client encode frames.npy -o moments.safetensors              # uint8 [T, H, W, 3] or float [3, T, H, W]
 

@@ -178,6 +178,8 @@ class Progress:
         self.report = report if report is not None else CallReport()
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
+        # the caller's id, else the one the first server answered with (it makes one up): the
+        # warning after a failure and the resumed attempt then name the call as that server's log did
         self.request_id = request_id
         self.delivered = 0        # frames handed to the application
         self.target = targets.first(takes_turn=takes_turn)
@@ -192,13 +194,18 @@ class Progress:
         return self.report.resumes > 0
 
     def options(self, base: Any) -> Any:
-        """The call's DecodeOptions for this attempt: skip what was delivered."""
+        """The call's DecodeOptions for this attempt: skip what was delivered, under the call's id."""
         if not self.delivered:
             return base
         options = pb.DecodeOptions()
         options.CopyFrom(base)
         options.skip_frames = self.delivered
+        options.request_id = options.request_id or self.request_id
         return options
+
+    def _adopt_request_id(self, reply: Any) -> None:
+        if not self.request_id:
+            self.request_id = reply.request_id
 
     def remaining(self) -> float | None:
         """The attempt's timeout: what is left of the call's."""
@@ -212,6 +219,7 @@ class Progress:
     def accept(self, reply: Any, wire_format: str) -> Any | None:
         """A reply -> the part of it the application has not seen (None: nothing new), counted as
         delivered. Replies without frames (the final marker) pass as they are."""
+        self._adopt_request_id(reply)
         if self._failed_at is not None and (reply.final or reply.HasField("frames")):
             self._recovered()
         if self.report.first_data_seconds is None and (reply.HasField("frames") or reply.video):
@@ -235,6 +243,7 @@ class Progress:
         """An Encode reply -> itself when its latent frame is the next one the application gets,
         None when an earlier attempt delivered it already (a resumed encode runs the whole
         video again: see `encode_resume`); the final marker passes as it is."""
+        self._adopt_request_id(reply)
         if self._failed_at is not None:
             self._recovered()
         if reply.final:

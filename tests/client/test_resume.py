@@ -64,6 +64,25 @@ def test_a_lost_connection_resumes_on_the_other_target_at_once_and_is_logged(cap
     assert "a:1 failed after 5 frames (UNAVAILABLE: Stream removed (Socket closed)); resuming on b:1" in caplog.text
 
 
+def test_a_call_without_an_id_is_named_by_the_id_its_first_server_gave_it(caplog):
+    """The server makes up an id for a call that sent none and logs under it; the client's
+    warning and the resumed attempt carry that id, so both replicas' logs and the client's
+    name the call alike. A caller's own id is never replaced."""
+    progress = Progress(ResumePolicy(), Targets(["a:1", "b:1"]), CallReport(), None, "")
+    first = _reply(0, 1)
+    first.request_id = "3f2a9c0d11e84b7a"
+    progress.accept(first, "rgb8")
+    with caplog.at_level("WARNING", logger="vaed_client.resume"):
+        progress.retry_delay(UnavailableError(LOST))
+    assert "request 3f2a9c0d11e84b7a: a:1 failed after 1 frames" in caplog.text
+    assert progress.options(wire.pb.DecodeOptions()).request_id == "3f2a9c0d11e84b7a"
+    own = _progress("a:1", "b:1")
+    other = _reply(0, 1)
+    other.request_id = "made-up-by-a-server"
+    own.accept(other, "rgb8")
+    assert own.request_id == "rid" and own.options(wire.pb.DecodeOptions(request_id="rid")).request_id == "rid"
+
+
 def test_resource_exhausted_moves_to_another_replica_but_not_back_to_the_same_one():
     progress = _progress("a:1", "b:1")
     assert progress.retry_delay(ResourceExhaustedError("sessions full")) == 0.0

@@ -155,6 +155,12 @@ def test_vaed_precompile_fills_the_named_cache_without_a_gpu(
     empty = subprocess.run([*command, "--manifest", str(tmp_path / "none.json"), "--arch", "90"], env=env,
                            capture_output=True, text=True, timeout=300)
     assert empty.returncode != 0 and "no kernel records for sm_90" in empty.stderr
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps({"kernels": [*records, json.dumps(
+        {**json.loads(records[0]), "name": "vaed.kernels.residual._no_such_kernel"})]}))
+    partly = subprocess.run([*command, "--manifest", str(stale), "--arch", "90"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert partly.returncode == 1 and "1 of 2 kernel records for sm_90 were not compiled" in partly.stderr
 
 
 def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> None:
@@ -178,6 +184,82 @@ def test_the_packaged_sm90_records_name_vaed_kernels_with_their_parameters() -> 
     for family in ("wan2.1", "wan2.2"):  # an encode server's start launches its decode start's kernels too
         decode, encode = (set(precompile.load_manifest(path, name)) for name in (family, f"{family}+encode"))
         assert decode and decode < encode
+
+
+# In a child with a compiling worker's driver (sm_90, no GPU): each record of the JSON list in
+# argv[1] compiled from the launch it describes, and the record this Triton writes for it.
+RELAUNCH = """
+import json, sys
+from vaed.kernels import _runtime as rt
+from vaed.kernels import precompile
+precompile._start_worker(90)
+made = []
+for record in json.load(open(sys.argv[1])):
+    name, args, options = precompile.launch_of(record)
+    with precompile.recording() as records:
+        rt.kernel_named(name).warmup(*args, grid=(1,), **options)
+    assert len(records) == 1, (name, records)
+    made += records
+json.dump(made, sys.stdout)
+"""
+
+
+def _packaged_sample() -> list[str]:
+    """One packaged record of each kernel, and one whose cache pointer is not 16-byte aligned
+    (the 1-D conv-input kernel's cache slices): every kind of argument the records hold."""
+    first: dict[str, str] = {}
+    unaligned = []
+    for record in precompile.load_manifest(precompile.manifest_path(90)):
+        obj = json.loads(record)
+        first.setdefault(obj["name"], record)
+        attrs = {key[0]: value for key, value in zip(obj["attrs_keys"], obj["attrs_vals"], strict=True)}
+        if any(kind.startswith("*") and not attrs.get(i) for i, kind in enumerate(obj["signature"].values())):
+            unaligned.append(record)
+    assert unaligned, "no packaged record has an unaligned pointer any more: pick another sample"
+    return [*first.values(), unaligned[0]]
+
+
+def _relaunch(records: list[str], cache: pathlib.Path, tmp: pathlib.Path) -> list[str]:
+    listing = tmp / f"records-{len(list(tmp.iterdir()))}.json"
+    listing.write_text(json.dumps(records))
+    out = subprocess.run([sys.executable, "-c", RELAUNCH, str(listing)], env=_child_env(cache),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def _described(launch: tuple[str, list[Any], dict[str, Any]]) -> tuple[Any, ...]:
+    """What Triton specializes a launch on: tensors by element type and 16-byte alignment."""
+    import torch
+
+    name, args, options = launch
+    kinds = [(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args]
+    return name, kinds, options
+
+
+def test_the_packaged_records_compile_ahead_under_this_triton_where_its_launches_compile(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packaged records were written by the Triton of the recording H200 (the manifest names
+    it); another Triton in the range vaed admits reads them as launches (`launch_of`) and
+    compiles each into the cache entry its own launch of that variant makes. A launch made from
+    the record this Triton writes for it is the record's launch again (same arguments as Triton
+    specializes them, same options), and compiles to the same record: nothing of the
+    specialization is lost on the way."""
+    sample = _packaged_sample()
+    launched = tmp_path / "launched"
+    made = _relaunch(sample, launched, tmp_path)
+    assert [json.loads(r)["name"] for r in made] == [json.loads(r)["name"] for r in sample]
+    for packaged, own in zip(sample, made, strict=True):
+        assert _described(precompile.launch_of(own)) == _described(precompile.launch_of(packaged))
+    again = _relaunch(made, tmp_path / "relaunched", tmp_path)
+    assert [json.loads(r) for r in again] == [json.loads(r) for r in made]
+
+    ahead = tmp_path / "ahead"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(ahead))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    report = precompile.compile_ahead(sample, arch=90, workers=2)
+    assert (report.kernels, report.failures) == (len(sample), [])
+    assert _entries(launched) <= _entries(ahead)
 
 
 def _gate_probe(x_ptr):  # pragma: no cover - jitted, never launched

@@ -221,7 +221,7 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
     before = tiny_http.server.front.bodies_read
     status, error = raw_request(tiny_http.server.http_port,
                                 f"POST /decode?shape=1&dtype=float32 HTTP/1.1\r\nHost: x\r\nContent-Length: {2 << 20}\r\n")
-    assert status == 413 and "at most 1048576 (--max-message-bytes)" in error["error"]
+    assert status == 413 and "at most 1048576 bytes (its message limit)" in error["error"]
     # admitted, then the body does not come: 504 once --session-first-message-timeout ran out
     status, error = raw_request(tiny_http.server.http_port,
                                 _head((1, 4, 3, 4, 6), 1152).replace("do_scaling=true", "do_scaling=false"))

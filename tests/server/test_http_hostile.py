@@ -4,8 +4,8 @@ nothing, and readers that stop reading. Memory stays within what the limits allo
 requests are refused from their head, a stalled answer stalls only its own session and ends by
 --http-send-timeout, and another client decodes meanwhile.
 
-Sizes: bodies claim CLAIM_MIB = 64 MiB (latents [1, 4, 1, 2048, 2048] float32, under the 256 MiB
---max-message-bytes); FLOOD = 8 clients push them over --max-sessions 2, 512 MiB in all. The
+Sizes: bodies claim CLAIM_MIB = 64 MiB (latents [1, 4, 1, 2048, 2048] float32, under the server's
+256 MiB message limit); FLOOD = 8 clients push them over --max-sessions 2, 512 MiB in all. The
 bound, BODY_GROWTH_BOUND = 48 MiB, is under one claimed body, so reading one flood body, or
 allocating the two admitted claims' buffers before their bytes come, fails it.
 """

@@ -11,7 +11,7 @@ Order of work for a POST, and what each refusal costs (nothing of the body is re
 call is authorised and admitted, so a refused request spends no memory on its body):
 
     bearer token (when the server has one)          -> 401, body unread
-    Content-Length present, <= --max-message-bytes   -> 411 / 413, body unread
+    Content-Length present, <= the message limit     -> 411 / 413, body unread
     query parsed; Content-Length = prod(shape) * dtype size -> 400, body unread
     the core: serving? -> 503; a session slot? -> 429   (body unread)
             -> the body read (within --session-first-message-timeout, else 408)
@@ -178,7 +178,7 @@ class HfFront:
         if length > limit:
             return self._refuse(Status.INVALID_ARGUMENT.name, 413,
                                 f"the body is {length} bytes and this server takes at most {limit} "
-                                f"(--max-message-bytes); {verb} a long video in parts", method)
+                                f"bytes (its message limit); {verb} a long video in parts", method)
         return None
 
     def unauthorised(self, request: web.Request) -> str | None:

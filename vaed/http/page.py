@@ -20,7 +20,7 @@ Why .pt goes through the server: a .pt file is a zip holding a pickle, and only 
 reads it faithfully (tensor subclasses, storages shared between tensors, byte orders); a pickle
 interpreter in JavaScript would be a second, partial copy of it. `torch.load(weights_only=True)`
 refuses anything but tensors and plain containers, so a hostile file cannot run code. The route
-has the decode route's guards: the bearer token and Content-Length (<= --max-message-bytes) from
+has the decode route's guards: the bearer token and Content-Length (<= the message limit) from
 the head, the body read only then, and one conversion at a time (another gets 429), so its memory
 is one body at most.
 
@@ -126,7 +126,7 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
 
 
 class TooLarge(InvalidInput):
-    """Latents over --max-message-bytes (413)."""
+    """Latents over the server's message limit (413)."""
 
 
 def latents_of(loaded: Any, limit: int) -> torch.Tensor:
@@ -159,7 +159,7 @@ def latents_of(loaded: Any, limit: int) -> torch.Tensor:
     size = tensor.numel() * torch.empty((), dtype=dtype).element_size()
     if size > limit:
         raise TooLarge(f"the latents {list(tensor.shape)} in {str(dtype).removeprefix('torch.')} are {size} bytes, "
-                       f"over --max-message-bytes {limit}")
+                       f"over the server's message limit of {limit} bytes")
     return tensor.to(dtype).contiguous()
 
 
@@ -208,8 +208,8 @@ class PageRoutes:
         if length is None:
             return _error(411, "Content-Length is required: send the .pt file as one body of known size")
         if length > limit:
-            return _error(413, f"the file is {length} bytes and this server takes at most {limit} "
-                               "(--max-message-bytes)")
+            return _error(413, f"the file is {length} bytes and this server takes at most {limit} bytes "
+                               "(its message limit)")
         if self._converting.locked():
             return _error(429, "another .pt file is being read; retry shortly", **{hdrs.RETRY_AFTER: "1"})
         async with self._converting:

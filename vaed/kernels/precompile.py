@@ -4,17 +4,21 @@ A server's start-up checks and warm-up launch every kernel variant it serves wit
 first launch compiled one on the device thread, one after another: fresh H200 machines took
 42-81 s to SERVING against 14-21 s with a warm kernel cache. Triton describes each compile by a
 record (`jit_post_compile_hook`'s `specialization_data`: the kernel's name, signature, constexpr
-values, argument alignments and launch options) from which it compiles that variant again
-(`JITFunction.preload`), and its compiler needs the GPU's architecture, not the GPU.
+values, argument alignments and launch options), and its compiler needs the GPU's architecture,
+not the GPU.
 
 - `recording()` collects the records of the vaed kernels compiled in this process;
 - `manifests/sm<arch>.json` beside this module holds the records of a server's start-ups
   (Wan2.1 and Wan2.2, each with and without the encoder; both tiers, the default warm-up
   sizes) on that GPU architecture, written on such a GPU by `scripts/record_kernels.py`, and
   names each kind of start's (`start_name`: sm_90's Wan2.1 decode start launches 190 of the
-  302 variants, Wan2.2's 154), so a server compiles only its own. A record is one
-  architecture's: its launch options are that target's (Triton 3.8 also names the target in
-  it), so sm_90's (H100/H200) compile for sm_90 only;
+  302 variants, Wan2.2's 154), so a server compiles only its own;
+- `launch_of` turns a record back into the launch it describes (arguments of the recorded
+  types, alignments and constexpr values; the recorded launch options), and a worker compiles
+  that launch (`JITFunction.warmup`), so the installed Triton specializes it itself. A record is
+  written in its recording Triton's own format: Triton 3.7 and 3.8 cannot preload 3.6's (no
+  target in it), and key a variant's argument attributes otherwise, so a preloaded record of
+  another Triton would compile under a key no launch looks up;
 - `compile_ahead` compiles records for one architecture into Triton's cache, in worker processes
   that never touch a GPU (processes, because Triton's compiler holds the GIL for most of a
   compile), with each kernel's launcher where the host can build it (it links against the CUDA
@@ -24,11 +28,13 @@ values, argument alignments and launch options) from which it compiles that vari
 
 The cache entries are Triton's own, under the keys the launches look up (source, signature,
 target, options, Triton's version and environment); a variant not in the manifest compiles at
-its first launch as before, and a record this Triton cannot read is reported and skipped.
+its first launch as before, and a record that describes no launch of a vaed kernel is reported
+and skipped.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import contextlib
 import hashlib
@@ -42,6 +48,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from vaed.kernels import _runtime as rt
 
@@ -97,6 +105,53 @@ def portable(record: str) -> str:
     obj = json.loads(record)
     obj["options"].pop("extern_libs", None)
     return json.dumps(obj)
+
+
+# Element types of the pointer and scalar arguments, as a record names them.
+_TORCH_DTYPES = {
+    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
+    "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8,
+}
+# An integer argument of each width: divisible by 16 or not (Triton specializes on that; 1 is a
+# constexpr in the record), 2^32 up for the 64-bit ones.
+_INT_BASES = {"i32": 0, "i64": 2**32}
+_FLOAT_SCALARS = ("fp16", "bf16", "fp32", "fp64")  # never specialized on their value
+# Launch options Triton adds to every record's key itself, not the launch's.
+_TRITON_SET_OPTIONS = ("debug", "instrumentation_mode")
+
+
+def launch_of(record: str) -> tuple[str, list[Any], dict[str, Any]]:
+    """The kernel's name, arguments and launch options of a launch that Triton specializes as
+    `record` describes: a CPU tensor of the recorded element type for each pointer, 16-byte
+    aligned where the record says so and off by one element where not; an integer divisible by
+    16 or not, of the recorded width; the recorded constexpr values; the options the recorded
+    launch passed (the key's tail). Raises ValueError for what no vaed launch passes."""
+    obj = json.loads(record)
+    constants = {key[0]: value for key, value in zip(obj["constant_keys"], obj["constant_vals"], strict=True)}
+    attrs = {key[0]: value for key, value in zip(obj["attrs_keys"], obj["attrs_vals"], strict=True)}
+    args: list[Any] = []
+    for i, kind in enumerate(obj["signature"].values()):
+        aligned = ["tt.divisibility", 16] in attrs.get(i, [])
+        if kind == "constexpr":
+            value = constants[i]
+            value = value["constexpr"] if isinstance(value, dict) and "constexpr" in value else value
+            if value is not None and not isinstance(value, (bool, int, float)):
+                raise ValueError(f"a constexpr argument {value!r}")
+            args.append(value)
+        elif kind.startswith("*") and kind[1:] in _TORCH_DTYPES:
+            storage = torch.empty(64, dtype=_TORCH_DTYPES[kind[1:]])
+            args.append(storage if aligned else storage[1:])
+        elif kind in _INT_BASES:
+            args.append(_INT_BASES[kind] + (16 if aligned else 17))
+        elif kind in _FLOAT_SCALARS:
+            args.append(0.5)
+        else:
+            raise ValueError(f"an argument of type {kind}")
+    specialization, brace, tail = obj["key"].rpartition("]{")
+    if not brace:
+        raise ValueError("a key without its launch options")
+    options = ast.literal_eval("{" + tail)
+    return obj["name"], args, {k: v for k, v in options.items() if k not in _TRITON_SET_OPTIONS}
 
 
 def manifest_path(arch: int) -> pathlib.Path:
@@ -282,8 +337,9 @@ def _compile_one(record: str) -> tuple[int, int, str | None]:
     """(kernels compiled, launchers built, the failure) of one record, in a worker process."""
     name = json.loads(record)["name"]
     try:
-        kernel = rt.kernel_named(name).preload(record)
-    except Exception as exc:  # a record of other source or another Triton
+        name, args, options = launch_of(record)
+        kernel = rt.kernel_named(name).warmup(*args, grid=(1,), **options)
+    except Exception as exc:  # a record of other source (a changed or renamed kernel)
         return 0, 0, f"{name}: {type(exc).__name__}: {exc}"
     try:
         from triton.backends.nvidia.driver import CudaLauncher
