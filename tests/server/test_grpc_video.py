@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import pathlib
 import threading
 from collections.abc import Iterator
@@ -231,6 +232,25 @@ def test_bad_video_options_are_invalid_argument(server: RunningServer, options: 
             assert message in caught.value.details()
     with VaeClient(server.target, timeout=60) as client:
         assert frames_of_mp4(client.decode(latents(server.config.model, t=2), output_type="mp4"))[0].shape[0] == 5
+
+
+@pytest.mark.parametrize("shape", [[], [4], [1, 4]])
+def test_latents_of_another_rank_are_invalid_argument_with_video_output_too(server: RunningServer,
+                                                                             shape: list[int]) -> None:
+    """The video checks read the batch only of 5-D latents: a tensor of another rank gets the
+    latents' own INVALID_ARGUMENT, not an internal error, on Decode and DecodeStream."""
+    tensor = pb.Tensor(dtype=pb.FLOAT32, shape=shape, data=bytes(4 * math.prod(shape)))
+    with grpc.insecure_channel(server.target) as channel:
+        stub = wire.pb_grpc.VaeDecoderStub(channel)
+        for format in (pb.MP4, pb.MP4_LOSSLESS):
+            options = pb.DecodeOptions(format=format)
+            for call in (lambda: stub.Decode(pb.DecodeRequest(latents=tensor, options=options), timeout=60),
+                         lambda: stub.DecodeStream(iter([pb.LatentChunk(latents=tensor, options=options)]),
+                                                   timeout=60)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(call())
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+                assert f"latents must be 5-D [B, z_dim, T, h, w]; got shape {shape}" in caught.value.details()
 
 
 def test_the_client_checks_video_options_before_the_call() -> None:
