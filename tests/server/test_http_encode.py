@@ -5,6 +5,7 @@ latents) and stock AutoencoderKLWan's; the bad-input matrix answers 400 and the 
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterator
@@ -102,6 +103,18 @@ def _error(answer: requests.Response, status: int, pattern: str) -> None:
     assert set(body) == {"error"} and re.search(pattern, body["error"]), body
 
 
+def _malformed_images() -> list[bytes]:
+    """Image files broken in ways PIL's plugins report by other exceptions than OSError."""
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (10, 20, 30)).save(out, "PNG")
+    png = out.getvalue()
+    broken_chunk = bytearray(png)
+    broken_chunk[36] = 0x10  # the IDAT chunk's length: SyntaxError "broken PNG file"
+    short_header = png[:8] + b"\0\0\0\x05IHDR\0\0\0\x40\0" + b"\0" * 4  # a 5-byte IHDR: ValueError
+    bad_maxval = b"P6\n16 16\nJ55\n" + bytes(16 * 16 * 3)  # ValueError from int()
+    return [bytes(broken_chunk), short_header, bad_maxval]
+
+
 def test_the_bad_input_matrix(served: tuple[RunningServer, Any]) -> None:
     running, _ = served
     url = endpoint(running)
@@ -130,6 +143,8 @@ def test_the_bad_input_matrix(served: tuple[RunningServer, Any]) -> None:
     ]
     for case_params, data, pattern in cases:
         _error(requests.post(url, params=case_params, data=data, timeout=60), 400, pattern)
+    for malformed in _malformed_images():
+        _error(requests.post(url, data=malformed, timeout=60), 400, "not an image file this server reads")
     big = Image.new("RGB", (W * 4, H * 2))  # 8x the pixels of H x W: over max_pixels from its header
     big_png = prepare_encode(image=big)["data"]
     _error(requests.post(url, data=big_png, timeout=60), 400, "over the server limit of 24576 pixels")

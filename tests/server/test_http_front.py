@@ -209,6 +209,7 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
         ({**params, "shift_factor": 0.1159}, body, 400, "shift_factor is not used by Wan"),
         ({**params, "height": 33, "width": 48}, body, 400, "not the decoded size 32x48"),
         ({**params, "output_type": "mp4", "crf": 99}, body, 400, "crf must be in 0..51"),
+        ({**params, "output_type": "mp4", "lossless": "true", "crf": 10}, body, 400, "lossless=true is always CRF 0"),
         ({**params, "stream": "true"}, body, 400, "stream=true is served for output_type mp4 only"),
         ({**params, "shape": [1, 5, 3, 4, 6], "dtype": "float16"}, body[:720], 400, "z_dim|channels|5"),
         (params, prepare_decode(nan, output_type="pt")["data"], 400, "NaN or Inf"),

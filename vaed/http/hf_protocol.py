@@ -237,6 +237,8 @@ def parse_query(query: Mapping[str, str], shape_values: Sequence[str], accept: s
         raise InvalidInput("stream=true is served for output_type mp4 only")
     video = None
     if answer is Answer.MP4:
+        if _flag(query, "lossless", False) and "crf" in query:
+            raise InvalidInput("crf is an option of lossy mp4; lossless=true is always CRF 0")
         try:
             video = VideoOptions(
                 fps=_int(query, "fps") or default_fps,
@@ -372,7 +374,7 @@ class DecodedImage:
     decoded (a small file may hold a huge image)."""
 
     def __init__(self, body: memoryview, max_pixels: int) -> None:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image
 
         try:
             image = Image.open(io.BytesIO(body))
@@ -380,8 +382,12 @@ class DecodedImage:
             if max_pixels and w * h > max_pixels:
                 raise InvalidInput(f"image {h}x{w} ({h * w} pixels) is over the server limit of {max_pixels} pixels")
             pixels = image.convert("RGB")
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-            raise InvalidInput(f"the body is not an image file this server reads (PNG, JPEG, ...): {exc}") from None
+        except InvalidInput:
+            raise
+        except Exception as exc:  # a malformed file: PIL's format plugins raise OSError, SyntaxError,
+            # ValueError, struct.error, ... (a broken PNG chunk, a truncated header, a bad PPM maxval)
+            raise InvalidInput(f"the body is not an image file this server reads (PNG, JPEG, ...): "
+                               f"{type(exc).__name__}: {exc}") from None
         self._frames = torch.from_numpy(np.asarray(pixels).copy())[None, None]
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
