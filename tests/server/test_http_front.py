@@ -23,6 +23,7 @@ from diffusers.video_processor import VideoProcessor
 
 from harness import RunningServer, diffusers_decode, engine_calling_at, make_config, serve_in_thread, start_cli_server
 from vaed.errors import CapacityExhausted
+from vaed.http import front as http_front
 from vaed.video import Fmp4Packager, VideoOptions
 from vaed_client import VaeClient
 
@@ -236,6 +237,25 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
     good_answer = remote_decode(endpoint=url(tiny_http), tensor=good, output_type="pt", return_type="pt")
     assert good_answer.shape == (1, 3, 9, 32, 48)
     assert requests.get(url(tiny_http, "/health"), timeout=10).status_code == 200
+
+
+def test_a_whole_pt_answer_over_its_bound_is_413_before_the_body_is_read(
+        tiny_http: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw pt is assembled whole before it is sent, so its size (not the body's) is bounded, from
+    the head: 1 MiB of float32 latents [1, 4, 1024, 8, 8] decode to 4093 frames of 64x64, a
+    201 MB answer on this CPU server, refused under a 100 MiB bound without reading the body."""
+    monkeypatch.setattr(http_front, "MAX_WHOLE_ANSWER_BYTES", 100 << 20)
+    before = tiny_http.server.front.bodies_read
+    shape = (1, 4, 1024, 8, 8)
+    status, error = raw_request(tiny_http.server.http_port, _head(shape, 4 * 1024 * 64 * 4).replace(
+        "do_scaling=true", "do_scaling=false"))
+    answer = 3 * 4093 * 64 * 64 * 4
+    assert status == 413 and f"the answer would be {answer} bytes" in error["error"], error
+    assert f"holds at most {100 << 20} bytes" in error["error"] and "partial_postprocess=true" in error["error"]
+    assert tiny_http.server.front.bodies_read == before
+    small = latents("random:wan2.1-tiny", t=3, h=4, w=6)
+    assert remote_decode(endpoint=url(tiny_http), tensor=small, output_type="pt", return_type="pt").shape == (
+        1, 3, 9, 32, 48)  # under the bound: answered
 
 
 # -- auth and admission: refused before the body is read ----------------------------------------

@@ -13,6 +13,7 @@ call is authorised and admitted, so a refused request spends no memory on its bo
     bearer token (when the server has one)          -> 401, body unread
     Content-Length present, <= the message limit     -> 411 / 413, body unread
     query parsed; Content-Length = prod(shape) * dtype size -> 400, body unread
+    a whole (raw pt) answer over MAX_WHOLE_ANSWER_BYTES      -> 413, body unread
     the core: serving? -> 503; a session slot? -> 429   (body unread)
             -> the body read (within --session-first-message-timeout, else 408)
             -> latents checked against the limits (400) -> decoded
@@ -99,6 +100,13 @@ ENCODE_METHOD = "Encode"
 # to have taken the one before): aiohttp would otherwise copy a whole 224 MB answer into the
 # transport's buffer for a client that reads slowly.
 SEND_SLICE_BYTES = 1 << 20
+
+# pt without partial_postprocess answers [B, 3, T, H, W] whole, in the compute dtype: time is not
+# its outer axis, so the frames fill one buffer before the first byte goes out. The buffer grows
+# with the video, not with the body: one allowed 256 MiB body of float16 latents
+# [8, 16, 1024, 32, 32] asks for a 12.9 GB answer in bf16 (25.7 GB in float32). 4 GiB holds a 704x1280x121 Wan2.2 video in float32 (1.3 GB)
+# three times; longer videos stream as uint8 (partial_postprocess) or mp4, or go in parts.
+MAX_WHOLE_ANSWER_BYTES = 4 << 30
 
 # On 429 / 503 (a Status's value is its HTTP code): a session slot or a replica is usually free
 # within a decode.
@@ -218,6 +226,12 @@ class HfFront:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400,
                                 f"the body is {length} bytes, and latents of shape {list(query.shape)} in "
                                 f"{str(query.dtype).removeprefix('torch.')} are {query.body_bytes}")
+        if (answer_bytes := self._whole_answer_bytes(query)) > MAX_WHOLE_ANSWER_BYTES:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 413,
+                                f"the answer would be {answer_bytes} bytes, and output_type pt without "
+                                f"partial_postprocess is sent whole: this server holds at most "
+                                f"{MAX_WHOLE_ANSWER_BYTES} bytes for one; decode fewer frames per call, or ask "
+                                "partial_postprocess=true (uint8 frames, streamed) or output_type mp4")
         call = self.core.decode(self._input(request, query, length), self._to_message(query),
                                 lambda: send_timed_out(request))
         try:
@@ -350,6 +364,16 @@ class HfFront:
             return lambda item: item
         return lambda item: item if not isinstance(item, FramesOut) else FramesOut(
             item.request_id, item.chunk_index, item.first_frame, item.frames.clone())
+
+    def _whole_answer_bytes(self, query: DecodeQuery) -> int:
+        """The bytes of a raw pt answer (0 for the other answers, and before a device serves: the
+        core refuses the call then)."""
+        engine = self.core.pool.engine
+        if query.answer is not Answer.RAW or engine is None:
+            return 0
+        b, _, t, h, w = query.shape
+        pixels = h * w * engine.scale_spatial**2
+        return b * 3 * output_frames(t, engine.scale_temporal) * pixels * engine.info.dtype.itemsize
 
     def _output_frames(self, query: DecodeQuery) -> int:
         engine = self.core.pool.engine
