@@ -19,6 +19,7 @@ import re
 import shutil
 import socket
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,32 @@ def _pt_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _pt_bytes_legacy(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=False)
+    return buffer.getvalue()
+
+
+def unpacked_before_load(running: RunningServer, url: str, auth: dict[str, str]) -> tuple[int, int]:
+    """(status, torch.load calls) of a .pt file whose deflated records hold 2 MiB of zeros (a few
+    KB sent, over the fixture's 1 MiB limit once unpacked): refused from its zip directory,
+    before torch.load (watched in the in-process server) inflates anything."""
+    plain = zipfile.ZipFile(io.BytesIO(_pt_bytes(torch.zeros(1, Z, 32, 64, 64))))
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name in plain.namelist():
+            archive.writestr(name, plain.read(name))
+    assert len(deflated.getvalue()) < 64 << 10
+    loads = []
+    real_load = torch.load
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "load", lambda *args, **kwargs: loads.append(1) or real_load(*args, **kwargs))
+        answer = requests.post(url, data=deflated.getvalue(), headers=auth, timeout=30)
+    assert re.search(r"the file unpacks to 2\d{6} bytes, over the server's message limit of 1048576 bytes",
+                     answer.json()["error"]), answer.text
+    return answer.status_code, len(loads)
+
+
 def test_convert_pt(guarded: RunningServer) -> None:
     """A .pt file's tensor comes back as its raw bytes with shape and dtype headers; refusals are
     401 / 411 / 413 from the head (the body unread) and 400 with a JSON error for a bad file."""
@@ -378,8 +405,10 @@ def test_convert_pt(guarded: RunningServer) -> None:
     assert answer.headers["dtype"] == "float32"
     assert torch.equal(torch.frombuffer(bytearray(answer.content), dtype=torch.float32).reshape(x.shape),
                        x.double().float())
+    assert unpacked_before_load(guarded, url, auth) == (413, 0)
     for data, pattern in [
         (b"not a zip", "torch.load"),
+        (_pt_bytes_legacy(x), "zip format"),
         (_pt_bytes(torch.zeros(3, 3)), r"shape \[3, 3\]"),
         (_pt_bytes(torch.zeros(1, 4, 2, 4, 6, dtype=torch.int32)), "torch.int32"),
         (_pt_bytes({"a": x, "b": x}), "2 tensors"),

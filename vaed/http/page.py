@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import io
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +164,24 @@ def latents_of(loaded: Any, limit: int) -> torch.Tensor:
     return tensor.to(dtype).contiguous()
 
 
+def _check_unpacked_size(body: memoryview, limit: int) -> None:
+    """Refuse a file whose records unpack to more than `limit` bytes, from its zip directory and
+    before anything is unpacked: torch.load inflates each record into a buffer of its declared
+    size (a 2 MB file of deflated zeros took 2 GiB of the server's memory before the latents'
+    own size check). Only torch.save's zip format (its default since torch 1.6): the legacy one
+    sizes its storages from numbers in the file, not from what the file holds."""
+    try:
+        records = zipfile.ZipFile(io.BytesIO(body)).infolist()
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise InvalidInput(f"not a torch.save file in its zip format, which torch.load(weights_only=True) reads "
+                           f"here (save it again with torch.save's defaults): {exc}") from None
+    unpacked = sum(record.file_size for record in records)
+    if unpacked > limit:
+        raise TooLarge(f"the file unpacks to {unpacked} bytes, over the server's message limit of {limit} bytes")
+
+
 def _load_pt(body: memoryview, limit: int) -> torch.Tensor:
+    _check_unpacked_size(body, limit)
     try:
         loaded = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as exc:  # a bad zip, a refused pickle global, a truncated file: all the caller's
