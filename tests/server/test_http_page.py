@@ -400,7 +400,8 @@ def test_convert_pt(guarded: RunningServer) -> None:
     # a tensor whose file is small and whose copy would not be: refused before the copy is made
     expanded = torch.zeros(1, 1, 1, 1, 1).expand(1, Z, 64, 64, 64)
     answer = requests.post(url, data=_pt_bytes(expanded), headers=auth, timeout=30)
-    assert answer.status_code == 413 and "over the server's message limit of 1048576 bytes" in answer.json()["error"], answer.text
+    assert answer.status_code == 413, answer.text
+    assert "over the server's message limit of 1048576 bytes" in answer.json()["error"], answer.text
     answer = requests.post(url, data=_pt_bytes(x.double()), headers=auth, timeout=30)
     assert answer.headers["dtype"] == "float32"
     assert torch.equal(torch.frombuffer(bytearray(answer.content), dtype=torch.float32).reshape(x.shape),

@@ -104,8 +104,9 @@ SEND_SLICE_BYTES = 1 << 20
 # pt without partial_postprocess answers [B, 3, T, H, W] whole, in the compute dtype: time is not
 # its outer axis, so the frames fill one buffer before the first byte goes out. The buffer grows
 # with the video, not with the body: one allowed 256 MiB body of float16 latents
-# [8, 16, 1024, 32, 32] asks for a 12.9 GB answer in bf16 (25.7 GB in float32). 4 GiB holds a 704x1280x121 Wan2.2 video in float32 (1.3 GB)
-# three times; longer videos stream as uint8 (partial_postprocess) or mp4, or go in parts.
+# [8, 16, 1024, 32, 32] asks for a 12.9 GB answer in bf16 (25.7 GB in float32). 4 GiB holds a
+# 704x1280x121 Wan2.2 video in float32 (1.3 GB) three times; longer videos stream as uint8
+# (partial_postprocess) or mp4, or go in parts.
 MAX_WHOLE_ANSWER_BYTES = 4 << 30
 
 # On 429 / 503 (a Status's value is its HTTP code): a session slot or a replica is usually free

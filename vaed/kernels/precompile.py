@@ -147,7 +147,7 @@ def launch_of(record: str) -> tuple[str, list[Any], dict[str, Any]]:
             args.append(0.5)
         else:
             raise ValueError(f"an argument of type {kind}")
-    specialization, brace, tail = obj["key"].rpartition("]{")
+    _, brace, tail = obj["key"].rpartition("]{")  # str(specialization) + str(launch options)
     if not brace:
         raise ValueError("a key without its launch options")
     options = ast.literal_eval("{" + tail)
