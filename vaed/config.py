@@ -121,10 +121,20 @@ class ServerConfig:
         30.0, "seconds a DecodeStream session may wait for its next message once everything it "
         "sent is decoded and sent back; then it ends DEADLINE_EXCEEDED and frees its "
         "slot; 0 = no limit", parse=seconds, metavar="SECONDS")
+    # How long an answer may wait for its client to take any of it, on both fronts: a client that
+    # opens a large decode and reads nothing otherwise holds its session slot, with the server
+    # idle, until its connection goes (gRPC: --max-connection-age 300 s + 60 s grace).
+    send_timeout: float = option(
+        30.0, "seconds an answer may wait for its client to take any of it (a gRPC call's next response "
+        "message; an HTTP answer's next bytes, the front's or /metrics'); then the call ends "
+        "DEADLINE_EXCEEDED and frees its session slot (HTTP: its connection is closed); a slow reader "
+        "that keeps reading is not cut; 0 = no limit; --http-send-timeout is its former name, from when it "
+        "bounded HTTP answers only", parse=seconds, metavar="SECONDS", aliases=("--http-send-timeout",))
     frame_message_bytes: int = wire.FRAME_MESSAGE_BYTES
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     grace: float = option(
-        30.0, "seconds SIGTERM lets in-flight streams finish; a second SIGTERM exits at once", parse=float)
+        30.0, "seconds SIGTERM lets in-flight calls (gRPC and HTTP) finish; the rest are then cut; a second "
+        "SIGTERM exits at once", parse=float)
     kernels: Kernels = option(
         Kernels.AUTO, "fused bit-exact Triton data movement: auto (when eligible), triton (required), off",
         choices=Kernels)
@@ -193,10 +203,6 @@ class ServerConfig:
         None, "serve Hugging Face's remote-VAE protocol (diffusers' remote_decode) and /health over HTTP "
         "on this port; the same port as --metrics-port shares its listener", parse=int, no_default="off")
     http_host: str | None = option(None, "address the HTTP front binds", no_default="--host")
-    http_send_timeout: float = option(
-        30.0, "seconds an HTTP answer (the front's or /metrics') may wait for its client to read on; "
-        "then its connection is closed, and a call it serves ends and frees its session slot; 0 = no limit",
-        parse=seconds, metavar="SECONDS")
     tls_cert: str | None = option(None, "PEM certificate chain; with --tls-key serves TLS")
     tls_key: str | None = option(None, "PEM private key for --tls-cert")
     tls_client_ca: str | None = option(

@@ -43,6 +43,8 @@ class Flag:
     # "store_false" (a --no-X flag for a True field), "store_true" (a --X flag for a False
     # field), "append" (a tuple field)
     action: str | None = None
+    # Other names of the flag, e.g. a former one kept so deployments that pass it still start.
+    aliases: tuple[str, ...] = ()
 
     def flag_name(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
@@ -81,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
         name = flag.flag_name(field.name)
         help_text = _help(flag, default)
         if flag.action in ("store_false", "store_true"):
-            parser.add_argument(name, dest=field.name, action=flag.action, help=help_text)
+            parser.add_argument(name, *flag.aliases, dest=field.name, action=flag.action, help=help_text)
             continue
         kwargs: dict[str, Any] = {"dest": field.name, "help": help_text}
         if flag.parse is not None:
@@ -97,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
             # A Choice default is shown and compared as its string ("auto"); the config turns
             # the parsed string back into the member.
             kwargs["default"] = default
-        parser.add_argument(name, **kwargs)
+        parser.add_argument(name, *flag.aliases, **kwargs)
 
 
 def values(args: argparse.Namespace, cls: type) -> dict[str, Any]:

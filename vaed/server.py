@@ -266,7 +266,7 @@ class VaedServer:
         # The one HTTP stack; /metrics is its first route.
         self.http: HttpServer | None = None
         if self.metrics is not None:
-            self.http = HttpServer(HttpLimits(send_timeout=config.http_send_timeout), name="metrics")
+            self.http = HttpServer(HttpLimits(send_timeout=config.send_timeout), name="metrics")
             add_metrics_route(self.http.app, self.metrics)
         # The HTTP front (--http-port): routes on the metrics stack when it is the same address,
         # else a listener of its own (see `http_front_shares_metrics`).
@@ -279,7 +279,7 @@ class VaedServer:
             if self.http is not None and http_front_shares_metrics(config):
                 self.front_http = self.http
             else:
-                self.front_http = HttpServer(HttpLimits(send_timeout=config.http_send_timeout), name="HTTP front")
+                self.front_http = HttpServer(HttpLimits(send_timeout=config.send_timeout), name="HTTP front")
             self.front.add_routes(self.front_http.app)
             # the page at GET / (vaed.http.page), over the front's core and token
             PageRoutes(self.core, self.front, auth_required=token is not None).add_routes(self.front_http.app)
@@ -413,7 +413,8 @@ class VaedServer:
         await self._ready.wait()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain: new calls get UNAVAILABLE, in-flight streams get `grace` seconds to finish."""
+        """Drain: new calls get UNAVAILABLE, in-flight calls (gRPC and HTTP) get `grace` seconds to
+        finish; the rest are then cut and the server stops."""
         if self._stopped.is_set():
             return
         grace = self.config.grace if grace is None else grace
@@ -429,12 +430,14 @@ class VaedServer:
             await asyncio.sleep(0.05)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - loop.time()))
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.pool.stop)
-        if self.front_http is not None and self.front_http is not self.http:
+        # The grace is over for HTTP calls too: cut them as gRPC's were just cancelled, before the
+        # workers stop (an HTTP call would otherwise wait on its stopped worker until aiohttp's
+        # shutdown gave up on it, minutes later).
+        if self.front_http is not None:
             await self.front_http.stop()
+        await loop.run_in_executor(None, self.pool.stop)
         if self.http is not None:
-            await self.http.stop()
+            await self.http.stop()  # a no-op when it carried the front, stopped above
         self.packaging.shutdown()
         self._stopped.set()
         unfreeze_heap()  # this process may go on (tests, an embedding app): its garbage is collectable again

@@ -11,7 +11,11 @@ KServe's gRPC servicer does over its data plane:
   bytes in FrameChunk.video), `ModelFacts` a ModelInfo;
 * a `CallFailed` becomes its gRPC status (`grpc.StatusCode[status.name]`:
   the one table is `vaed.errors`), and the context's deadline tells a
-  cancelled call from an expired one.
+  cancelled call from an expired one;
+* each response message is written with `context.write` within
+  --send-timeout (`vaed.grpc_send` says why not by yielding): a client that
+  takes none of its answer for that long has its call ended
+  DEADLINE_EXCEEDED, which frees its session slot.
 
 Handlers are registered with raw bytes in and out of the deserializer, and all
 three methods read their requests as a stream (the wire is the same for a
@@ -28,6 +32,7 @@ chunk_index = the number of groups and first_frame = the number of frames.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -56,8 +61,11 @@ from .calls import (
 from .choices import Precision
 from .engine import DTYPES
 from .errors import InvalidInput
+from .grpc_send import SendStalled, TimedWriter
 from .interceptors import REFUSAL_LINGER_SECONDS
 from .video import DEFAULT_CRF, DEFAULT_PRESET, VideoError, VideoOptions
+
+log = logging.getLogger(__name__)
 
 pb = wire.pb
 _WIRE_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
@@ -280,6 +288,13 @@ def _deadline_passed(context: grpc.aio.ServicerContext) -> Callable[[], bool]:
     return passed
 
 
+def _timed_out(context: grpc.aio.ServicerContext, writer: TimedWriter) -> Callable[[], bool]:
+    """The call's deadline passed, or its client took nothing for --send-timeout (DEADLINE_EXCEEDED
+    either way: the server's time limits end calls so, as HTTP's send timeout does)."""
+    deadline_passed = _deadline_passed(context)
+    return lambda: writer.stalled or deadline_passed()
+
+
 def _stream_input(requests: AsyncIterator[bytes], parse_one: Callable[[bytes], Any]) -> CallInput[bytes]:
     # `anext` on grpc.aio's receiver itself: its `__aiter__` makes the generator, which a call
     # refused before its first read (an Encode to a decode-only server, say) would leave never
@@ -330,33 +345,47 @@ class VaeDecoderService:
             await call.aclose()
         return replies[0]
 
-    def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        parse_one = functools.partial(decode_request, default_fps=self.core.default_fps)
-        call = self.core.decode(_stream_input(requests, parse_one), frame_chunk, _deadline_passed(context))
-        return self._streamed(context, call)
+    def _writer(self, context: grpc.aio.ServicerContext) -> TimedWriter:
+        return TimedWriter(context, self.core.config.send_timeout)
 
-    def DecodeStream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        parse_one = functools.partial(decode_request, default_fps=self.core.default_fps)
+        writer = self._writer(context)
+        call = self.core.decode(_stream_input(requests, parse_one), frame_chunk, _timed_out(context, writer))
+        await self._answer(context, call, writer)
+
+    async def DecodeStream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         # A failing client-streaming call lingers briefly, reading nothing, before its status: a
         # grpc.aio client still writing otherwise sees INTERNAL instead of it (see vaed.interceptors).
         parse_one = functools.partial(latent_chunk, default_fps=self.core.default_fps)
+        writer = self._writer(context)
         call = self.core.decode_stream(
-            _stream_input(requests, parse_one), frame_chunk, _deadline_passed(context),
+            _stream_input(requests, parse_one), frame_chunk, _timed_out(context, writer),
             linger=REFUSAL_LINGER_SECONDS)
-        return self._streamed(context, call)
+        await self._answer(context, call, writer)
 
-    def Encode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def Encode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        writer = self._writer(context)
         call = self.core.encode(
-            _stream_input(requests, video_chunk), latent_frame_chunk, _deadline_passed(context),
+            _stream_input(requests, video_chunk), latent_frame_chunk, _timed_out(context, writer),
             linger=REFUSAL_LINGER_SECONDS)
-        return self._streamed(context, call)
+        await self._answer(context, call, writer)
 
     @staticmethod
-    async def _streamed(context: grpc.aio.ServicerContext, call: Call[Any]) -> AsyncIterator[Any]:
-        """A call's FrameChunks; its failure becomes the call's status."""
+    async def _answer(context: grpc.aio.ServicerContext, call: Call[Any], writer: TimedWriter) -> None:
+        """Write a call's messages; its failure becomes the call's status, and a client that takes
+        none of them for --send-timeout has the call ended DEADLINE_EXCEEDED."""
         try:
             async for message in call:
-                yield message
+                await writer.write(message)
         except CallFailed as failed:
             await _abort(context, failed)
+        except SendStalled as stalled:
+            record = call.record
+            log.warning("%s id=%s: the client took none of its answer for %g s (--send-timeout); "
+                        "the call ends DEADLINE_EXCEEDED and frees its session slot",
+                        record.method, record.request_id, stalled.seconds)
+            await call.aclose()  # logged and its slot freed now, not once the status got out
+            await writer.end(grpc.StatusCode.DEADLINE_EXCEEDED, str(stalled))
         finally:
             await call.aclose()  # runs the call's own cleanup now, not at garbage collection

@@ -31,7 +31,7 @@ Bounded memory on the way out: every answer is written in pieces of at most SEND
 each write waiting until the transport's buffer is under its high-water mark, so a slow reader
 holds its own answer (a streamed one: the credit window's few groups; the core stops decoding
 it meanwhile) and never a second copy of it in the transport; a reader that takes nothing for
---http-send-timeout seconds has its connection closed (`vaed.http.server`), which ends the call.
+--send-timeout seconds has its connection closed (`vaed.http.server`), which ends the call.
 
 Authentication: the same token as the gRPC port (`--auth-token-file` / $VAED_AUTH_TOKEN), sent as
 `Authorization: Bearer <token>`. diffusers' `remote_decode` sends no token: against a server with

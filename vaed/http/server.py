@@ -27,6 +27,12 @@ routes to ``HttpServer.app`` before ``start`` (``vaed.metrics`` adds
   without it one such client would hold its session slot and its answer's
   memory until the server stops. A slow reader that keeps draining re-arms
   the timer each time the transport resumes, so only a stalled one is cut.
+* shutdown: ``stop`` cuts every request still in flight the way the send
+  timeout cuts a stalled reader (its connection aborted, its handler
+  cancelled, so the call it serves ends and frees its slot). The caller stops
+  the stack once its drain grace is over; aiohttp's own shutdown would wait
+  on each such handler for up to twice its shutdown timeout (60 s by
+  default), holding the process past any termination budget.
 * sockets: at most ``max_connections`` are open; a new one closes the oldest
   connection that has no request in flight (a scraper is done in
   milliseconds, so the oldest idle one is the likeliest junk; refusing new
@@ -79,6 +85,14 @@ class _NotClientErrors(logging.Filter):
 # The connections' logger: aiohttp's protocol reports errors here.
 _protocol_log = logging.getLogger(f"{__name__}.protocol")
 _protocol_log.addFilter(_NotClientErrors())
+log = logging.getLogger(__name__)
+
+# Seconds ``stop`` waits for the handlers it cut to finish their cleanup (log line, session slot);
+# a cancelled handler ends within milliseconds, so this bounds only a bug.
+CUT_WAIT_S = 5.0
+# aiohttp's wait, in ``cleanup``, for a connection's handler (then again after cancelling it): every
+# request was cut before, so this bounds only a request that began since (aiohttp's default: 60 s).
+SHUTDOWN_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,8 @@ class HttpServer:
     def __init__(self, limits: HttpLimits | None = None, name: str = "HTTP") -> None:
         self.limits = limits or HttpLimits()
         self.name = name  # in error messages: "metrics host must be ..."
-        self._busy: set[web.RequestHandler] = set()
+        # Connections with a request in flight, and the task that runs its handler (`stop` waits on it).
+        self._busy: dict[web.RequestHandler, asyncio.Task[Any]] = {}
         self.app = web.Application(client_max_size=self.limits.client_max_size, middlewares=[self._track_busy])
         if not self.limits.keep_alive:
             self.app.on_response_prepare.append(_close_after_answer)
@@ -150,7 +165,8 @@ class HttpServer:
         # handler_cancellation: a handler whose client disconnected is cancelled (aiohttp's default
         # since 3.7 lets it run on), so a decode over HTTP whose client left frees its session
         # slot at once instead of decoding for nobody.
-        runner = web.AppRunner(self.app, handle_signals=False, access_log=None, handler_cancellation=True)
+        runner = web.AppRunner(self.app, handle_signals=False, access_log=None, handler_cancellation=True,
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         try:
             # aiohttp's Server is a protocol factory for create_server (its documented
@@ -166,15 +182,26 @@ class HttpServer:
         return int(self._listener.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
-        """Close the sockets and every connection; safe when never started."""
+        """Close the sockets and every connection, cutting the requests still in flight (see the
+        module docstring); safe when never started."""
         listener, self._listener = self._listener, None
         runner, self._runner = self._runner, None
         if listener is not None:
             listener.close()
+        await self._cut_in_flight()
         if runner is not None:
             await runner.cleanup()  # closes open connections, runs the app's cleanup hooks
         if listener is not None:
             await listener.wait_closed()
+
+    async def _cut_in_flight(self) -> None:
+        """Abort every connection with a request in flight and wait for their handlers to end."""
+        cut = [task for connection, task in list(self._busy.items())
+               if isinstance(connection, _Connection) and connection.cut()]
+        if not cut:
+            return
+        log.warning("%s: %d request(s) still in flight at shutdown; their connections are closed", self.name, len(cut))
+        await asyncio.wait(cut, timeout=CUT_WAIT_S)
 
     def _connection_factory(self, runner: web.AppRunner) -> Callable[[], web.RequestHandler]:
         server = runner.server
@@ -208,11 +235,13 @@ class HttpServer:
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         protocol = request.protocol
-        self._busy.add(protocol)
+        task = asyncio.current_task()
+        assert task is not None  # aiohttp runs each request in a task of its own
+        self._busy[protocol] = task
         try:
             return await handler(request)
         finally:
-            self._busy.discard(protocol)
+            self._busy.pop(protocol, None)
 
 
 
@@ -267,10 +296,18 @@ class _Connection(web.RequestHandler):
             self._stalled.cancel()
             self._stalled = None
 
+    def cut(self) -> bool:
+        """Abort the connection: aiohttp cancels its handler (`handler_cancellation`), which ends
+        the call it serves. The one way the stack ends a request early; False when already closed."""
+        if self.transport is None:
+            return False
+        self.transport.abort()
+        return True
+
     def _abort_stalled(self) -> None:
         self._stalled = None
         if self.transport is not None:
             self.send_timed_out = True
             _protocol_log.warning("HTTP client read nothing of its answer for %g s; connection aborted",
                                   self._send_timeout)
-            self.transport.abort()
+            self.cut()
