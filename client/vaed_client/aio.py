@@ -221,7 +221,7 @@ class AsyncVaeClient:
         video = prepare_video(frames, send_zeros=send_zeros)
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
                                  request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
-        assembly = EncodedAssembly(output_type, video.as_torch)
+        assembly = EncodedAssembly(output_type, video.as_torch, wire.encoded_latent_frames(video.total_frames))
         progress = self._progress(report, options.request_id)
 
         async def chunks() -> AsyncIterator[Any]:

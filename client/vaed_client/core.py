@@ -34,6 +34,12 @@ LATENT_DTYPE_NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 LATENTS_DTYPE_HELP = "use float32, float16 or bfloat16 (a torch tensor; numpy has none); float64 is cast to float32"
 
 
+def _enum_name(enum: Any, value: int) -> str:
+    """An enum value's lower-case name; a value this client's proto does not know (a newer
+    server's) as `unknown(N)`, so model_info() and every call that asks for it still work."""
+    return enum.Name(value).lower() if value in enum.values() else f"unknown({value})"
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the server decodes with (mirrors the ModelInfo message)."""
@@ -80,13 +86,13 @@ class ModelInfo:
             kernels=message.kernels,
             layout=message.layout,
             fast_paths_note=message.fast_paths_note,
-            precisions=[wire.pb.Precision.Name(p).lower() for p in message.precisions],
+            precisions=[_enum_name(wire.pb.Precision, p) for p in message.precisions],
             devices=list(message.devices),
             parallel=message.parallel,
             encodes=message.encodes,
-            encode_precisions=[wire.pb.Precision.Name(p).lower() for p in message.encode_precisions],
+            encode_precisions=[_enum_name(wire.pb.Precision, p) for p in message.encode_precisions],
             encode_dtypes=[wire.DTYPE_NAMES.get(d, "") for d in message.encode_dtypes],
-            video_formats=[wire.pb.OutputFormat.Name(f).lower() for f in message.video_formats],
+            video_formats=[_enum_name(wire.pb.OutputFormat, f) for f in message.video_formats],
             video_fps=message.video_fps,
         )
 

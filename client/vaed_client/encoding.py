@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .errors import LocalInputError
-from .tensors import is_torch
+from .errors import InternalError, LocalInputError
+from .tensors import TensorFormatError, is_torch
 
 pb = wire.pb
 # float32 frames up to this size on the CPU (a few ms to check), and any on a GPU (where the check
@@ -198,11 +198,14 @@ def video_chunks(video: Video, options: Any, cap_bytes: int = wire.FRAME_MESSAGE
 
 
 class EncodedAssembly:
-    """The replies of one Encode call -> the whole result (moments or latents)."""
+    """The replies of one Encode call -> the whole result (moments or latents): one latent frame a
+    reply, `latent_frames` of them, all of one shape and dtype, or an InternalError naming what
+    the server sent instead."""
 
-    def __init__(self, output_type: str, as_torch: bool) -> None:
+    def __init__(self, output_type: str, as_torch: bool, latent_frames: int) -> None:
         self.output_type = output_type
         self.as_torch = as_torch
+        self.latent_frames = latent_frames
         self.parts: list[Any] = []
         self.final = False
 
@@ -211,13 +214,24 @@ class EncodedAssembly:
             self.final = True
             return
         tensor = reply.latents if self.output_type == LATENTS else reply.moments
-        self.parts.append(wire.to_torch(tensor) if self.as_torch else wire.to_numpy(tensor))
+        try:
+            part = wire.to_torch(tensor) if self.as_torch else wire.to_numpy(tensor)
+        except TensorFormatError as e:
+            raise InternalError(f"malformed {self.output_type} from server: {e}") from None
+        first = self.parts[0] if self.parts else part
+        if part.ndim != 5 or part.shape[2] != 1 or part.dtype != first.dtype or \
+                tuple(part.shape) != tuple(first.shape):
+            raise InternalError(f"server sent {self.output_type} of shape {list(part.shape)} ({part.dtype}) "
+                                f"for latent frame {len(self.parts)}; one latent frame a reply, as the first: "
+                                f"{list(first.shape)} ({first.dtype})")
+        self.parts.append(part)
 
     def result(self) -> Any:
-        from .errors import InternalError
-
         if not self.final:
             raise InternalError("the Encode call ended without its final message")
+        if len(self.parts) != self.latent_frames:
+            raise InternalError(f"the frames encode to {self.latent_frames} latent frames, and the server sent "
+                                f"{len(self.parts)}")
         if self.as_torch:
             import torch
 

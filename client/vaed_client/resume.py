@@ -55,7 +55,7 @@ import numpy as np
 from . import wire
 from .errors import DeadlineExceededError, InternalError, VaedError, from_rpc_error
 from .tensors import TensorFormatError, storage_view
-from .video import TIME_AXIS
+from .video import TIME_AXIS, check_layout
 
 log = logging.getLogger("vaed_client.resume")
 pb = wire.pb
@@ -226,6 +226,7 @@ class Progress:
             self.report.first_data_seconds = time.monotonic() - self.started
         if not reply.HasField("frames") or not len(reply.frames.shape):
             return reply
+        check_layout(tuple(reply.frames.shape), wire_format, reply.frames.dtype)
         axis = TIME_AXIS[wire_format]
         count = int(reply.frames.shape[axis])
         first = int(reply.first_frame)

@@ -8,7 +8,6 @@ messages may be split, and order does not matter.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,8 +20,6 @@ from ._proto import vaed_pb2
 from .errors import InternalError
 from .heap import prefault, video_buffer
 from .wire import output_frames  # noqa: F401  (re-exported; the rule lives in wire)
-
-log = logging.getLogger(__name__)
 
 RGB8 = "rgb8"
 RAW = "raw"
@@ -76,7 +73,7 @@ def to_chunk(message: vaed_pb2.FrameChunk, fmt: str, as_torch: bool) -> DecodedC
         frames = tensors.to_torch(message.frames) if as_torch else tensors.to_numpy(message.frames)
     except tensors.TensorFormatError as e:
         raise InternalError(f"malformed frames from server: {e}") from None
-    _check_rank(frames.shape, fmt)
+    check_layout(tuple(frames.shape), fmt, message.frames.dtype)
     return DecodedChunk(
         chunk_index=message.chunk_index,
         first_frame=message.first_frame,
@@ -88,9 +85,14 @@ def to_chunk(message: vaed_pb2.FrameChunk, fmt: str, as_torch: bool) -> DecodedC
     )
 
 
-def _check_rank(shape: tuple[int, ...], fmt: str) -> None:
-    if len(shape) != 5 or (fmt == RGB8 and shape[-1] != 3) or (fmt == RAW and shape[1] != 3):
-        raise InternalError(f"server sent frames of shape {list(shape)}, not a {fmt} layout")
+def check_layout(shape: tuple[int, ...], fmt: str, wire_dtype: int) -> None:
+    """InternalError unless a frame group is the wire format's layout (RGB8: uint8 [B, T, H, W, 3];
+    RAW: floats [B, 3, T, H, W]) with at least one frame: a reply is read by its shape before its
+    bytes."""
+    if len(shape) != 5 or (fmt == RGB8 and shape[-1] != 3) or (fmt == RAW and shape[1] != 3) \
+            or shape[TIME_AXIS[fmt]] < 1 or (wire_dtype == vaed_pb2.UINT8) != (fmt == RGB8):
+        raise InternalError(f"server sent frames of shape {list(shape)} in {tensors.dtype_name(wire_dtype)}, "
+                            f"not a {fmt} layout")
 
 
 class VideoAssembler:
@@ -122,7 +124,7 @@ class VideoAssembler:
             view = tensors.storage_view(message.frames)
         except tensors.TensorFormatError as e:
             raise InternalError(f"malformed frames from server: {e}") from None
-        _check_rank(view.shape, self.format)
+        check_layout(view.shape, self.format, message.frames.dtype)
         t = view.shape[self.axis]
         first = int(message.first_frame)
         end = first + t
@@ -176,7 +178,8 @@ class VideoAssembler:
             missing = np.flatnonzero(~self._filled[: self.end])
             raise InternalError(f"server skipped frames {missing[:8].tolist()} ({len(missing)} missing)")
         if self.expected_frames is not None and self.end != self.expected_frames:
-            log.warning("expected %d frames, server sent %d", self.expected_frames, self.end)
+            raise InternalError(f"the latents decode to {self.expected_frames} frames, and the server sent "
+                                f"{self.end}")
         storage = self._storage
         if self.end != storage.shape[self.axis]:
             index: list[Any] = [slice(None)] * storage.ndim
