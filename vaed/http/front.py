@@ -372,9 +372,9 @@ class HfFront:
         engine = self.core.pool.engine
         if query.answer is not Answer.RAW or engine is None:
             return 0
-        b, _, t, h, w = query.shape
+        b, _, _, h, w = query.shape
         pixels = h * w * engine.scale_spatial**2
-        return b * 3 * output_frames(t, engine.scale_temporal) * pixels * engine.info.dtype.itemsize
+        return b * 3 * self._output_frames(query) * pixels * engine.info.dtype.itemsize
 
     def _output_frames(self, query: DecodeQuery) -> int:
         engine = self.core.pool.engine
