@@ -81,7 +81,7 @@ import torch
 
 from .engine import OutputSpec
 from .engine_protocol import Engine
-from .errors import ClientIdle, InvalidInput
+from .errors import ClientIdle, InvalidInput, VaedServerError
 from .limits import Limits
 from .yuv import rgb8_to_yuv420p
 
@@ -495,13 +495,25 @@ class Session:
             self.lock.notify_all()
 
     def deliver_group(self, group: HostGroup) -> None:
-        """Put a decoded group on the channel (delivery thread); after frame 0's, the worker may
-        step the session again."""
-        self.channel.put_group(group)
+        """Put a decoded group on the channel (delivery thread), or end the call with the reason
+        `refused_output` gives; after frame 0's, the worker may step the session again."""
+        refusal = self.refused_output(group)
+        if refusal is None:
+            self.channel.put_group(group)
+        else:
+            # on the channel here, in order: the last step may have ended the session already,
+            # its end queued behind this group, which `fail` would leave as it is
+            self.channel.fail(refusal)
+            self.fail(refusal)  # no further steps
         if self._first_group_pending:
             with self.lock:
                 self._first_group_pending = False
                 self.lock.notify_all()
+
+    def refused_output(self, group: HostGroup) -> VaedServerError | None:
+        """Why a step's output must not be sent (delivery thread, after its host copy); None sends
+        it. A decode sends what it made (its input was checked before the step)."""
+        return None
 
     def _release_cache_if_done(self) -> None:
         """Free the decoder cache of a failed or closed session that no step uses (`lock` held)."""

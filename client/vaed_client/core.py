@@ -40,6 +40,18 @@ def _enum_name(enum: Any, value: int) -> str:
     return enum.Name(value).lower() if value in enum.values() else f"unknown({value})"
 
 
+# Wan's VAEs scale time by 4 and space by 8 or 16. A factor past this is no VAE's: the client
+# would size a 9-frame video's buffer for millions of frames by it (a hostile or broken server).
+MAX_SCALE_FACTOR = 64
+
+
+def _scale_factor(name: str, value: int) -> int:
+    if value > MAX_SCALE_FACTOR:
+        raise InternalError(f"the server's ModelInfo gives {name} {value}, which no VAE has "
+                            f"(at most {MAX_SCALE_FACTOR})")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the server decodes with (mirrors the ModelInfo message)."""
@@ -73,8 +85,8 @@ class ModelInfo:
         return cls(
             model=message.model,
             z_dim=message.z_dim,
-            scale_factor_temporal=message.scale_factor_temporal,
-            scale_factor_spatial=message.scale_factor_spatial,
+            scale_factor_temporal=_scale_factor("scale_factor_temporal", message.scale_factor_temporal),
+            scale_factor_spatial=_scale_factor("scale_factor_spatial", message.scale_factor_spatial),
             latents_mean=list(message.latents_mean),
             latents_std=list(message.latents_std),
             compute_dtype=wire.DTYPE_NAMES.get(message.compute_dtype, "") if message.compute_dtype else "",

@@ -63,6 +63,20 @@ def test_enum_values_this_client_does_not_know_are_named_unknown() -> None:
     assert info.video_formats == ["mp4", "unknown(97)"]
 
 
+@pytest.mark.parametrize("field, value", [("scale_factor_temporal", 10**6), ("scale_factor_temporal", 2**32 - 1),
+                                          ("scale_factor_spatial", 65)])
+def test_a_scale_factor_no_vae_has_is_an_internal_error_before_anything_is_sized_by_it(field: str,
+                                                                                      value: int) -> None:
+    message = pb.ModelInfo(model="m", z_dim=16, scale_factor_temporal=4, scale_factor_spatial=8)
+    setattr(message, field, value)
+    with pytest.raises(InternalError, match=f"{field} {value}, which no VAE has"):
+        ModelInfo.from_proto(message)
+    setattr(message, field, 64)  # the largest taken; 0 (not set) means Wan's
+    assert getattr(ModelInfo.from_proto(message), field) == 64
+    unset = ModelInfo.from_proto(pb.ModelInfo(model="m", z_dim=16))
+    assert unset.output_frames(3) == 9
+
+
 def _moments(frames: int, z: int = 8, dtype: type = np.float32) -> pb.LatentFrameChunk:
     return pb.LatentFrameChunk(moments=wire.to_message(np.zeros((1, z, frames, 2, 2), dtype=dtype)))
 

@@ -314,6 +314,27 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(served: tuple[An
     assert code == grpc.StatusCode.OK and len(replies) == 2
 
 
+def test_finite_frames_that_overflow_the_encoder_are_invalid_argument_unless_allowed(
+        served: tuple[Any, Any], stub: Any) -> None:
+    running, stock = served
+    frames = _video(1, 5)
+    frames[:, :, 1:] = 3e38  # finite (float32's largest is 3.4e38) and far outside [-1, 1]
+    want = _stock(stock, frames)
+    assert torch.isfinite(want[:, :, 0]).all() and not torch.isfinite(want[:, :, 1]).all()  # stock overflows too
+    code, details, replies = _status(stub, [_chunk(frames)])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert "frames 1-4 encode to NaN or Inf moments" in details and "allow_non_finite" in details
+    # the call's first latent frame, finite, came before the status, bit-identical to stock's
+    assert [r.latent_frame for r in replies] == [0]
+    assert torch.equal(wire.to_torch(replies[0].moments), want[:, :, :1])
+    code, details, replies = _status(stub, [_chunk(frames, _options(allow_non_finite=True))])
+    assert code == grpc.StatusCode.OK, (code, details)
+    moments = torch.cat([wire.to_torch(r.moments) for r in replies if r.HasField("moments")], dim=2)
+    # as stock made them, NaN where stock's are NaN
+    assert torch.equal(moments.isnan(), want.isnan()) and torch.equal(moments.nan_to_num(), want.nan_to_num())
+    assert _status(stub, [_chunk(_video(1, 1))])[0] == grpc.StatusCode.OK
+
+
 @pytest.mark.parametrize("case", ["byte count", "unknown dtype", "no dtype", "empty call", "options later",
                                   "malformed"])
 def test_bad_messages_are_invalid_argument(served: tuple[Any, Any], stub: Any, case: str) -> None:
