@@ -76,7 +76,7 @@ from .errors import ClientIdle, InvalidInput, NotReady, Status, status_for
 from .limits import Limits
 from .parallel.pool import SessionSlot, WorkerPool
 from .session import CallRecord, HostGroup, Receive, Session, first_message
-from .video import PackagingPool, VideoError, VideoOptions, default_fps
+from .video import PackagingPool, VideoError, VideoOptions, check_frame_size, default_fps
 
 log = logging.getLogger("vaed.service")
 
@@ -514,8 +514,14 @@ class CallCore:
                 f"skip_frames ({requested.skip_frames}) does not apply to MP4 output: a resumed MP4 call "
                 "asks for the whole video again (the encoder's bytes differ between hosts)")
         shape = latents.header()[0]
-        if len(shape) == 5 and shape[0] != 1:  # another rank: the latents' own checks refuse it
+        if len(shape) != 5:  # another rank: the latents' own checks refuse it
+            return
+        if shape[0] != 1:
             raise InvalidInput(f"MP4 output holds one video: send batch 1, got {shape[0]}")
+        try:
+            check_frame_size(*self._limits().frame_size(shape[3], shape[4]))
+        except VideoError as exc:
+            raise InvalidInput(str(exc)) from None
 
     async def _video(
         self, pieces: AsyncGenerator[Out, None], options: VideoOptions, frame_size: tuple[int, int] | None,

@@ -60,6 +60,21 @@ class VideoError(ValueError):
     """Frames or options that cannot be packaged (the caller's input)."""
 
 
+# x264 refuses a side past 16384 pixels: asked for 8x16400 frames, its open failed (an
+# FFmpeg error, not the caller's reason) after the decode had started.
+MAX_H264_SIDE = 16384
+
+
+def check_frame_size(height: int, width: int) -> None:
+    """Raise VideoError for frames H.264 cannot hold: odd sides (4:2:0 halves them) or a side
+    past x264's limit. Calls check it from the latents' header, before the session opens."""
+    if height % 2 or width % 2:
+        raise VideoError(f"H.264 video needs even sides, got {height}x{width} (H x W)")
+    if max(height, width) > MAX_H264_SIDE:
+        raise VideoError(f"H.264 video is at most {MAX_H264_SIDE} pixels a side, and these latents decode to "
+                         f"{height}x{width} (H x W) frames; ask for RGB8 frames")
+
+
 def default_fps(patch_size: int | None) -> int:
     """Wan2.2's VAE patchifies its output (patch_size 2) and generates 24 fps; Wan2.1's does
     neither and generates 16 fps."""
@@ -123,8 +138,7 @@ class Fmp4Packager:
             return
         import av  # imported when a call first asks for video: most servers never do
 
-        if height % 2 or width % 2:
-            raise VideoError(f"H.264 video needs even sides, got {height}x{width} (H x W)")
+        check_frame_size(height, width)
         container = av.open(self._sink, mode="w", format="mp4", options={"movflags": _MOVFLAGS})
         if self.options.lossless:
             stream = container.add_stream("libx264rgb", rate=self.options.fps)

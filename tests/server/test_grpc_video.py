@@ -234,6 +234,31 @@ def test_bad_video_options_are_invalid_argument(server: RunningServer, options: 
         assert frames_of_mp4(client.decode(latents(server.config.model, t=2), output_type="mp4"))[0].shape[0] == 5
 
 
+def test_frames_past_h264s_side_limit_are_invalid_argument_before_the_decode(server: RunningServer) -> None:
+    """x264 takes at most 16384 pixels a side: latents that decode wider are refused from their
+    header (the encoder's own failure was an INTERNAL after the decode began), on Decode and
+    DecodeStream, both MP4 formats; the server keeps serving."""
+    scale = 16 if server.config.model.endswith("wan2.2-tiny") else 8
+    w = 16384 // scale + 2  # 16400 or 16416 pixels wide, one row of latents: within max_pixels
+    x = latents(server.config.model, t=1, h=1, w=w)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = wire.pb_grpc.VaeDecoderStub(channel)
+        for format in (pb.MP4, pb.MP4_LOSSLESS):
+            options = pb.DecodeOptions(format=format)
+            for call in (lambda: stub.Decode(pb.DecodeRequest(latents=wire.to_message(x), options=options),
+                                             timeout=60),
+                         lambda: stub.DecodeStream(iter([pb.LatentChunk(latents=wire.to_message(x),
+                                                                        options=options)]), timeout=60)):
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(call())
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+                assert (f"H.264 video is at most 16384 pixels a side, and these latents decode to {scale}x{w * scale}"
+                        in caught.value.details())
+    with VaeClient(server.target, timeout=60) as client:
+        assert client.decode(x).shape == (1, 1, scale, w * scale, 3)  # RGB8 frames of that size are fine
+        assert frames_of_mp4(client.decode(latents(server.config.model, t=2), output_type="mp4"))[0].shape[0] == 5
+
+
 @pytest.mark.parametrize("shape", [[], [4], [1, 4]])
 def test_latents_of_another_rank_are_invalid_argument_with_video_output_too(server: RunningServer,
                                                                              shape: list[int]) -> None:
