@@ -4,11 +4,12 @@
   group of 4 frames is already 4.8 MiB, so both directions get
   `wire.MAX_MESSAGE_BYTES` (256 MiB).
 - Service config: round_robin across every address a `dns:///` target
-  resolves to (one per replica behind a headless Service), and retries on
-  UNAVAILABLE (server warming up or draining) with exponential backoff.
-  A streaming call is only retried before its first response arrives, so a
-  retry never duplicates frames; past that point `vaed_client.resume`
-  resumes it with `skip_frames` (each client target gets its own channel).
+  resolves to (one per replica behind a headless Service), and retries of
+  GetModelInfo and Decode on UNAVAILABLE (server warming up or draining) with
+  exponential backoff, before their first response (`RETRIED_METHODS`).
+  DecodeStream and Encode, whose request streams stay open, are retried and
+  resumed by `vaed_client.resume` alone (with `skip_frames` past the first
+  frames; each client target gets its own channel).
 - Keepalive: the channel pings every 60 s (20 s to answer) and only while a
   call is open (`keepalive_permit_without_calls=0`), with no cap on pings
   between data frames (`http2.max_pings_without_data=0`, so a long decode
@@ -54,11 +55,19 @@ RETRY_POLICY: dict[str, Any] = {
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
 
+# The methods whose whole request is sent when the call starts. DecodeStream and Encode keep
+# their request stream open (the client sends the rest after the first reply): under a retry
+# policy, a server killed before its first reply left such a call with its status set and its
+# read pending forever (grpc 1.85, sync client: 2 of 3 calls hung, their deadline too), so they
+# have none, and `vaed_client.resume` retries them before the first reply as after it.
+RETRIED_METHODS: tuple[str, ...] = ("GetModelInfo", "Decode")
+assert set(RETRIED_METHODS) <= set(METHODS)
+
 SERVICE_CONFIG: dict[str, Any] = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [
         {
-            "name": [{"service": SERVICE_NAME, "method": method} for method in METHODS],
+            "name": [{"service": SERVICE_NAME, "method": method} for method in RETRIED_METHODS],
             "retryPolicy": RETRY_POLICY,
         }
     ],

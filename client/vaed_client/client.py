@@ -405,6 +405,9 @@ class DecodeSession(SessionView):
             self._attempt += 1
             self._log.restart()
             attempt = self._attempt
+            # gRPC reads the new request stream on its own thread before DecodeStream returns:
+            # the failed attempt's call, done, would end that stream after its replay
+            self._call = None
         options = self._progress.options(self._state.spec.options)
         call = self._client._stub_at(self._progress.target).DecodeStream(
             self._request_iterator(attempt, options), timeout=self._progress.remaining(),
@@ -412,6 +415,8 @@ class DecodeSession(SessionView):
         with self._cond:
             self._call = call
             self._cond.notify_all()
+        if self._state.cancelled:  # cancel() ran while no call was there to cancel
+            call.cancel()
 
     # -- request side ------------------------------------------------------
     def _request_iterator(self, attempt: int, options: Any) -> Iterator[Any]:

@@ -65,18 +65,6 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 FAILED_TARGET_COOLDOWN = 5.0
 
 
-# What gRPC says when an open connection or stream went away (kill -9, a cut, GOAWAY, a
-# keepalive timeout): the call had reached a server, possibly past the point where the
-# channel's own retries stop (its first reply's headers), so it is resumed even with no frame yet.
-_LOST_MARKERS = ("socket closed", "connection reset", "broken pipe", "goaway", "keepalive",
-                 "stream removed", "end of file", "rst_stream")
-
-
-def connection_lost(error: VaedError) -> bool:
-    return error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) and any(
-        marker in error.details.lower() for marker in _LOST_MARKERS)
-
-
 @dataclass(frozen=True)
 class ResumePolicy:
     """How a call survives its server: attempts, backoff, and a session's replay bound."""
@@ -289,11 +277,6 @@ class Progress:
             raise error
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.targets.elsewhere:
             # Sessions full or out of memory: the same server would answer the same.
-            raise error
-        if not self.delivered and len(self.targets.names) == 1 and not connection_lost(error):
-            # Nothing to keep and nowhere else to go: the channel's own retries (5 attempts on
-            # UNAVAILABLE before the first reply, see vaed_client.channel) already ran, and a
-            # server's own answer (warming up, sessions full) would only come again.
             raise error
         failed = self.target
         self._repeats[failed] = self._repeats.get(failed, 0) + 1

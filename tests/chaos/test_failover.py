@@ -13,6 +13,7 @@ replica has exited, and the proxy cuts after set byte counts.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any, Iterator
 
@@ -107,6 +108,96 @@ def test_kill9_mid_decode_resumes_on_the_other_replica(pair: list[Replica], monk
     (call,) = survivor.resumed_calls("chaos-decode")  # it skipped, not resent
     report_line("kill -9 mid-Decode", report, [call])
     check_resumed_call(call, frames_of(12))
+
+
+def test_kill9_before_the_first_reply_resumes_and_never_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each replica is killed right after a decode's DecodeStream opened on it, before frame 0's
+    reply, while the client still holds back the rest of the latents: the sync client resumes on
+    the other one, three times over. With the channel's retry policy on DecodeStream, grpc left
+    2 of 3 such calls with their status set and their read waiting forever (timeout or not)."""
+    x = latents(4, seed=3, hw=32)  # 256x256 frames: frame 0 takes the CPU a while, the kill comes first
+    opened = VaeClient._open_stream
+    for trial in range(3):
+        pair = start_replicas((), ())
+        try:
+            with VaeClient(pair[1].target) as client:
+                want = client.decode(x)
+            replicas = {r.target: r for r in pair}
+            report = CallReport()
+
+            def open_then_kill(client: VaeClient, *args: Any) -> Any:
+                gate = opened(client, *args)
+                if report.resumes == 0:
+                    replicas[client.targets[args[2].target]].kill()
+                return gate
+
+            monkeypatch.setattr(VaeClient, "_open_stream", open_then_kill)
+            result: dict[str, Any] = {}
+
+            def decode() -> None:
+                try:
+                    with VaeClient(list(replicas), timeout=120) as client:
+                        result["video"] = client.decode(x, report=report)
+                except Exception as exc:  # noqa: BLE001  (asserted on below, with the report)
+                    result["error"] = exc
+
+            worker = threading.Thread(target=decode, daemon=True)
+            worker.start()
+            worker.join(150)
+            assert not worker.is_alive(), f"trial {trial}: the decode hung; report {report}"
+            assert "error" not in result, (trial, result["error"], report)
+            assert report.resumes == 1 and torch.equal(result["video"], want), (trial, report)
+        finally:
+            monkeypatch.undo()
+            for replica in pair:
+                replica.stop()
+
+
+def test_a_resumed_sync_session_sends_every_latent_frame_pushed_after_the_resume(pair: list[Replica]) -> None:
+    """gRPC reads a resumed session's request stream on its own thread before DecodeStream
+    returns. Held there 0.3 s (a loaded machine), the new stream still sends what is pushed
+    later: it ended after its replay when it saw the failed attempt's call done, and the session
+    came back with 5 of 37 frames and no error."""
+    x = latents(10, seed=3)
+    with VaeClient(pair[1].target) as client:
+        want = client.decode(x)
+    replicas = {r.target: r for r in pair}
+    killed, reopened = threading.Event(), threading.Event()
+
+    class SlowToReturn:
+        def __init__(self, stub: Any) -> None:
+            self.stub = stub
+
+        def DecodeStream(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802  (the stub's name)
+            call = self.stub.DecodeStream(*args, **kwargs)
+            if killed.is_set():
+                time.sleep(0.3)
+                reopened.set()
+            return call
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.stub, name)
+
+    chunks: list[Any] = []
+    with VaeClient(list(replicas)) as client:
+        client._stub_objs = [SlowToReturn(stub) for stub in client._stub_objs]
+        session = client.session(request_id="chaos-resumed-session")
+        reader = threading.Thread(target=lambda: chunks.extend(session), daemon=True)
+        reader.start()
+        session.push(x[:, :, :2])
+        deadline = time.monotonic() + 60
+        while not chunks and time.monotonic() < deadline:  # frames of the first attempt came
+            time.sleep(0.01)
+        replicas[session.report.targets[0]].kill()
+        killed.set()
+        assert reopened.wait(60)  # the rest is pushed once the resumed attempt's call is open
+        for i in range(2, 10):
+            session.push(x[:, :, i : i + 1])
+        session.close()
+        reader.join(120)
+    assert not reader.is_alive() and session.report.resumes == 1
+    assert_tiles_once(chunks, frames_of(10))
+    assert torch.equal(assemble(chunks), want)
 
 
 def test_kill9_mid_decode_stream_gives_every_frame_once(pair: list[Replica]) -> None:
