@@ -224,15 +224,15 @@ class AsyncVaeClient:
         assembly = EncodedAssembly(output_type, video.as_torch, wire.encoded_latent_frames(video.total_frames))
         progress = self._progress(report, options.request_id)
 
-        async def chunks() -> AsyncIterator[Any]:
+        async def chunks(attempt_options: Any) -> AsyncIterator[Any]:
             # one message made at a time, as the sync client's generator does: the first goes out
             # (and the server starts encoding) before the later ones are even serialised
-            for chunk in video_chunks(video, options):
+            for chunk in video_chunks(video, attempt_options):
                 yield chunk
 
         while True:
-            call = self._stub_at(progress.target).Encode(chunks(), timeout=progress.remaining(),
-                                                         metadata=self._metadata)
+            call = self._stub_at(progress.target).Encode(chunks(progress.encode_options(options)),
+                                                         timeout=progress.remaining(), metadata=self._metadata)
             try:
                 async for reply in call:
                     if (reply := progress.accept_latent(reply)) is not None:

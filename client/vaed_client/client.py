@@ -254,8 +254,8 @@ class VaeClient:
         assembly = EncodedAssembly(output_type, video.as_torch, wire.encoded_latent_frames(video.total_frames))
         progress = self._progress(report, options.request_id)
         while True:
-            call = self._stub_at(progress.target).Encode(video_chunks(video, options), timeout=progress.remaining(),
-                                                         metadata=self._metadata)
+            call = self._stub_at(progress.target).Encode(video_chunks(video, progress.encode_options(options)),
+                                                         timeout=progress.remaining(), metadata=self._metadata)
             try:
                 for reply in call:
                     if (reply := progress.accept_latent(reply)) is not None:

@@ -191,6 +191,16 @@ class Progress:
         options.request_id = options.request_id or self.request_id
         return options
 
+    def encode_options(self, base: Any) -> Any:
+        """The call's EncodeOptions for this attempt: a resumed one under the id the first server
+        gave a call sent without one (a decode's `options` does the same)."""
+        if base.request_id or not self.request_id:
+            return base
+        options = pb.EncodeOptions()
+        options.CopyFrom(base)
+        options.request_id = self.request_id
+        return options
+
     def _adopt_request_id(self, reply: Any) -> None:
         if not self.request_id:
             self.request_id = reply.request_id

@@ -306,11 +306,13 @@ def encoding_pair() -> Iterator[list[Replica]]:
 
 
 @pytest.mark.parametrize("front", ["sync", "asyncio"])
+@pytest.mark.parametrize("given_id", [True, False], ids=["given-id", "server-made-id"])
 def test_kill9_mid_encode_resumes_bit_identical(encoding_pair: list[Replica], monkeypatch: pytest.MonkeyPatch,
-                                                front: str) -> None:
+                                                front: str, given_id: bool, caplog: pytest.LogCaptureFixture) -> None:
     """kill -9 of the replica after 4 of 12 latent frames: the encode is opened again on the
     other replica, which encodes the whole video again (the causal cache needs every frame); the
-    client drops the 4 latent frames it had, and the moments equal an undisturbed encode."""
+    client drops the 4 latent frames it had, and the moments equal an undisturbed encode. A call
+    sent without an id resumes under the one the first server gave it, as a decode does."""
     x = video(seed=3)
     with VaeClient(encoding_pair[1].target) as client:
         want = client.encode(x)  # undisturbed
@@ -318,18 +320,23 @@ def test_kill9_mid_encode_resumes_bit_identical(encoding_pair: list[Replica], mo
     report = CallReport()
     killer = KillAfterLatents(monkeypatch, {r.target: r for r in encoding_pair}, report, count=4)
     targets = [r.target for r in encoding_pair]
-    request_id = f"chaos-encode-{front}"
+    sent_id = f"chaos-encode-{front}" if given_id else None
+    caplog.set_level("WARNING", logger="vaed_client.resume")
     if front == "sync":
         with VaeClient(targets) as client:
-            got = client.encode(x, report=report, request_id=request_id)
+            got = client.encode(x, report=report, request_id=sent_id)
     else:
         async def encode() -> torch.Tensor:
             async with AsyncVaeClient(targets) as client:
-                return await client.encode(x, report=report, request_id=request_id)
+                return await client.encode(x, report=report, request_id=sent_id)
 
         got = asyncio.run(encode())
     assert killer.killed and report.resumes == 1 and report.targets[0] != report.targets[1]
     assert torch.equal(got, want)
+    # the resume's warning names the call's id: the one sent, or the first server's
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "vaed_client.resume"]
+    request_id = warning.split(":", 1)[0].removeprefix("request ")
+    assert request_id == sent_id if given_id else len(request_id) == 16
     survivor = next(r for r in encoding_pair if r.target == report.targets[1])
     assert survivor.wait_for_line(f"Encode id={request_id} status=OK")
     (line,) = [ln for ln in survivor.lines if f"Encode id={request_id} " in ln]
