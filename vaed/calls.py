@@ -492,6 +492,23 @@ class CallCore:
         finally:
             slot.release()
 
+    # -- a first message's checks on its header alone ---------------------------------------
+
+    def check_decode_head(self, message: InputMessage) -> None:
+        """A Decode's first-message checks run on its header alone (the request id, the options,
+        the latents' shape and dtype against the model and the limits), for a front whose request
+        head holds all they read (HTTP's query): a request they refuse is refused before admission
+        and before its body. The session they make is dropped unattached: nothing is admitted."""
+        session, _ = self._open(CallRecord("Decode", "-"), message)
+        session.validate(*message.latents.header())
+
+    def check_encode_head(self, message: VideoMessage, *, shape_known: bool = True) -> None:
+        """As `check_decode_head`, for an Encode; frames whose shape the head does not say (an
+        image file's, `shape_known` False) meet the shape checks with their body."""
+        session = self._open_encode(CallRecord("Encode", "-"), message)
+        if shape_known:
+            session.validate(*message.frames.header())
+
     def _open(self, record: CallRecord, message: InputMessage) -> tuple[Session, RequestedOutput]:
         """The session of a call's first message (request id, output spec, limits) and its options."""
         record.request_id = checked_request_id(message.request_id)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import re
+import struct
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -149,6 +151,73 @@ def test_the_bad_input_matrix(served: tuple[RunningServer, Any]) -> None:
     big_png = prepare_encode(image=big)["data"]
     _error(requests.post(url, data=big_png, timeout=60), 400, "over the server limit of 24576 pixels")
     assert remote_encode(endpoint=url, image=good).shape[0] == 1  # still serving
+
+
+def test_what_the_query_says_is_refused_before_the_body_is_read(served: tuple[RunningServer, Any]) -> None:
+    """The core's checks of an Encode's first message (the request id, the precision, the frames
+    against the model and the limits) and the encoder's frame count, run from the query: refused
+    with 400 before the body is read. An image's shape is named as it was sent ([B, H, W, 3] uint8),
+    not as the 5-D video the server makes of it."""
+    running, _ = served
+    url = endpoint(running)
+    front = running.server.front
+    assert front is not None
+    good = torch.rand(1, 3, H, W) * 2 - 1
+    sent = prepare_encode(image=good)
+    params, body = sent["params"], sent["data"]
+    cases: list[tuple[dict[str, Any], bytes, dict[str, str], str]] = [
+        ({**params, "precision": "fast"}, body, {}, "precision fast is not offered for Encode"),
+        ({**params, "shape": [1, 3, 32, 48], "dtype": "uint8"}, b"\0" * (3 * 32 * 48), {},
+         r"frames have 48 channels; send RGB, .*; got \[1, 3, 32, 48\]$"),
+        ({**params, "shape": [1, 3, 128, 256]}, b"\0" * (128 * 256 * 12), {}, "over the server limit of 24576 pixels"),
+        ({**params, "shape": [1, 3, 12, 12]}, body[: 12 * 12 * 12], {}, "not a multiple"),
+        ({**params, "shape": [1, 3, 2, H // 2, W]}, body, {}, "1 \\+ 4k"),
+        ({**params, "shape": [9, 3, H // 4, W // 2]}, b"\0" * (9 * 3 * H * W // 2), {},
+         "batch 9 is over the server limit of 8"),
+        (params, body, {"X-Request-Id": "\u00e9t\u00e9"}, "request_id must be at most 128 printable ASCII"),
+        ({**params, "do_scalling": "true"}, body, {}, r"unknown query parameter 'do_scalling'; .*\bdo_scaling\b"),
+        ({**params, "dtype": ["float32", "float32"]}, body, {}, "query parameter 'dtype' is given 2 times"),
+    ]
+    before = front.bodies_read
+    for case_params, data, headers, pattern in cases:
+        answer = requests.post(url, params=case_params, data=data, headers=headers, timeout=60)
+        _error(answer, 400, pattern)
+        assert "[1, 1, 3, 32, 48]" not in answer.json()["error"]
+    assert front.bodies_read == before
+
+
+def _png_head(width: int, height: int) -> bytes:
+    """A PNG file of width x height RGB that stops before its pixels: the size is all its header says."""
+    def chunk(kind: bytes, data: bytes = b"") -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT") + chunk(b"IEND"))
+
+
+def test_an_image_file_refused_says_why_without_the_servers_internals(served: tuple[RunningServer, Any]) -> None:
+    """A 15000x15000 PNG, which PIL refuses to open (over its decompression-bomb bound), is too large
+    against the server's limit; a body that is no image says so without the repr of a buffer."""
+    running, _ = served
+    url = endpoint(running)
+    huge = requests.post(url, data=_png_head(15000, 15000), timeout=60)
+    _error(huge, 400, "the image is too large: over 178956970 pixels, and this server takes at most 24576 pixels")
+    garbage = requests.post(url, data=b"not an image at all", timeout=60)
+    _error(garbage, 400, r"^the body is not an image file this server reads \(PNG, JPEG, ...\)$")
+
+
+def test_allow_non_finite_encodes_nan_frames_as_they_are(served: tuple[RunningServer, Any]) -> None:
+    """allow_non_finite=true, as gRPC's option: NaN frames are encoded, their moments sent as they are."""
+    running, _ = served
+    frames = torch.rand(1, 3, H, W) * 2 - 1
+    frames[0, 1, 3, 4] = float("nan")
+    sent = prepare_encode(image=frames)
+    _error(requests.post(endpoint(running), params=sent["params"], data=sent["data"], timeout=60), 400, "NaN or Inf")
+    answer = requests.post(endpoint(running), params={**sent["params"], "allow_non_finite": "true"}, data=sent["data"],
+                           timeout=120)
+    assert answer.status_code == 200, answer.text
+    got = torch.frombuffer(bytearray(answer.content), dtype=torch.float32).reshape(json.loads(answer.headers["shape"]))
+    assert got.isnan().any()
 
 
 def test_a_decode_only_server_says_it_does_not_encode() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import socket
 import threading
@@ -259,6 +260,131 @@ def test_a_whole_pt_answer_over_its_bound_is_413_before_the_body_is_read(
         1, 3, 9, 32, 48)  # under the bound: answered
 
 
+def test_an_unknown_or_repeated_parameter_is_refused_and_diffusers_are_taken(tiny_http: RunningServer) -> None:
+    """A misspelt parameter (do_scalling=true) would decode raw latents in wrong colours if ignored, and
+    of two values of one either could be meant: both are 400 naming it, before the body is read; what
+    diffusers' remote_decode sends, all of it, is taken."""
+    x = latents("random:wan2.1-tiny")
+    sent = prepare_decode(x, output_type="pt")
+    front = tiny_http.server.front
+    before = front.bodies_read
+    answer = _post(tiny_http, {**sent["params"], "do_scalling": "true"}, sent["data"])
+    _assert_json_error(answer, 400, r"unknown query parameter 'do_scalling'; this route takes .*\bdo_scaling\b")
+    assert "allow_non_finite" in answer.json()["error"]  # the list of what is taken
+    repeated = requests.post(url(tiny_http, "/decode") + "?output_type=mp4", params=sent["params"], data=sent["data"],
+                             timeout=60)  # output_type given twice: pt and mp4
+    _assert_json_error(repeated, 400, "query parameter 'output_type' is given 2 times; give it once")
+    assert front.bodies_read == before
+    # every parameter prepare_decode sends: image_format, output_type, partial_postprocess, shape, dtype,
+    # do_scaling, height and width
+    frames = remote_decode(endpoint=url(tiny_http), tensor=x, output_type="pt", partial_postprocess=True,
+                           return_type="pt", image_format="png", height=32, width=48)
+    assert frames.shape == (9, 32, 48, 3)
+
+
+def test_fps_0_is_refused_as_any_fps_out_of_range(tiny_http: RunningServer) -> None:
+    """An absent fps is the model's; fps=0 is refused as fps=-1 is, not taken for the default."""
+    sent = prepare_decode(latents("random:wan2.1-tiny", t=2), output_type="mp4")
+    for fps in ("0", "-1"):
+        answer = _post(tiny_http, {**sent["params"], "fps": fps}, sent["data"])
+        _assert_json_error(answer, 400, f"fps must be in 1..240, got {fps}")
+    assert _post(tiny_http, sent["params"], sent["data"]).status_code == 200
+
+
+def test_a_jpeg_over_jpegs_side_is_refused_from_the_head(tiny_http: RunningServer) -> None:
+    """JPEG takes at most 65500 px a side: latents [1, 4, 1, 1, 8200] decode to 8x65600, refused with
+    400 before the body is read (not a 500 once PIL fails to write it); PNG takes that size."""
+    x = latents("random:wan2.1-tiny", t=1, h=1, w=8200)
+    front = tiny_http.server.front
+    before = front.bodies_read
+    with pytest.raises(RuntimeError, match="decode to an image of 8x65600 px, and a JPEG image is at most 65500 px"):
+        remote_decode(endpoint=url(tiny_http), tensor=x, output_type="pil", image_format="jpg")
+    assert front.bodies_read == before
+    png = remote_decode(endpoint=url(tiny_http), tensor=x, output_type="pil", image_format="png")
+    assert png.size == (65600, 8)
+
+
+@pytest.mark.parametrize("answer", ["pt-partial", "pil-processor", "mp4-stream"])
+def test_nan_in_a_later_latent_frame_is_a_400_before_a_streamed_answer_begins(
+        tiny_http: RunningServer, answer: str) -> None:
+    """A streamed answer's status goes out with its first frames, and the core checks each latent
+    frame as it decodes it: the front checks them all before, so NaN in latent frame 3 is a 400 with
+    the core's message (diffusers raises it as RuntimeError), not a body cut short. allow_non_finite
+    decodes them, as gRPC's option does."""
+    x = latents("random:wan2.1-tiny", t=4, h=8, w=8, seed=11)
+    x[:, :, 3] = float("nan")
+    message = "latent frame 3 holds NaN or Inf values"
+    if answer == "pt-partial":
+        with pytest.raises(RuntimeError, match=message):
+            remote_decode(endpoint=url(tiny_http), tensor=x, output_type="pt", partial_postprocess=True,
+                          return_type="pt")
+        sent = prepare_decode(x, output_type="pt", partial_postprocess=True)
+    elif answer == "pil-processor":
+        with pytest.raises(RuntimeError, match=message):
+            remote_decode(endpoint=url(tiny_http), tensor=x, output_type="pil", processor=VideoProcessor())
+        sent = prepare_decode(x, output_type="pil", processor=VideoProcessor())
+    else:
+        sent = prepare_decode(x, output_type="mp4")
+        sent["params"]["stream"] = "true"
+        _assert_json_error(_post(tiny_http, sent["params"], sent["data"]), 400, message)
+    allowed = requests.post(url(tiny_http), data=sent["data"], headers=sent["headers"],
+                            params={**sent["params"], "allow_non_finite": "true"}, timeout=60)
+    assert allowed.status_code == 200, allowed.text
+    assert len(allowed.content) == int(allowed.headers.get("Content-Length", len(allowed.content))) > 0
+
+
+def test_a_whole_mp4_over_the_answer_bound_is_413_and_stream_is_not_bound(
+        tiny_http: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole mp4 is held before it is sent, to raw pt's bound (MAX_WHOLE_ANSWER_BYTES, 1000 bytes
+    here): past it, 413 telling the client to stream; stream=true holds no answer and is served."""
+    monkeypatch.setattr(http_front, "MAX_WHOLE_ANSWER_BYTES", 1000)
+    sent = prepare_decode(latents("random:wan2.1-tiny", t=3, h=8, w=8, seed=12), output_type="mp4")
+    _assert_json_error(_post(tiny_http, sent["params"], sent["data"]), 413,
+                       "the MP4 passed 1000 bytes.*holds at most 1000 bytes.*ask stream=true")
+    streamed = _post(tiny_http, {**sent["params"], "stream": "true"}, sent["data"])
+    assert streamed.status_code == 200 and len(streamed.content) > 1000
+    assert requests.get(url(tiny_http, "/health"), timeout=10).status_code == 200
+
+
+def test_every_error_is_json_with_its_status_and_headers(tiny_http: RunningServer) -> None:
+    """aiohttp's own answers (404, 405 with Allow, 417 for an unknown Expect, 400 for a head it cannot
+    parse) are JSON as the front's are, so remote_decode raises them as RuntimeError."""
+    port = tiny_http.server.http_port
+    missing = requests.get(url(tiny_http, "/nothing-here"), timeout=10)
+    _assert_json_error(missing, 404, "Not Found")
+    wrong_method = requests.get(url(tiny_http, "/decode"), timeout=10)
+    _assert_json_error(wrong_method, 405, "Method Not Allowed")
+    assert wrong_method.headers["Allow"] == "POST"
+    status, error = raw_request(port, _head((1, 4, 3, 4, 6), 1152, "Expect: something-else"))
+    assert status == 417 and error == {"error": "unknown Expect: something-else"}
+    status, error = raw_request(port, "GARBAGE\r\n")
+    assert status == 400 and set(error) == {"error"} and error["error"], error
+    with pytest.raises(RuntimeError, match="Not Found"):
+        remote_decode(endpoint=url(tiny_http, "/nothing-here"), tensor=latents("random:wan2.1-tiny"), output_type="pt",
+                      return_type="pt")
+
+
+def test_the_request_id_comes_back_on_every_answer(tiny_http: RunningServer) -> None:
+    """X-Request-Id is echoed on success, on a refusal from the head, on the core's own failure (NaN
+    latents), and on a streamed answer; an id the server refuses is not echoed."""
+    x = latents("random:wan2.1-tiny")
+    sent = prepare_decode(x, output_type="pt")
+    nan = x.clone()
+    nan[0, 0, 1] = float("nan")
+    rid = {"X-Request-Id": "trace-42"}
+    ok = _post(tiny_http, sent["params"], sent["data"], **rid)
+    head_refused = _post(tiny_http, {**sent["params"], "dtype": "float64"}, sent["data"], **rid)
+    core_refused = _post(tiny_http, sent["params"], prepare_decode(nan, output_type="pt")["data"], **rid)
+    streamed = _post(tiny_http, {**sent["params"], "partial_postprocess": "true"}, sent["data"], **rid)
+    _assert_json_error(head_refused, 400, "dtype 'float64' is not a latent dtype")
+    _assert_json_error(core_refused, 400, "NaN or Inf")
+    for answer in (ok, head_refused, core_refused, streamed):
+        assert answer.headers.get("X-Request-Id") == "trace-42", (answer.status_code, answer.headers)
+    bad = _post(tiny_http, sent["params"], sent["data"], **{"X-Request-Id": "x" * 200})
+    _assert_json_error(bad, 400, "request_id must be at most 128 printable ASCII characters")
+    assert "X-Request-Id" not in bad.headers
+
+
 # -- auth and admission: refused before the body is read ----------------------------------------
 
 
@@ -272,10 +398,10 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
         yield running
 
 
-def _head(shape: tuple[int, ...], length: int, *headers: str) -> str:
-    query = "&".join(f"shape={d}" for d in shape)
+def _head(shape: tuple[int, ...], length: int, *headers: str, query: str = "output_type=pt&do_scaling=true") -> str:
+    dims = "&".join(f"shape={d}" for d in shape)
     return "".join(f"{line}\r\n" for line in (
-        f"POST /?{query}&dtype=float32&output_type=pt&do_scaling=true HTTP/1.1", "Host: x", f"Content-Length: {length}", *headers))
+        f"POST /?{dims}&dtype=float32&{query} HTTP/1.1", "Host: x", f"Content-Length: {length}", *headers))
 
 
 def test_no_or_a_wrong_token_is_401_before_the_body_is_read(guarded: RunningServer) -> None:
@@ -345,6 +471,44 @@ def test_a_full_server_answers_429_and_a_draining_one_503_before_the_body_is_rea
     finally:
         guarded.server.lifecycle.draining = False
     assert requests.get(url(guarded, "/health"), timeout=10).status_code == 200
+
+
+def test_what_the_query_says_is_refused_before_admission_and_the_body(guarded: RunningServer) -> None:
+    """Every check the query can answer (the model's z_dim, --max-batch, --max-pixels,
+    --max-latent-frames, height/width, the precisions offered, the request id) runs from the head:
+    with the one session slot held, each such request gets its 400 as its first answer (no
+    100 Continue, no 429), and no body is read."""
+    x = latents("random:wan2.1-tiny")
+    front = guarded.server.front
+    port = guarded.server.http_port
+    auth = f"Authorization: Bearer {TOKEN}"
+    cases: list[tuple[tuple[int, ...], str, tuple[str, ...], str]] = [
+        ((1, 5, 3, 4, 6), "", (), "latents have z_dim 5 but the served model has z_dim 4"),
+        ((9, 4, 1, 4, 6), "", (), "batch 9 is over the server limit of 8"),
+        ((1, 4, 1, 200, 200), "", (), r"1600x1600 \(2560000 pixels\) is over the server limit of 1638400 pixels"),
+        ((1, 4, 1025, 1, 1), "", (), "1025 latent frames in this call are over the server limit of 1024"),
+        ((1, 4, 3, 4, 6), "&height=33&width=48", (), "not the decoded size 32x48"),
+        ((1, 4, 3, 4, 6), "&precision=fast", (), "precision fast is not offered"),
+        ((1, 4, 3, 4, 6), "", ("X-Request-Id: " + "r" * 200,), "request_id must be at most 128"),
+    ]
+    holder = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        before = front.bodies_read
+        holder.sendall((_head(tuple(x.shape), x.numel() * 4, auth) + "\r\n").encode())
+        _wait(lambda: guarded.server.pool.admitted == 1 and front.bodies_read == before + 1)
+        for shape, extra, headers, pattern in cases:
+            head = _head(shape, 4 * math.prod(shape), auth, "Expect: 100-continue", *headers,
+                         query="output_type=pt&do_scaling=true" + extra)
+            status, error = raw_request(port, head)
+            assert status == 400 and re.search(pattern, error["error"]), (shape, extra, status, error)
+        assert front.bodies_read == before + 1  # the holder's only
+        holder.sendall(prepare_decode(x, output_type="pt")["data"])
+        answer = b""
+        while chunk := holder.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200")
+    finally:
+        holder.close()
 
 
 def _wait(condition: Any, timeout: float = 30.0) -> None:

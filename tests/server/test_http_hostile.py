@@ -4,8 +4,9 @@ nothing, and readers that stop reading. Memory stays within what the limits allo
 requests are refused from their head, a stalled answer stalls only its own session and ends by
 --http-send-timeout, and another client decodes meanwhile.
 
-Sizes: bodies claim CLAIM_MIB = 64 MiB (latents [1, 4, 1, 2048, 2048] float32, under the server's
-256 MiB message limit); FLOOD = 8 clients push them over --max-sessions 2, 512 MiB in all. The
+Sizes: bodies claim CLAIM_MIB = 64 MiB (latents [1, 4, 256, 128, 128] float32, under the server's
+256 MiB message limit, and a request its head checks pass: 1024x1024 frames, 256 latent frames, RGB8
+frames streamed); FLOOD = 8 clients push them over --max-sessions 2, 512 MiB in all. The
 bound, BODY_GROWTH_BOUND = 48 MiB, is under one claimed body, so reading one flood body, or
 allocating the two admitted claims' buffers before their bytes come, fails it.
 """
@@ -31,8 +32,10 @@ from harness import PeakRss, start_cli_server
 from prometheus_client.parser import text_string_to_metric_families
 
 MIB = 1 << 20
-CLAIM_SHAPE = (1, 4, 1, 2048, 2048)
-CLAIM_BYTES = 4 * 4 * 2048 * 2048  # 64 MiB of float32
+CLAIM_SHAPE = (1, 4, 256, 128, 128)
+CLAIM_BYTES = 4 * 4 * 256 * 128 * 128  # 64 MiB of float32
+# streamed RGB8 frames: raw pt's whole answer (12.8 GB) would be refused from the head, over its 4 GiB bound
+CLAIM_QUERY = "output_type=pt&partial_postprocess=true&do_scaling=true"
 FLOOD = 8
 MAX_SESSIONS = 2
 BODY_GROWTH_BOUND = 48 * MIB
@@ -119,7 +122,7 @@ def _flood_one(port: int, slowly: bool) -> tuple[int, int]:
     its answer comes: (status, body bytes it had sent by then)."""
     piece = bytes(64 * 1024 if slowly else MIB)
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
-        s.sendall(_head(CLAIM_SHAPE, CLAIM_BYTES))
+        s.sendall(_head(CLAIM_SHAPE, CLAIM_BYTES, CLAIM_QUERY))
         sent = 0
         while sent < CLAIM_BYTES and not select.select([s], [], [], 0.05 if slowly else 0)[0]:
             try:
@@ -144,7 +147,7 @@ def test_a_body_flood_over_the_admission_limit_is_refused_unread_and_memory_stay
             with PeakRss(served.proc.pid) as rss:
                 for _ in range(MAX_SESSIONS):
                     holders.append(socket.create_connection(("127.0.0.1", served.port), timeout=60))
-                    holders[-1].sendall(_head(CLAIM_SHAPE, CLAIM_BYTES))
+                    holders[-1].sendall(_head(CLAIM_SHAPE, CLAIM_BYTES, CLAIM_QUERY))
                 _wait(lambda: served.sessions() == MAX_SESSIONS)
                 with ThreadPoolExecutor(FLOOD) as pool:
                     results = list(pool.map(lambda _: _flood_one(served.port, slowly), range(FLOOD)))

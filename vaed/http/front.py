@@ -12,14 +12,28 @@ call is authorised and admitted, so a refused request spends no memory on its bo
 
     bearer token (when the server has one)          -> 401, body unread
     Content-Length present, <= the message limit     -> 411 / 413, body unread
-    query parsed; Content-Length = prod(shape) * dtype size -> 400, body unread
+    query parsed (an unknown or repeated parameter refused);
+            Content-Length = prod(shape) * dtype size -> 400, body unread
+    the core's own checks of a first message, run on the query (`_check_decode_head`: the
+            request id, the options, the shape against the model and the limits) and a JPEG's
+            size                                     -> 400, body unread
     a whole (raw pt) answer over MAX_WHOLE_ANSWER_BYTES      -> 413, body unread
     the core: serving? -> 503; a session slot? -> 429   (body unread)
-            -> the body read (within --session-first-message-timeout, else 408)
-            -> latents checked against the limits (400) -> decoded
+            -> the body read (within --session-first-message-timeout, else 504)
+            -> every latent frame checked for NaN / Inf (400) -> decoded (the core checks the
+               message again: gRPC's calls have no head)
     the answer: pt + partial_postprocess and pil + a processor stream each group's frames as
             they decode (`hf_protocol` says why raw pt cannot, and is sent once the call is
-            done); mp4 is sent whole, or with stream=true as chunked fMP4 as it is encoded
+            done); mp4 is sent whole (over MAX_WHOLE_ANSWER_BYTES: 413), or with stream=true as
+            chunked fMP4 as it is encoded
+
+Why the NaN / Inf check is the front's too: the core checks each latent frame as it decodes it,
+and a streamed answer's status went out with its first frames, so a NaN in a later frame could
+only cut the body; the whole body is in memory before any answer, so the front checks it all
+first (`hf_protocol.check_finite_latents`, the core's check and message), off the event loop.
+
+Every answer to a POST whose `X-Request-Id` is valid carries it back, errors included; a call
+sent without one is answered, on success, with the id the core gave it.
 
 Why `receive` reads the body: the core calls it only after admission, so the order above is the
 core's own, not a second copy of it. The body is read into one buffer of exactly Content-Length
@@ -66,16 +80,20 @@ from ..calls import (
     RequestedOutput,
     VideoMessage,
     VideoOut,
+    checked_request_id,
 )
 from ..errors import InvalidInput, NotReady, Status
 from .hf_protocol import (
     Answer,
+    DeclaredTensor,
     DecodedImage,
     DecodeQuery,
     EncodeQuery,
     RawLatents,
-    check_size,
-    error_body,
+    check_body_bytes,
+    check_decoded_size,
+    check_encoder_frames,
+    check_finite_latents,
     headers_for,
     image_bytes,
     parse_encode_query,
@@ -84,7 +102,7 @@ from .hf_protocol import (
     tensor_headers,
     unit_video,
 )
-from .server import send_timed_out
+from .server import json_error, send_timed_out
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +124,8 @@ SEND_SLICE_BYTES = 1 << 20
 # with the video, not with the body: one allowed 256 MiB body of float16 latents
 # [8, 16, 1024, 32, 32] asks for a 12.9 GB answer in bf16 (25.7 GB in float32). 4 GiB holds a
 # 704x1280x121 Wan2.2 video in float32 (1.3 GB) three times; longer videos stream as uint8
-# (partial_postprocess) or mp4, or go in parts.
+# (partial_postprocess) or mp4, or go in parts. A whole mp4 is held to the same bound, counted as
+# its bytes come (its size is not known before): lossless 720p noise is ~2.5 MB a frame.
 MAX_WHOLE_ANSWER_BYTES = 4 << 30
 
 # On 429 / 503 (a Status's value is its HTTP code): a session slot or a replica is usually free
@@ -116,14 +135,22 @@ RETRY_AFTER_SECONDS = "1"
 _HOW_TO_AUTH = "send 'Authorization: Bearer <token>' (the server's --auth-token-file / $VAED_AUTH_TOKEN)"
 
 
-def _json_error(status: int, message: str, **headers: str) -> web.Response:
-    return web.Response(status=status, body=error_body(message), content_type="application/json", headers=headers)
-
-
 def _status_answer(status: Status, message: str) -> web.Response:
     code = int(status)
     extra = {hdrs.RETRY_AFTER: RETRY_AFTER_SECONDS} if code in (429, 503) else {}
-    return _json_error(code, message, **extra)
+    return json_error(code, message, extra)
+
+
+def _with_request_id(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
+    """`response` carrying the request's X-Request-Id when it is valid, as a success does (a
+    streamed answer, already sent, has it from its start)."""
+    request_id = request.headers.get(REQUEST_ID_HEADER, "")
+    if request_id and not response.prepared and REQUEST_ID_HEADER not in response.headers:
+        try:
+            response.headers[REQUEST_ID_HEADER] = checked_request_id(request_id)
+        except InvalidInput:
+            pass  # not echoed: the answer is the 400 that refuses it
+    return response
 
 
 def _expects_continue(request: web.BaseRequest) -> bool:
@@ -172,7 +199,7 @@ class HfFront:
         """A request refused before the core saw it, counted as a refused call (`code`: a gRPC
         status name, as the metrics take it)."""
         self._on_refused(method, code)
-        return _json_error(status, message, **headers)
+        return json_error(status, message, headers)
 
     def _refused_head(self, request: web.Request, method: str) -> web.Response | None:
         """The checks of a POST's head that need no query: the token, then Content-Length."""
@@ -206,12 +233,16 @@ class HfFront:
         return None
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
+        return _with_request_id(request, await self._guarded(request, self._decode))
+
+    async def _guarded(self, request: web.Request,
+                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         try:
-            return await self._decode(request)
+            return await handler(request)
         except Exception:
             # the core reports its own failures as CallFailed; this is the front's own bug
             log.exception("HTTP front: internal error on %s %s", request.method, request.path)
-            return _json_error(500, "internal error in the HTTP front; see the server log")
+            return json_error(500, "internal error in the HTTP front; see the server log")
 
     async def _decode(self, request: web.Request) -> web.StreamResponse:
         if (refused := self._refused_head(request, METHOD)) is not None:
@@ -219,14 +250,11 @@ class HfFront:
         length = request.content_length
         assert length is not None  # _refused_head checked it
         try:
-            query = parse_query(request.query, request.query.getall("shape", []),
-                                request.headers.get(hdrs.ACCEPT, ""), self.core.default_fps())
+            query = parse_query(request.query, request.headers.get(hdrs.ACCEPT, ""), self.core.default_fps())
+            check_body_bytes(length, "latents", query.shape, query.dtype)
+            self._check_decode_head(request.headers.get(REQUEST_ID_HEADER, ""), query)
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
-        if length != query.body_bytes:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 400,
-                                f"the body is {length} bytes, and latents of shape {list(query.shape)} in "
-                                f"{str(query.dtype).removeprefix('torch.')} are {query.body_bytes}")
         if (answer_bytes := self._whole_answer_bytes(query)) > MAX_WHOLE_ANSWER_BYTES:
             return self._refuse(Status.INVALID_ARGUMENT.name, 413,
                                 f"the answer would be {answer_bytes} bytes, and output_type pt without "
@@ -242,14 +270,22 @@ class HfFront:
         finally:
             await call.aclose()
 
+    def _check_decode_head(self, request_id: str, query: DecodeQuery) -> None:
+        """The core's own checks of a Decode's first message (`CallCore._open`: the request id, the
+        options, and the latents' header against the model and the limits), run on the query, which
+        holds all they read: a request they refuse is refused before admission and before its body
+        is read (a full server would otherwise answer it 429, or read its body to answer 400)."""
+        engine = self.core.pool.engine
+        if engine is None:
+            return  # no device serves: the core answers 503 when the call asks for a slot
+        check_decoded_size(query, engine.scale_spatial)
+        head = DeclaredTensor(query.shape, query.dtype)
+        self.core.check_decode_head(InputMessage(request_id, head, lambda: _requested(query)))
+
     # -- POST /encode ------------------------------------------------------------------------
 
     async def encode(self, request: web.Request) -> web.StreamResponse:
-        try:
-            return await self._encode(request)
-        except Exception:
-            log.exception("HTTP front: internal error on %s %s", request.method, request.path)
-            return _json_error(500, "internal error in the HTTP front; see the server log")
+        return _with_request_id(request, await self._guarded(request, self._encode))
 
     async def _encode(self, request: web.Request) -> web.StreamResponse:
         """diffusers' `remote_encode`: the head checked as a decode's, the call run by the core's
@@ -260,14 +296,12 @@ class HfFront:
         length = request.content_length
         assert length is not None  # _refused_head checked it
         try:
-            query = parse_encode_query(request.query, request.query.getall("shape", []))
+            query = parse_encode_query(request.query)
+            if query.shape is not None and query.dtype is not None:
+                check_body_bytes(length, "frames", query.shape, query.dtype)
+            self._check_encode_head(request.headers.get(REQUEST_ID_HEADER, ""), query)
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc), ENCODE_METHOD)
-        if query.body_bytes is not None and length != query.body_bytes:
-            assert query.shape is not None and query.dtype is not None
-            return self._refuse(Status.INVALID_ARGUMENT.name, 400,
-                                f"the body is {length} bytes, and frames of shape {list(query.shape)} in "
-                                f"{str(query.dtype).removeprefix('torch.')} are {query.body_bytes}", ENCODE_METHOD)
         call = self.core.encode(self._encode_input(request, query, length), lambda item: item, lambda: False)
         pieces: list[torch.Tensor] = []
         request_id = ""
@@ -289,6 +323,22 @@ class HfFront:
         return web.Response(body=tensor_bytes(latents),
                             headers={REQUEST_ID_HEADER: request_id, **tensor_headers(latents)})
 
+    def _check_encode_head(self, request_id: str, query: EncodeQuery) -> None:
+        """As `_check_decode_head`, for an Encode (`CallCore._open_encode`, then the frames' header
+        against the limits and the encoder's frame count); an image file's size is checked once
+        its header arrives, with its body."""
+        engine = self.core.pool.engine
+        if engine is None or not engine.encodes:
+            return  # the core refuses the call: 503, or "does not encode"
+        head = DeclaredTensor(query.video_shape if query.shape is not None else None, query.dtype)
+        try:
+            self.core.check_encode_head(VideoMessage(request_id, head, lambda: _requested_encode(query)),
+                                        shape_known=query.shape is not None)
+        except InvalidInput as exc:
+            raise query.as_sent(exc) if query.shape is not None else exc from None
+        if query.shape is not None:
+            check_encoder_frames(query, engine.scale_temporal)
+
     def _encode_input(self, request: web.Request, query: EncodeQuery, length: int) -> CallInput[memoryview]:
         """The core's view of an encode request: one message (the body: a tensor, or an image
         file decoded once it is read), then the end."""
@@ -297,29 +347,29 @@ class HfFront:
         def parse(body: memoryview) -> VideoMessage:
             frames = (DecodedImage(body, self.core.config.max_pixels) if query.shape is None
                       else RawLatents(body, query.video_shape, query.dtype))  # type: ignore[arg-type]
-            requested = RequestedEncode(latents=query.normalised, precision=query.precision)
             return VideoMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""), frames=frames,
-                                options=lambda: requested)
+                                options=lambda: _requested_encode(query))
 
         return CallInput(receive=receive, parse=parse)
 
     def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[memoryview]:
-        """The core's view of the request: one message (the body), then the end."""
-        receive = self._body_once(request, length)
+        """The core's view of the request: one message (the body, its latents checked for NaN / Inf
+        unless the call allows them), then the end."""
+        def check(body: memoryview) -> None:
+            check_finite_latents(RawLatents(body, query.shape, query.dtype).to_tensor())
+
+        receive = self._body_once(request, length, None if query.allow_non_finite else check)
 
         def parse(body: memoryview) -> InputMessage:
-            engine = self.core.pool.engine
-            if engine is not None:
-                check_size(query, engine.scale_spatial)
-            requested = RequestedOutput(rgb8=query.rgb8, raw_latents=query.raw_latents, precision=query.precision,
-                                        video=query.video)
             return InputMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""),
-                                latents=RawLatents(body, query.shape, query.dtype), options=lambda: requested)
+                                latents=RawLatents(body, query.shape, query.dtype), options=lambda: _requested(query))
 
         return CallInput(receive=receive, parse=parse)
 
-    def _body_once(self, request: web.Request, length: int) -> Callable[[], Awaitable[memoryview | None]]:
-        """The call core's `receive` for a one-message request: the body, then the end."""
+    def _body_once(self, request: web.Request, length: int, check: Callable[[memoryview], None] | None = None,
+                   ) -> Callable[[], Awaitable[memoryview | None]]:
+        """The call core's `receive` for a one-message request: the body (`check`ed on a thread, not
+        the event loop: a pass over as much as the message limit, 256 MiB by default), then the end."""
         read = False
 
         async def receive() -> memoryview | None:
@@ -327,7 +377,10 @@ class HfFront:
             if read:
                 return None
             read = True
-            return await self.read_body(request, length)
+            body = await self.read_body(request, length)
+            if check is not None:
+                await asyncio.to_thread(check, body)
+            return body
 
         return receive
 
@@ -452,8 +505,10 @@ class HfFront:
 
     async def _mp4(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
         """The video's MP4 bytes, encoded by the core as the groups decode (`VideoOut`); with
-        stream=true each part goes out at once (chunked)."""
-        parts: list[bytes] = []
+        stream=true each part goes out at once (chunked), else each is appended to the one buffer
+        sent at the end (held once; bytearray grows in place, by mremap for large ones), at most
+        MAX_WHOLE_ANSWER_BYTES of it."""
+        whole = bytearray()
         response: web.StreamResponse | None = None
         request_id = ""
         try:
@@ -463,7 +518,9 @@ class HfFront:
                     continue
                 data = item.data
                 if not query.stream:
-                    parts.append(data)
+                    whole += data
+                    if len(whole) > MAX_WHOLE_ANSWER_BYTES:
+                        return _mp4_too_large()  # the caller's aclose ends the call
                 elif data:
                     if response is None:
                         response = web.StreamResponse(
@@ -479,8 +536,25 @@ class HfFront:
         if response is not None:
             await response.write_eof()
             return response
-        return await _send_whole(request, memoryview(b"".join(parts)),
+        return await _send_whole(request, memoryview(whole),
                                  {hdrs.CONTENT_TYPE: "video/mp4", REQUEST_ID_HEADER: request_id})
+
+
+def _requested(query: DecodeQuery) -> RequestedOutput:
+    """A decode's options, as the core takes them."""
+    return RequestedOutput(rgb8=query.rgb8, raw_latents=query.raw_latents, precision=query.precision,
+                           allow_non_finite=query.allow_non_finite, video=query.video)
+
+
+def _requested_encode(query: EncodeQuery) -> RequestedEncode:
+    """An encode's options, as the core takes them."""
+    return RequestedEncode(latents=query.normalised, precision=query.precision, allow_non_finite=query.allow_non_finite)
+
+
+def _mp4_too_large() -> web.Response:
+    return json_error(413, f"the MP4 passed {MAX_WHOLE_ANSWER_BYTES} bytes, and output_type mp4 without stream=true "
+                           f"is sent whole: this server holds at most {MAX_WHOLE_ANSWER_BYTES} bytes for one; ask "
+                           "stream=true (sent as it is encoded), or decode fewer frames per call")
 
 
 async def _write(response: web.StreamResponse, body: bytes | memoryview) -> None:

@@ -69,7 +69,7 @@ The mode, not a sample: the Wan pipelines condition on `retrieve_latents(..., sa
 and a sample would differ on every call. `scaling_factor` / `shift_factor` (Flux's and SD's one
 number each, `(latent - shift) * scaling`) are refused as for decode. The frames go through the
 same call core as gRPC Encode (`vaed.calls.CallCore.encode`): the answer is the gRPC encode's bits.
-=======
+
 Streamed answers: where time is the answer's outermost dimension (`[T, H, W, 3]`, `[T, 3, H, W]`),
 each group's bytes follow the previous group's in the C-order answer, so they are sent as each
 group decodes, under a `Content-Length` computed from the latents' shape (T latent frames decode
@@ -83,7 +83,10 @@ equal the decoded size.
 
 vaed's own extensions (ignored by diffusers, which never sends them): `fps`, `crf`, `lossless` for
 mp4 (`vaed.video.VideoOptions`), `stream=true` (mp4 only: the fMP4 bytes are sent with chunked
-transfer as the frames decode), `precision` (lossless | fast), and an `X-Request-Id` header.
+transfer as the frames decode), `precision` (lossless | fast), `allow_non_finite=true` (NaN / Inf
+latents or frames taken as they are, as gRPC's option), and an `X-Request-Id` header. A parameter
+that is neither diffusers' nor vaed's, or one given twice (`shape` aside), is refused (400): a
+misspelt `do_scaling` ignored would decode wrong colours, and of two values either could be meant.
 """
 
 from __future__ import annotations
@@ -97,9 +100,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from multidict import MultiMapping
+
+from vaed_client import wire
 
 from ..choices import Precision
 from ..errors import InvalidInput
+from ..session import check_finite
 from ..video import DEFAULT_CRF, VideoError, VideoOptions
 
 # The dtype names diffusers' client uses (`str(tensor.dtype).split(".")[-1]`, its DTYPE_MAP).
@@ -129,8 +136,19 @@ class Answer(enum.Enum):
 
 
 _IMAGE_FORMATS = {"jpg": ("JPEG", "image/jpeg"), "jpeg": ("JPEG", "image/jpeg"), "png": ("PNG", "image/png")}
+# JPEG holds each side in 16 bits, and libjpeg (PIL's writer) takes at most 65500 px of it.
+JPEG_MAX_SIDE = 65500
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
+
+# Each route's query parameters: first what diffusers 0.42's client sends (`prepare_decode`: shape,
+# dtype, output_type, partial_postprocess, image_format, do_scaling or scaling_factor / shift_factor,
+# height / width; `prepare_encode`: shape, dtype, scaling_factor / shift_factor), then vaed's own. Any
+# other name is refused: a misspelt one ignored (do_scalling=true) would decode raw latents, in wrong colours.
+DECODE_PARAMETERS = ("shape", "dtype", "output_type", "partial_postprocess", "image_format", "do_scaling",
+                     "scaling_factor", "shift_factor", "height", "width",
+                     "fps", "crf", "lossless", "stream", "precision", "allow_non_finite")
+ENCODE_PARAMETERS = ("shape", "dtype", "scaling_factor", "shift_factor", "do_scaling", "precision", "allow_non_finite")
 
 
 @dataclass(frozen=True)
@@ -147,11 +165,7 @@ class DecodeQuery:
     precision: Precision | None = None  # None: the server's default
     height: int | None = None
     width: int | None = None
-
-    @property
-    def body_bytes(self) -> int:
-        """The byte count the body must have."""
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+    allow_non_finite: bool = False     # NaN / Inf latents decoded as they are (gRPC's option)
 
     @property
     def rgb8(self) -> bool:
@@ -192,10 +206,24 @@ def parse_shape(values: Sequence[str]) -> tuple[int, ...]:
     return shape
 
 
-def parse_query(query: Mapping[str, str], shape_values: Sequence[str], accept: str, default_fps: int) -> DecodeQuery:
-    """The request's parameters (`query`: the last value of each; `shape_values`: every `shape`),
-    checked; InvalidInput says what is wrong."""
-    shape = parse_shape(shape_values)
+def _single_values(params: MultiMapping[str], accepted: Sequence[str]) -> dict[str, str]:
+    """Each parameter's one value (`shape` aside: one per dimension); InvalidInput for a name the
+    route does not take, or one given twice (which of its values was meant is the client's guess)."""
+    names = [name for name, _ in params.items()]  # a name given twice is listed twice (keys() lists it once)
+    for name in names:
+        if name not in accepted:
+            raise InvalidInput(f"unknown query parameter {name!r}; this route takes {', '.join(accepted)}")
+    for name in dict.fromkeys(names):
+        if name != "shape" and (count := names.count(name)) > 1:
+            raise InvalidInput(f"query parameter {name!r} is given {count} times; give it once")
+    return {name: params[name] for name in names if name != "shape"}
+
+
+def parse_query(params: MultiMapping[str], accept: str, default_fps: int) -> DecodeQuery:
+    """The request's parameters (each once, `shape` once per dimension), checked; InvalidInput says
+    what is wrong."""
+    query = _single_values(params, DECODE_PARAMETERS)
+    shape = parse_shape(params.getall("shape", []))
     dtype_name = query.get("dtype")
     if dtype_name is None:
         raise InvalidInput(f"dtype is required: one of {', '.join(LATENT_DTYPE_NAMES)}")
@@ -240,8 +268,8 @@ def parse_query(query: Mapping[str, str], shape_values: Sequence[str], accept: s
         if _flag(query, "lossless", False) and "crf" in query:
             raise InvalidInput("crf is an option of lossy mp4; lossless=true is always CRF 0")
         try:
-            video = VideoOptions(
-                fps=_int(query, "fps") or default_fps,
+            video = VideoOptions(  # fps=0 is refused as any fps out of range; only an absent one is the default
+                fps=default_fps if (fps := _int(query, "fps")) is None else fps,
                 crf=DEFAULT_CRF if (crf := _int(query, "crf")) is None else crf,
                 lossless=_flag(query, "lossless", False),
             )
@@ -259,19 +287,43 @@ def parse_query(query: Mapping[str, str], shape_values: Sequence[str], accept: s
     return DecodeQuery(
         shape=shape, dtype=DTYPE_NAMES[dtype_name], answer=answer, raw_latents=raw_latents,
         image_format=_IMAGE_FORMATS[image_format][0], video=video, stream=stream, precision=precision,
-        height=height, width=width,
+        height=height, width=width, allow_non_finite=_flag(query, "allow_non_finite", False),
     )
 
 
-def check_size(query: DecodeQuery, scale_spatial: int) -> None:
-    """height / width, when given, must be the decoded size (they exist for packed latents)."""
-    if query.height is None:
-        return
+def check_decoded_size(query: DecodeQuery, scale_spatial: int) -> None:
+    """What the latents' shape says of the frames, checked before the call runs: height / width, when
+    given, must be their size (they exist for packed latents), and a JPEG answer's sides JPEG's."""
     h, w = query.shape[3] * scale_spatial, query.shape[4] * scale_spatial
-    if (query.height, query.width) != (h, w):
+    if query.height is not None and (query.height, query.width) != (h, w):
         raise InvalidInput(
             f"height x width {query.height}x{query.width} is not the decoded size {h}x{w} of latents "
             f"{list(query.shape)}; Wan latents are not packed: leave height and width out")
+    if query.answer is Answer.IMAGE and query.image_format == "JPEG" and max(h, w) > JPEG_MAX_SIDE:
+        raise InvalidInput(
+            f"latents {list(query.shape)} decode to an image of {h}x{w} px, and a JPEG image is at most "
+            f"{JPEG_MAX_SIDE} px a side; ask image_format=png, or output_type pt")
+
+
+def check_finite_latents(latents: torch.Tensor) -> None:
+    """The core's NaN / Inf check (`vaed.session.check_finite`, its message) on every latent frame
+    of a request, before the answer's status goes out: the core checks each frame only as it decodes
+    it, after a streamed answer's status and first frames were sent. One frame at a time, so its
+    temporaries are one frame's size."""
+    for index in range(latents.shape[2]):
+        check_finite(latents[:, :, index], index)
+
+
+def tensor_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def check_body_bytes(length: int, what: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A tensor body's Content-Length against the shape and dtype its query declares (`what`:
+    latents or frames), before the body is read."""
+    if length != (expected := tensor_nbytes(shape, dtype)):
+        raise InvalidInput(f"the body is {length} bytes, and {what} of shape {list(shape)} in "
+                           f"{_NAME_OF[dtype]} are {expected}")
 
 
 class RawLatents:
@@ -284,13 +336,30 @@ class RawLatents:
         self._dtype = dtype
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
-        expected = math.prod(self._shape) * torch.empty((), dtype=self._dtype).element_size()
+        expected = tensor_nbytes(self._shape, self._dtype)
         if self._body.nbytes != expected:  # the front reads exactly Content-Length; this is the last guard
             raise InvalidInput(f"latents: {self._body.nbytes} bytes for shape {list(self._shape)} need {expected}")
         return self._shape, self._dtype
 
     def to_tensor(self) -> torch.Tensor:
         return torch.frombuffer(self._body, dtype=self._dtype).reshape(self._shape)
+
+
+@dataclass(frozen=True)
+class DeclaredTensor:
+    """A request's tensor as its query declares it, before its body is read: the call core's view of
+    a first message for the checks it makes from the head (`header`). None for an image file, whose
+    size only its own header says (the core's open reads no frames' header)."""
+
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+
+    def header(self) -> tuple[tuple[int, ...], torch.dtype]:
+        assert self.shape is not None and self.dtype is not None  # an image file's is read with its body
+        return self.shape, self.dtype
+
+    def to_tensor(self) -> torch.Tensor:
+        raise AssertionError("a declared tensor has no values: its body is not read yet")
 
 
 # -- encode: what `remote_encode` sends -----------------------------------------------------
@@ -306,13 +375,7 @@ class EncodeQuery:
     dtype: torch.dtype | None
     normalised: bool                # do_scaling=true: (mean - latents_mean) / latents_std
     precision: Precision | None = None
-
-    @property
-    def body_bytes(self) -> int | None:
-        """The byte count a tensor body must have (None for an image file)."""
-        if self.shape is None or self.dtype is None:
-            return None
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+    allow_non_finite: bool = False  # NaN / Inf frames and moments as they are (gRPC's option)
 
     @property
     def image(self) -> bool:
@@ -327,14 +390,39 @@ class EncodeQuery:
         assert self.shape is not None
         if len(self.shape) == VIDEO_DIMS:
             return self.shape
-        at = 1 if self.dtype == torch.uint8 else 2
-        return (*self.shape[:at], 1, *self.shape[at:])
+        return (*self.shape[:self._time_dim], 1, *self.shape[self._time_dim:])
+
+    @property
+    def frame_count(self) -> int:
+        """T of the video (1 for an image)."""
+        return self.video_shape[self._time_dim]
+
+    @property
+    def _time_dim(self) -> int:
+        return 1 if self.dtype == torch.uint8 else 2
+
+    def as_sent(self, exc: InvalidInput) -> InvalidInput:
+        """A message of the limits' checks, which name an image's frames by their video view
+        (`[B, H, W, 3]` as `[B, 1, H, W, 3]`), naming the shape the client sent instead."""
+        assert self.shape is not None
+        return InvalidInput(str(exc).replace(str(list(self.video_shape)), str(list(self.shape))))
 
 
-def parse_encode_query(query: Mapping[str, str], shape_values: Sequence[str]) -> EncodeQuery:
+def check_encoder_frames(query: EncodeQuery, scale_temporal: int) -> None:
+    """The frame count the causal encoder takes, 1 + scale_temporal k (`wire.encoded_latent_frames`,
+    the core's rule on a call's frames once they are all in), from the query's shape."""
+    try:
+        wire.encoded_latent_frames(query.frame_count, scale_temporal)
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+
+
+def parse_encode_query(params: MultiMapping[str]) -> EncodeQuery:
     """`remote_encode`'s parameters: `shape` (one per dimension) and `dtype` for a tensor body, none
     for an image file; `scaling_factor` / `shift_factor` are refused (see the module docstring:
-    Wan normalises per channel), `do_scaling` and `precision` are vaed's own."""
+    Wan normalises per channel), `do_scaling`, `precision` and `allow_non_finite` are vaed's own."""
+    query = _single_values(params, ENCODE_PARAMETERS)
+    shape_values = params.getall("shape", [])
     for name in ("scaling_factor", "shift_factor"):
         if name in query:
             raise InvalidInput(
@@ -342,6 +430,7 @@ def parse_encode_query(query: Mapping[str, str], shape_values: Sequence[str]) ->
                 "Send no factor for the VAE-space latents (the posterior's mode, what remote_decode takes with "
                 "do_scaling=False), or do_scaling=true for the normalised ones WanPipeline computes")
     normalised = _flag(query, "do_scaling", False)
+    allow_non_finite = _flag(query, "allow_non_finite", False)
     try:
         precision = Precision.parse(query["precision"], "precision") if "precision" in query else None
     except ValueError as exc:
@@ -350,7 +439,8 @@ def parse_encode_query(query: Mapping[str, str], shape_values: Sequence[str]) ->
         if "dtype" in query:
             raise InvalidInput("dtype without shape: send shape= per dimension with a tensor body, "
                                "or neither with an image file")
-        return EncodeQuery(shape=None, dtype=None, normalised=normalised, precision=precision)
+        return EncodeQuery(shape=None, dtype=None, normalised=normalised, precision=precision,
+                           allow_non_finite=allow_non_finite)
     try:
         shape = tuple(int(v) for v in shape_values)
     except ValueError:
@@ -364,7 +454,8 @@ def parse_encode_query(query: Mapping[str, str], shape_values: Sequence[str]) ->
         raise InvalidInput(f"dtype is required with shape: one of {', '.join(DTYPE_NAMES)}")
     if dtype_name not in DTYPE_NAMES:
         raise InvalidInput(f"dtype {dtype_name!r} is not a frame dtype; use one of {', '.join(DTYPE_NAMES)}")
-    return EncodeQuery(shape=shape, dtype=DTYPE_NAMES[dtype_name], normalised=normalised, precision=precision)
+    return EncodeQuery(shape=shape, dtype=DTYPE_NAMES[dtype_name], normalised=normalised, precision=precision,
+                       allow_non_finite=allow_non_finite)
 
 
 class DecodedImage:
@@ -374,7 +465,7 @@ class DecodedImage:
     decoded (a small file may hold a huge image)."""
 
     def __init__(self, body: memoryview, max_pixels: int) -> None:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         try:
             image = Image.open(io.BytesIO(body))
@@ -384,6 +475,10 @@ class DecodedImage:
             pixels = image.convert("RGB")
         except InvalidInput:
             raise
+        except Image.DecompressionBombError:
+            raise InvalidInput(_too_large(max_pixels)) from None
+        except UnidentifiedImageError:  # its text is the repr of the buffer PIL read
+            raise InvalidInput("the body is not an image file this server reads (PNG, JPEG, ...)") from None
         except Exception as exc:  # a malformed file: PIL's format plugins raise OSError, SyntaxError,
             # ValueError, struct.error, ... (a broken PNG chunk, a truncated header, a bad PPM maxval)
             raise InvalidInput(f"the body is not an image file this server reads (PNG, JPEG, ...): "
@@ -395,6 +490,16 @@ class DecodedImage:
 
     def to_tensor(self) -> torch.Tensor:
         return self._frames
+
+
+def _too_large(max_pixels: int) -> str:
+    """Why an image PIL refused to open as a decompression bomb (over twice Image.MAX_IMAGE_PIXELS,
+    179M pixels by default: it says no size) is refused."""
+    from PIL import Image
+
+    bound = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+    limit = min(max_pixels, bound) if max_pixels else bound
+    return f"the image is too large: over {bound} pixels, and this server takes at most {limit} pixels"
 
 
 # -- answers -------------------------------------------------------------------------------
@@ -433,7 +538,3 @@ def image_bytes(frames: torch.Tensor, image_format: str) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(frames[0].numpy()).save(buffer, format=image_format)
     return buffer.getvalue()
-
-
-def error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()

@@ -48,7 +48,8 @@ from ..calls import CallCore
 from ..errors import InvalidInput, NotReady
 from ..metrics import cuda_memory
 from .front import HfFront, defer_continue
-from .hf_protocol import LATENT_DTYPE_NAMES, error_body, tensor_bytes, tensor_headers
+from .hf_protocol import LATENT_DTYPE_NAMES, tensor_bytes, tensor_headers
+from .server import json_error
 
 PAGE_PATH = "/"
 STATUS_PATH = "/v1/status"
@@ -120,10 +121,6 @@ def status_body(core: CallCore, authorised: bool, auth_required: bool) -> dict[s
             "max_message_bytes": facts.max_message_bytes, "encodes": facts.encodes,
         }
     return body
-
-
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.Response(status=status, body=error_body(message), content_type="application/json", headers=headers)
 
 
 class TooLarge(InvalidInput):
@@ -220,24 +217,24 @@ class PageRoutes:
 
     async def convert_pt(self, request: web.Request) -> web.Response:
         if (problem := self.front.unauthorised(request)) is not None:
-            return _error(401, problem, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+            return json_error(401, problem, {hdrs.WWW_AUTHENTICATE: "Bearer"})
         length = request.content_length
         limit = self.core.config.max_message_bytes
         if length is None:
-            return _error(411, "Content-Length is required: send the .pt file as one body of known size")
+            return json_error(411, "Content-Length is required: send the .pt file as one body of known size")
         if length > limit:
-            return _error(413, f"the file is {length} bytes and this server takes at most {limit} bytes "
+            return json_error(413, f"the file is {length} bytes and this server takes at most {limit} bytes "
                                "(its message limit)")
         if self._converting.locked():
-            return _error(429, "another .pt file is being read; retry shortly", **{hdrs.RETRY_AFTER: "1"})
+            return json_error(429, "another .pt file is being read; retry shortly", {hdrs.RETRY_AFTER: "1"})
         async with self._converting:
             try:
                 body = await self.front.read_body(request, length)
                 # torch.load unzips and copies: off the loop, which serves every other call
                 tensor = await asyncio.get_running_loop().run_in_executor(None, _load_pt, body, limit)
             except TooLarge as exc:
-                return _error(413, str(exc))
+                return json_error(413, str(exc))
             except InvalidInput as exc:
-                return _error(400, str(exc))
+                return json_error(400, str(exc))
             del body
             return web.Response(body=tensor_bytes(tensor), headers=tensor_headers(tensor))

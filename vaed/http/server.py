@@ -59,11 +59,19 @@ aiohttp answers an oversized or malformed head with 400 (RFC 9110 allows it;
 the hand-written server sent 431 for a large head) and, for a head it could
 not parse, with an ``HTTP/1.0`` status line. It also requires ``Host`` on
 HTTP/1.1 requests, as the RFC does; Prometheus and every HTTP client send it.
+
+Every error this stack answers is JSON, ``{"error": "..."}`` (``error_body``), as the HTTP front's
+own are (diffusers' client reads an error with ``response.json()``): aiohttp's answers too (404,
+405 with its ``Allow``, 417 for an unknown ``Expect``, 400 for a malformed head, 500), with their
+status and headers. The connection turns them into JSON where aiohttp hands them over
+(``_Connection.finish_response`` and ``handle_error``): a middleware would miss a route's
+``Expect`` handler, which aiohttp runs before the middlewares.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -72,6 +80,8 @@ from typing import Any
 
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import LooseHeaders
+from multidict import CIMultiDict
 
 
 class _NotClientErrors(logging.Filter):
@@ -244,6 +254,25 @@ class HttpServer:
             self._busy.pop(protocol, None)
 
 
+def error_body(message: str) -> bytes:
+    """An error answer's body, the one shape of every error on this stack."""
+    return json.dumps({"error": message}).encode()
+
+
+def json_error(status: int, message: str, headers: LooseHeaders | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(message), content_type="application/json", headers=headers)
+
+
+def _as_json(plain: web.Response) -> web.Response:
+    """aiohttp's text/plain error as JSON: its status, its text, its other headers (Allow on a 405)."""
+    headers = CIMultiDict(plain.headers)
+    for name in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH):
+        headers.popall(name, None)
+    answer = json_error(plain.status, plain.text or plain.reason, headers)
+    if plain.keep_alive is False:
+        answer.force_close()
+    return answer
+
 
 def send_timed_out(request: web.BaseRequest) -> bool:
     """Whether `request`'s connection was aborted by the send timeout: a call it served ended
@@ -295,6 +324,25 @@ class _Connection(web.RequestHandler):
         if self._stalled is not None:
             self._stalled.cancel()
             self._stalled = None
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None,
+    ) -> tuple[web.StreamResponse, bool]:
+        # every answer goes through here: aiohttp's HTTP errors (the router's 404 / 405, an Expect
+        # handler's 417, a handler's raised HTTPException) are text/plain until here
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            resp = _as_json(resp)
+        return await super().finish_response(request, resp, start_time)
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's own answer to a head it could not take (400) or a handler's crash (500),
+        logged as aiohttp logs it, in JSON."""
+        plain = super().handle_error(request, status, exc, message)
+        assert isinstance(plain, web.Response)  # aiohttp's: a text answer, closing the connection
+        return _as_json(plain)
 
     def cut(self) -> bool:
         """Abort the connection: aiohttp cancels its handler (`handler_cancellation`), which ends
