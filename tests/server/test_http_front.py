@@ -5,6 +5,7 @@ admission matrices; fMP4 bytes that reach the client while the call still decode
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -446,22 +447,10 @@ def test_a_full_server_answers_429_and_a_draining_one_503_before_the_body_is_rea
     front = guarded.server.front
     port = guarded.server.http_port
     auth = f"Authorization: Bearer {TOKEN}"
-    holder = socket.create_connection(("127.0.0.1", port), timeout=30)
-    try:
-        before = front.bodies_read
-        holder.sendall((_head(tuple(x.shape), x.numel() * 4, auth) + "\r\n").encode())
-        # admitted, and waiting for its body
-        _wait(lambda: guarded.server.pool.admitted == 1 and front.bodies_read == before + 1)
+    with _holding_the_slot(guarded, x, auth) as bodies_read:
         status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, auth, "Expect: 100-continue"))
         assert status == 429 and "sessions are in use" in error["error"], error  # no 100 Continue first
-        assert front.bodies_read == before + 1  # the refused request's body was never read
-        holder.sendall(prepare_decode(x, output_type="pt")["data"])
-        answer = b""
-        while chunk := holder.recv(65536):
-            answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200")
-    finally:
-        holder.close()
+        assert front.bodies_read == bodies_read  # the refused request's body was never read
     guarded.server.lifecycle.draining = True
     try:
         status, error = raw_request(port, _head(tuple(x.shape), x.numel() * 4, auth))
@@ -491,17 +480,27 @@ def test_what_the_query_says_is_refused_before_admission_and_the_body(guarded: R
         ((1, 4, 3, 4, 6), "&precision=fast", (), "precision fast is not offered"),
         ((1, 4, 3, 4, 6), "", ("X-Request-Id: " + "r" * 200,), "request_id must be at most 128"),
     ]
-    holder = socket.create_connection(("127.0.0.1", port), timeout=30)
-    try:
-        before = front.bodies_read
-        holder.sendall((_head(tuple(x.shape), x.numel() * 4, auth) + "\r\n").encode())
-        _wait(lambda: guarded.server.pool.admitted == 1 and front.bodies_read == before + 1)
+    with _holding_the_slot(guarded, x, auth) as bodies_read:
         for shape, extra, headers, pattern in cases:
             head = _head(shape, 4 * math.prod(shape), auth, "Expect: 100-continue", *headers,
                          query="output_type=pt&do_scaling=true" + extra)
             status, error = raw_request(port, head)
             assert status == 400 and re.search(pattern, error["error"]), (shape, extra, status, error)
-        assert front.bodies_read == before + 1  # the holder's only
+        assert front.bodies_read == bodies_read  # the holder's only
+
+
+@contextlib.contextmanager
+def _holding_the_slot(guarded: RunningServer, x: torch.Tensor, auth: str) -> Iterator[int]:
+    """A decode admitted to the guarded server's one session slot and waiting for its body; yields
+    the bodies the front has read by then (its own included). On leaving, its body goes out and
+    its answer must be a 200."""
+    front = guarded.server.front
+    holder = socket.create_connection(("127.0.0.1", guarded.server.http_port), timeout=30)
+    try:
+        before = front.bodies_read
+        holder.sendall((_head(tuple(x.shape), x.numel() * 4, auth) + "\r\n").encode())
+        _wait(lambda: guarded.server.pool.admitted == 1 and front.bodies_read == before + 1)
+        yield before + 1
         holder.sendall(prepare_decode(x, output_type="pt")["data"])
         answer = b""
         while chunk := holder.recv(65536):
