@@ -56,7 +56,7 @@ class ResourceExhaustedError(VaedError):
 
 
 class UnavailableError(VaedError):
-    """Server unreachable, warming up or draining (after the channel's retries)."""
+    """Server unreachable, warming up or draining (after the call's retries and resumes)."""
 
     default_code = grpc.StatusCode.UNAVAILABLE
 
