@@ -205,6 +205,11 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
         ({k: v for k, v in params.items() if k != "dtype"}, body, 400, "dtype is required"),
         ({**params, "shape": [4, 3, 4, 6]}, body, 400, "shape must be 5 positive sizes"),
         ({**params, "shape": [1, 4, 3, 4, "x"]}, body, 400, "shape must be integers"),
+        # int() would take these as 6: sizes are ASCII digits only
+        ({**params, "shape": [1, 4, 3, 4, "\u0666"]}, body, 400, "shape must be integers"),
+        ({**params, "shape": [1, 4, 3, 4, "0_6"]}, body, 400, "shape must be integers"),
+        ({**params, "shape": [1, 4, 3, 4, " 6"]}, body, 400, "shape must be integers"),
+        ({**params, "height": "\u0663\u0662", "width": 48}, body, 400, "height must be an integer"),
         ({k: v for k, v in params.items() if k != "shape"}, body, 400, "shape is required"),
         ({**params, "output_type": "gif"}, body, 400, "output_type 'gif' is not served"),
         ({**params, "partial_postprocess": "maybe"}, body, 400, "partial_postprocess must be true or false"),

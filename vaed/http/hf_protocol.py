@@ -95,6 +95,7 @@ import enum
 import io
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -184,12 +185,24 @@ def _flag(query: Mapping[str, str], name: str, default: bool) -> bool:
     raise InvalidInput(f"{name} must be true or false, got {value!r}")
 
 
+# ASCII digits only: int() also takes "1_000", " 7 " and other scripts' digits ("٧"), which no
+# client means as a size; 18 digits keep every value within int64.
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+
+
+def _integer(text: str) -> int:
+    """A query's integer; ValueError unless `text` is an optional '-' and 1-18 ASCII digits."""
+    if not _INTEGER.fullmatch(text):
+        raise ValueError(text)
+    return int(text)
+
+
 def _int(query: Mapping[str, str], name: str) -> int | None:
     value = query.get(name)
     if value is None:
         return None
     try:
-        return int(value)
+        return _integer(value)
     except ValueError:
         raise InvalidInput(f"{name} must be an integer, got {value!r}") from None
 
@@ -198,7 +211,7 @@ def parse_shape(values: Sequence[str]) -> tuple[int, ...]:
     if not values:
         raise InvalidInput("shape is required: one shape= parameter per dimension of [B, z, T, h, w]")
     try:
-        shape = tuple(int(v) for v in values)
+        shape = tuple(_integer(v) for v in values)
     except ValueError:
         raise InvalidInput(f"shape must be integers, got {list(values)}") from None
     if len(shape) != LATENT_DIMS or any(d < 1 for d in shape):
@@ -442,7 +455,7 @@ def parse_encode_query(params: MultiMapping[str]) -> EncodeQuery:
         return EncodeQuery(shape=None, dtype=None, normalised=normalised, precision=precision,
                            allow_non_finite=allow_non_finite)
     try:
-        shape = tuple(int(v) for v in shape_values)
+        shape = tuple(_integer(v) for v in shape_values)
     except ValueError:
         raise InvalidInput(f"shape must be integers, got {list(shape_values)}") from None
     if len(shape) not in (IMAGE_DIMS, VIDEO_DIMS) or any(d < 1 for d in shape):
