@@ -241,6 +241,8 @@ class ModelFacts:
     encode_precisions: tuple[Precision, ...] = ()
     encode_dtypes: tuple[torch.dtype, ...] = ()
     video_fps: int = 0        # server-side video's default frame rate (the model's); 0: none offered
+    decoder_identity: str = ""  # what decides the frames' bits (`vaed.identity`)
+    encoder_identity: str = ""  # the same for Encode ("" without an encoder)
 
 
 def checked_request_id(request_id: str) -> str:
@@ -345,6 +347,7 @@ class CallCore:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.packaging = packaging  # None: no server-side video (a call asking for it is refused)
+        self._identities: tuple[Any, tuple[str, str]] | None = None  # (engine, its lines), made once
 
     # -- operations: each returns a Call for the front to iterate -------------------------
 
@@ -426,12 +429,25 @@ class CallCore:
         engine = self.pool.engine
         return default_fps(engine.patch_size if engine is not None else None)
 
+    def identities(self) -> tuple[str, str]:
+        """(decoder identity, encoder identity) of the served model (`vaed.identity`: the engine's,
+        with this server's default tier); ("", "") while no device serves. Made once per engine."""
+        engine = self.pool.engine
+        if engine is None:
+            return "", ""
+        made = self._identities
+        if made is None or made[0] is not engine:
+            made = self._identities = (engine, (engine.identity.decoder(self.config.precision),
+                                                engine.identity.encoder()))
+        return made[1]
+
     def model_facts(self) -> ModelFacts:
         engine = self.pool.engine
         if engine is None:
             raise NotReady("no device is serving; see the server log")
         info = engine.info
         cfg = self.config
+        decoder_identity, encoder_identity = self.identities()
         return ModelFacts(
             model=cfg.model,
             z_dim=engine.z_dim,
@@ -457,6 +473,8 @@ class CallCore:
             encode_precisions=ENCODE_PRECISIONS if engine.encodes else (),
             encode_dtypes=engine.encode_dtypes,
             video_fps=self.default_fps() if self.packaging is not None else 0,
+            decoder_identity=decoder_identity,
+            encoder_identity=encoder_identity,
         )
 
     def _limits(self) -> Limits:

@@ -37,6 +37,8 @@ GPU tests at real sizes. The encoder's weights are loaded only when asked
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +60,8 @@ from .engine_protocol import (
     OutputSpec,
 )
 from .graphs import DEFAULT_MAX_GRAPHS, DecoderGraphs
-from .models import LoadedModel, load_model
+from .identity import EngineIdentity, device_kind
+from .models import LoadedModel, load_model, weights_digest
 from .patches import conv_plans
 from .startup import phase
 
@@ -242,6 +245,25 @@ class DecodeEngine(Engine):
             fast_paths_note=self.fast_paths.stock_reason or "",
             precisions=self.precisions,
         )
+
+    @functools.cached_property
+    def identity(self) -> EngineIdentity:
+        """What decides this engine's bits. The weights' digests come from `load_model`, taken on
+        the CPU copy before the cast; a model loaded elsewhere (a benchmark's) is digested here,
+        as it is now, on first use only."""
+        digests = self.loaded.digests
+        identity = EngineIdentity(
+            weights=digests.get("decoder") or weights_digest(self.vae, "decoder"), dtype=self.dtype,
+            kernels=self.fast_paths.kernels, layout=self.fast_paths.layout, device=device_kind(self.device),
+            disabled_ops=tuple(self.fast_paths.disabled_ops),
+        )
+        if not self.encodes:
+            return identity
+        dtype = self._encode_dtypes[0]
+        paths = self.encoders[dtype][1]
+        return dataclasses.replace(
+            identity, encoder_weights=digests.get("encoder") or weights_digest(self.vae, "encoder"),
+            encode_dtype=dtype, encoder_kernels=paths.kernels, encoder_layout=paths.layout)
 
     @property
     def precisions(self) -> tuple[str, ...]:

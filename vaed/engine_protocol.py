@@ -42,6 +42,7 @@ import torch
 from vaed_client import wire
 
 from .choices import Parallel, Precision
+from .identity import EngineIdentity
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,11 @@ class Engine(ABC):
     @property
     @abstractmethod
     def info(self) -> EngineInfo: ...
+
+    @property
+    @abstractmethod
+    def identity(self) -> EngineIdentity:
+        """What decides this engine's bits (`vaed.identity`), taken once."""
 
     @property
     def precisions(self) -> tuple[str, ...]:

@@ -370,6 +370,10 @@ class VaedServer:
                 frozen, seconds = freeze_startup_heap()
             log.info("froze %d start-up objects out of the cyclic GC (a full collection took %.0f ms)",
                      frozen, seconds * 1e3)
+            # made once here, before the first call; what a resuming client compares (vaed.identity)
+            decoder_identity, encoder_identity = self.core.identities()
+            log.info("decoder identity: %s%s", decoder_identity,
+                     f"; encoder identity: {encoder_identity}" if encoder_identity else "")
             asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.SERVING))
             down = [w.device for w in self.pool.workers if not w.healthy]
             total = self.startup.elapsed()

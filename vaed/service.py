@@ -8,7 +8,8 @@ KServe's gRPC servicer does over its data plane:
 * in: the raw request bytes become `InputMessage`s (`parse`,
   `ProtoLatents`, `requested_output`), read only when the core asks;
 * out: `FramesOut` / `VideoOut` / `CallEnd` become FrameChunks (`VideoOut`'s
-  bytes in FrameChunk.video), `ModelFacts` a ModelInfo;
+  bytes in FrameChunk.video), `ModelFacts` a ModelInfo, and the core's identity of the
+  served decoder (or encoder) each call's initial metadata (`vaed_client.wire`'s headers);
 * a `CallFailed` becomes its gRPC status (`grpc.StatusCode[status.name]`:
   the one table is `vaed.errors`), and the context's deadline tells a
   cancelled call from an expired one;
@@ -268,6 +269,8 @@ def model_info(facts: ModelFacts) -> Any:
         encode_dtypes=[_WIRE_DTYPE[d] for d in facts.encode_dtypes],
         video_formats=list(_VIDEO_FORMATS) if facts.video_fps else [],
         video_fps=facts.video_fps,
+        decoder_identity=facts.decoder_identity,
+        encoder_identity=facts.encoder_identity,
     )
 
 
@@ -316,6 +319,16 @@ async def _abort(context: grpc.aio.ServicerContext, failed: CallFailed) -> None:
     await context.abort(grpc.StatusCode[failed.status.name], failed.message)
 
 
+def _identify(writer: TimedWriter, header: str, identity: str) -> None:
+    """The call's initial metadata: the identity of what serves it (none while nothing serves:
+    the call is refused UNAVAILABLE). Sent as the handler starts, beside the read of the client's
+    first message and the decode (`TimedWriter.send_headers`), so the first frame does not wait for
+    it, and a client resuming on a replica of another decoder refuses it before that replica has
+    re-decoded the frames it would skip."""
+    if identity:
+        writer.send_headers(((header, identity),))
+
+
 class VaeDecoderService:
     """GetModelInfo, Decode, DecodeStream and Encode: translations over a CallCore."""
 
@@ -351,6 +364,7 @@ class VaeDecoderService:
     async def Decode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         parse_one = functools.partial(decode_request, default_fps=self.core.default_fps)
         writer = self._writer(context)
+        _identify(writer, wire.DECODER_IDENTITY_HEADER, self.core.identities()[0])
         call = self.core.decode(_stream_input(requests, parse_one), frame_chunk, _timed_out(context, writer))
         await self._answer(context, call, writer)
 
@@ -359,6 +373,7 @@ class VaeDecoderService:
         # grpc.aio client still writing otherwise sees INTERNAL instead of it (see vaed.interceptors).
         parse_one = functools.partial(latent_chunk, default_fps=self.core.default_fps)
         writer = self._writer(context)
+        _identify(writer, wire.DECODER_IDENTITY_HEADER, self.core.identities()[0])
         call = self.core.decode_stream(
             _stream_input(requests, parse_one), frame_chunk, _timed_out(context, writer),
             linger=REFUSAL_LINGER_SECONDS)
@@ -366,6 +381,7 @@ class VaeDecoderService:
 
     async def Encode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         writer = self._writer(context)
+        _identify(writer, wire.ENCODER_IDENTITY_HEADER, self.core.identities()[1])
         call = self.core.encode(
             _stream_input(requests, video_chunk), latent_frame_chunk, _timed_out(context, writer),
             linger=REFUSAL_LINGER_SECONDS)
@@ -379,6 +395,7 @@ class VaeDecoderService:
             async for message in call:
                 await writer.write(message)
         except CallFailed as failed:
+            await writer.headers_sent()  # the status goes after the call's headers
             await _abort(context, failed)
         except SendStalled as stalled:
             record = call.record
@@ -388,4 +405,5 @@ class VaeDecoderService:
             await call.aclose()  # logged and its slot freed now, not once the status got out
             await writer.end(grpc.StatusCode.DEADLINE_EXCEEDED, str(stalled))
         finally:
+            writer.abandon()  # a call cancelled before its first message: its header send ends on its own
             await call.aclose()  # runs the call's own cleanup now, not at garbage collection

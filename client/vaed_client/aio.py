@@ -46,7 +46,7 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import CancelledError, ClientClosedError, VaedError
+from .errors import CancelledError, ClientClosedError, ReplicaMismatchError, VaedError
 from .mp4 import Mp4Output, mp4_output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -112,8 +112,8 @@ class AsyncVaeClient:
         self._stub  # noqa: B018  (binds the loop; raises ClientClosedError once closed)
         return self._stub_objs[index]
 
-    def _progress(self, report: CallReport | None, request_id: str) -> Progress:
-        return Progress(self.resume, self._targets, report, self.timeout, request_id)
+    def _progress(self, report: CallReport | None, request_id: str, encoder: bool = False) -> Progress:
+        return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder)
 
     @property
     def closed(self) -> bool:
@@ -189,6 +189,8 @@ class AsyncVaeClient:
                 call, first_reply = self._open_stream(streamed, spec, progress)
                 assembly.restart()
                 try:
+                    # its server's identity before any of its replies (here since the call opened)
+                    progress.check_server(await call.initial_metadata())
                     async for reply in call:
                         first_reply.set()
                         if (reply := progress.accept(reply, spec.wire_format)) is not None:
@@ -196,6 +198,9 @@ class AsyncVaeClient:
                     return assembly.result()
                 except grpc.RpcError as e:
                     await asyncio.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
+                except ReplicaMismatchError as e:  # another decoder: its replies are not taken
+                    call.cancel()
+                    await asyncio.sleep(progress.retry_delay(e))  # raises when no target is left
                 except BaseException:
                     call.cancel()
                     raise
@@ -222,7 +227,7 @@ class AsyncVaeClient:
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
                                  request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
         assembly = EncodedAssembly(output_type, video.as_torch, wire.encoded_latent_frames(video.total_frames))
-        progress = self._progress(report, options.request_id)
+        progress = self._progress(report, options.request_id, encoder=True)
 
         async def chunks(attempt_options: Any) -> AsyncIterator[Any]:
             # one message made at a time, as the sync client's generator does: the first goes out
@@ -234,12 +239,16 @@ class AsyncVaeClient:
             call = self._stub_at(progress.target).Encode(chunks(progress.encode_options(options)),
                                                          timeout=progress.remaining(), metadata=self._metadata)
             try:
+                progress.check_server(await call.initial_metadata())  # its encoder's identity before its replies
                 async for reply in call:
                     if (reply := progress.accept_latent(reply)) is not None:
                         assembly.add(reply)
                 return assembly.result()
             except grpc.RpcError as e:
                 await asyncio.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
+            except ReplicaMismatchError as e:  # another encoder: its latents are not taken
+                call.cancel()
+                await asyncio.sleep(progress.retry_delay(e))  # raises when no target is left
             except BaseException:
                 call.cancel()
                 raise
@@ -265,7 +274,9 @@ class AsyncVaeClient:
         progress = self._progress(report, spec.options.request_id)
         while True:
             call, first_reply = self._open_stream(streamed, spec, progress)
+            error: VaedError
             try:
+                progress.check_server(await call.initial_metadata())  # before any of its replies
                 async for reply in call:
                     first_reply.set()
                     reply = progress.accept(reply, spec.wire_format)
@@ -274,6 +285,8 @@ class AsyncVaeClient:
                 return
             except grpc.RpcError as e:
                 error = progress.error_of(e)
+            except ReplicaMismatchError as e:  # another decoder: this attempt ends unused (below)
+                error = e
             finally:
                 first_reply.set()
                 call.cancel()  # no-op once the call ended
@@ -393,13 +406,18 @@ class AsyncDecodeSession(SessionView):
         try:
             while True:
                 call = self._call
+                error: VaedError
                 try:
+                    self._progress.check_server(await call.initial_metadata())  # before any of its replies
                     async for reply in call:
                         if (reply := self._progress.accept(reply, self._state.format)) is not None:
                             replies.put_nowait(reply)
                     break
                 except grpc.RpcError as e:
                     error = self._progress.error_of(e)
+                except ReplicaMismatchError as e:  # another decoder: this attempt ends unused
+                    call.cancel()
+                    error = e
                 await asyncio.sleep(self._progress.retry_delay(error, resumable=self._log.resumable))
                 if self._state.cancelled:
                     raise error

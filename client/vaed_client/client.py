@@ -43,7 +43,7 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import ClientClosedError, VaedError
+from .errors import ClientClosedError, ReplicaMismatchError, VaedError
 from .mp4 import mp4_output
 from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -122,8 +122,8 @@ class VaeClient:
         self._stub  # noqa: B018  (raises ClientClosedError once closed)
         return self._stub_objs[index]
 
-    def _progress(self, report: CallReport | None, request_id: str) -> Progress:
-        return Progress(self.resume, self._targets, report, self.timeout, request_id)
+    def _progress(self, report: CallReport | None, request_id: str, encoder: bool = False) -> Progress:
+        return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder)
 
     @property
     def closed(self) -> bool:
@@ -208,6 +208,8 @@ class VaeClient:
                 gate = self._open_stream(streamed, spec, progress)
                 assembly.restart()
                 try:
+                    # its server's identity before any of its replies (here since the call opened)
+                    progress.check_server(gate.call.initial_metadata())
                     for reply in gate.call:
                         if (reply := progress.accept(reply, spec.wire_format)) is not None:
                             assembly.add(reply)
@@ -215,6 +217,9 @@ class VaeClient:
                     return assembly.result()
                 except grpc.RpcError as e:
                     time.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
+                except ReplicaMismatchError as e:  # another decoder: its replies are not taken
+                    gate.call.cancel()
+                    time.sleep(progress.retry_delay(e))  # raises when no target is left
                 except BaseException:
                     gate.call.cancel()
                     raise
@@ -252,17 +257,21 @@ class VaeClient:
         options = encode_options(output_type=output_type, out_dtype=out_dtype, precision=precision,
                                  request_id=request_id, zero_frames=video.zero_frames, encode_dtype=encode_dtype)
         assembly = EncodedAssembly(output_type, video.as_torch, wire.encoded_latent_frames(video.total_frames))
-        progress = self._progress(report, options.request_id)
+        progress = self._progress(report, options.request_id, encoder=True)
         while True:
             call = self._stub_at(progress.target).Encode(video_chunks(video, progress.encode_options(options)),
                                                          timeout=progress.remaining(), metadata=self._metadata)
             try:
+                progress.check_server(call.initial_metadata())  # its encoder's identity before its replies
                 for reply in call:
                     if (reply := progress.accept_latent(reply)) is not None:
                         assembly.add(reply)
                 return assembly.result()
             except grpc.RpcError as e:
                 time.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
+            except ReplicaMismatchError as e:  # another encoder: its latents are not taken
+                call.cancel()
+                time.sleep(progress.retry_delay(e))  # raises when no target is left
             except BaseException:
                 call.cancel()
                 raise
@@ -311,6 +320,8 @@ class VaeClient:
                 return
             except grpc.RpcError as e:
                 time.sleep(progress.retry_delay(progress.error_of(e)))
+            except ReplicaMismatchError as e:  # another decoder (_iterate_chunks ended its call)
+                time.sleep(progress.retry_delay(e))
             gate = self._open_stream(streamed, spec, progress)
 
     def session(
@@ -352,8 +363,11 @@ class _RestGate:
 
 def _iterate_chunks(call: Any, spec: CallSpec, as_torch: bool, first_reply: threading.Event,
                     progress: Progress | None = None) -> Iterator[DecodedChunk]:
-    """The chunks of one attempt; its RpcError propagates (the caller decides on a resume)."""
+    """The chunks of one attempt; its RpcError (or ReplicaMismatchError: its server's identity is
+    checked first) propagates (the caller decides on a resume)."""
     try:
+        if progress is not None:
+            progress.check_server(call.initial_metadata())
         for reply in call:
             if progress is not None:
                 reply = progress.accept(reply, spec.wire_format)
@@ -483,12 +497,16 @@ class DecodeSession(SessionView):
                 with self._cond:
                     call = self._call
                 try:
+                    self._progress.check_server(call.initial_metadata())  # before any of its replies
                     for reply in call:
                         if (reply := self._progress.accept(reply, self._state.format)) is not None:
                             self._replies.put(reply)
                     break
                 except grpc.RpcError as e:
                     error = self._progress.error_of(e)
+                except ReplicaMismatchError as e:  # another decoder: this attempt ends unused
+                    call.cancel()
+                    error = e
                 delay = self._progress.retry_delay(error, resumable=self._log.resumable)
                 time.sleep(delay)
                 if self._state.cancelled:

@@ -79,6 +79,8 @@ class ModelInfo:
     encode_dtypes: list[str] = field(default_factory=list)      # its Encode compute dtypes
     video_formats: list[str] = field(default_factory=list)      # server-side video: "mp4", "mp4_lossless"
     video_fps: int = 0                                          # its default frame rate (the model's)
+    decoder_identity: str = ""  # what decides its frames' bits ("" from an older server); see vaed_client.resume
+    encoder_identity: str = ""  # the same for Encode
 
     @classmethod
     def from_proto(cls, message: Any) -> ModelInfo:
@@ -106,6 +108,8 @@ class ModelInfo:
             encode_dtypes=[wire.DTYPE_NAMES.get(d, "") for d in message.encode_dtypes],
             video_formats=[_enum_name(wire.pb.OutputFormat, f) for f in message.video_formats],
             video_fps=message.video_fps,
+            decoder_identity=message.decoder_identity,
+            encoder_identity=message.encoder_identity,
         )
 
     def output_frames(self, latent_frames: int) -> int:
@@ -240,7 +244,8 @@ def latents_message(latents: Any, compute_dtype: str = "", out: Any = None) -> A
     (Finite values past bf16's largest, 3.39e38, become Inf here as in the server's cast, and
     the server then refuses them as non-finite.) Callers are whole-video calls, whose
     `compute_dtype` is the one their client's ModelInfo names: the replicas of one target list
-    serve the same model in the same dtype, as resuming a call on another already assumes.
+    are meant to serve one model in one dtype (a resumed attempt on a server of another dtype
+    is refused, `vaed_client.resume`).
     `out`: a message's Tensor field, filled in place (`wire.to_message`)."""
     try:
         if compute_dtype == "bfloat16" and str(latents.dtype).removeprefix("torch.") == "float32":

@@ -61,6 +61,14 @@ class UnavailableError(VaedError):
     default_code = grpc.StatusCode.UNAVAILABLE
 
 
+class ReplicaMismatchError(UnavailableError):
+    """A call could not be finished by a server of the decoder (or encoder) that served its first
+    frames: the one it resumed on serves another (other weights, dtype, kernels, layout, ...; the
+    message names the parts that differ), and no target serving the first one was left within the
+    call's resumes. Its frames are not joined to the first server's. Code UNAVAILABLE: no replica
+    that could finish the call was available (a new call starts afresh on one decoder)."""
+
+
 class UnauthenticatedError(VaedError):
     """Missing or wrong bearer token."""
 
@@ -128,6 +136,7 @@ __all__ = [
     "InvalidArgumentError",
     "ResourceExhaustedError",
     "UnavailableError",
+    "ReplicaMismatchError",
     "UnauthenticatedError",
     "CancelledError",
     "DeadlineExceededError",

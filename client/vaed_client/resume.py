@@ -38,6 +38,25 @@ frame exactly once and the result equals an undisturbed call bit for bit.
   latents are 4.2 MB in bf16, 8.5 MB in fp32). Past it the held latents are
   dropped and the session is no longer resumable: a later failure raises as
   it would without resume (logged once when it happens).
+* One decoder per call: every server sends what decides its bits (weights
+  digest, compute dtype, default tier, kernels, layout, device kind, spatial
+  group; `vaed.identity`) as the initial metadata of Decode and DecodeStream
+  (`wire.DECODER_IDENTITY_HEADER`; Encode: the encoder's,
+  `wire.ENCODER_IDENTITY_HEADER`), ahead of its first reply. The front-ends
+  read each attempt's before taking any of its replies (`Progress.check_server`:
+  no extra call, and on the first attempt nothing to wait for beyond its first
+  reply). The first identity a call sees is its own; a later attempt whose
+  server sends another is ended unused (`ReplicaMismatchError`), its target is
+  not tried again in this call (a `dns:` name is: its next attempt may reach
+  another replica) and the call resumes on another, within `max_resumes`. When
+  no target is left, or the others fail until the resumes run out, the call
+  raises `ReplicaMismatchError` naming the parts that differ, rather than join
+  two decoders' frames. A server that sends no identity (older than the
+  header) is never refused, and an attempt is compared only when it and an
+  earlier one both sent one: there is nothing to compare otherwise, so a target
+  list that mixes such servers is as unchecked as before the header.
+* The error that ends a resumed call names the call's request id, its resumes,
+  the targets tried and the frames delivered, after the last failure's message.
 """
 
 from __future__ import annotations
@@ -53,7 +72,7 @@ import grpc
 import numpy as np
 
 from . import wire
-from .errors import DeadlineExceededError, InternalError, VaedError, from_rpc_error
+from .errors import DeadlineExceededError, InternalError, ReplicaMismatchError, VaedError, from_rpc_error
 from .tensors import TensorFormatError, storage_view
 from .video import TIME_AXIS, check_layout
 
@@ -139,15 +158,22 @@ class Targets:
             self._next = (self._next + 1) % len(self.names)
         return self._healthiest(start, exclude=None)
 
-    def after_failure(self, index: int) -> int:
-        """Mark `index` failed; the target to resume on (another one when there is one)."""
+    def after_failure(self, index: int, refused: set[int] | frozenset[int] = frozenset()) -> int:
+        """Mark `index` failed; the target to resume on (another one when there is one), none of
+        `refused` (targets of another decoder than the call's) while another is left."""
         self._failed_at[index] = time.monotonic()
-        return self._healthiest(index + 1, exclude=index)
+        return self._healthiest(index + 1, exclude=index, refused=refused)
 
-    def _healthiest(self, start: int, exclude: int | None) -> int:
+    def instead_of(self, index: int, refused: set[int] | frozenset[int]) -> int:
+        """The target to resume on after `index` served another decoder than the call's: it is not
+        marked failed (it serves; other calls may start there)."""
+        return self._healthiest(index + 1, exclude=index, refused=refused)
+
+    def _healthiest(self, start: int, exclude: int | None, refused: set[int] | frozenset[int] = frozenset()) -> int:
         n = len(self.names)
         order = [(start + k) % n for k in range(n)]
-        candidates = [i for i in order if i != exclude] or order
+        usable = [i for i in order if i not in refused] or order
+        candidates = [i for i in usable if i != exclude] or usable
         now = time.monotonic()
         fresh = [i for i in candidates if now - self._failed_at[i] >= FAILED_TARGET_COOLDOWN]
         if fresh:
@@ -160,7 +186,7 @@ class Progress:
     one call's frames arrive in order), the attempts, and what to do after a failure."""
 
     def __init__(self, policy: ResumePolicy, targets: Targets, report: CallReport | None,
-                 timeout: float | None, request_id: str, takes_turn: bool = True) -> None:
+                 timeout: float | None, request_id: str, takes_turn: bool = True, encoder: bool = False) -> None:
         self.policy = policy
         self.targets = targets
         self.report = report if report is not None else CallReport()
@@ -175,6 +201,13 @@ class Progress:
         self._repeats: dict[int, int] = {}  # failures per target in this call
         self._failed_at: float | None = None
         self.cancelled = False    # set by the front-end when the application cancels
+        # an Encode compares its servers' encoders, and counts latent frames
+        self.kind, self.unit = ("encoder", "latent frames") if encoder else ("decoder", "frames")
+        self.header = wire.ENCODER_IDENTITY_HEADER if encoder else wire.DECODER_IDENTITY_HEADER
+        self.identity: str | None = None  # the call's: the first that an attempt's server sent
+        self._identity_from = ""  # the target that sent it
+        self._refused: set[int] = set()  # targets of another identity: not tried again in this call
+        self._mismatch: ReplicaMismatchError | None = None  # the last such refusal
 
     # -- per attempt --------------------------------------------------------------
     @property
@@ -211,8 +244,27 @@ class Progress:
             return None
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise DeadlineExceededError("the call's timeout ran out while resuming it")
+            raise self._final(DeadlineExceededError("the call's timeout ran out while resuming it"))
         return left
+
+    def check_server(self, metadata: Any) -> None:
+        """An attempt's initial metadata, read before any of its replies is taken. The first
+        identity the call sees becomes the call's; a later attempt whose server sends another raises
+        ReplicaMismatchError (the front-end ends that attempt and asks `retry_delay`). An attempt
+        without one (a server older than the header) is not compared, nor one before any had one."""
+        got = identity_of(metadata, self.header)
+        if got is None:
+            return
+        here = self.targets.names[self.target]
+        if self.identity is None:
+            self.identity, self._identity_from = got, here
+            return
+        if got == self.identity:
+            return
+        first = self._identity_from
+        who = (f"a replica behind {here} serves another {self.kind} than the one that served this call first"
+               if here == first else f"{here} serves another {self.kind} than {first}, which served this call first")
+        raise ReplicaMismatchError(f"{who} ({identity_difference(self.identity, got)})")
 
     def accept(self, reply: Any, wire_format: str) -> Any | None:
         """A reply -> the part of it the application has not seen (None: nothing new), counted as
@@ -277,35 +329,95 @@ class Progress:
         return error
 
     def retry_delay(self, error: VaedError, *, resumable: bool = True) -> float:
-        """Seconds to wait before the next attempt, or raise `error` when the call ends here: not a
-        retryable status, cancelled by the application, out of attempts or time, or not resumable
-        (a session whose held latents passed the bound)."""
+        """Seconds to wait before the next attempt, or raise the call's final error (`_final`) when
+        it ends here: not a retryable status, cancelled by the application, out of attempts or
+        time, not resumable (a session whose held latents passed the bound), or no target left
+        that may serve its decoder. A ReplicaMismatchError (`check_server`) moves to another
+        target like a failure, without marking the refused one failed."""
         error.__suppress_context__ = True  # raised from the caller's `except grpc.RpcError`: no grpc chain
         code = error.code
-        if (self.cancelled or code not in RETRYABLE or not resumable
-                or self.report.resumes >= self.policy.max_resumes):
-            raise error
+        failed = self.target
+        mismatch = isinstance(error, ReplicaMismatchError)
+        if isinstance(error, ReplicaMismatchError):
+            self._mismatch = error
+            if not self.targets.names[failed].startswith("dns:"):  # one address, one decoder
+                self._refused.add(failed)
+        if self.cancelled or (code not in RETRYABLE and not mismatch):
+            raise self._final(error)
+        if not resumable:
+            raise self._final(error, "the session is no longer resumable (its latents passed max_replay_bytes)")
+        if self.report.resumes >= self.policy.max_resumes:
+            raise self._final(error, f"the call's resumes ran out (max_resumes {self.policy.max_resumes})")
+        if len(self._refused) == len(self.targets.names):
+            raise self._final(error, "no other target is left to resume on")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.targets.elsewhere:
             # Sessions full or out of memory: the same server would answer the same.
-            raise error
-        failed = self.target
-        self._repeats[failed] = self._repeats.get(failed, 0) + 1
-        self.target = self.targets.after_failure(failed)
+            raise self._final(error)
+        if mismatch:
+            self.target = self.targets.instead_of(failed, self._refused)
+        else:
+            self._repeats[failed] = self._repeats.get(failed, 0) + 1
+            self.target = self.targets.after_failure(failed, self._refused)
         repeats = self._repeats.get(self.target, 0)
         delay = self.policy.backoff(repeats) if repeats else 0.0
         if self.deadline is not None and time.monotonic() + delay >= self.deadline:
-            raise error
+            raise self._final(error, "the call's timeout ran out")
         self.report.resumes += 1
         assert code is not None  # RETRYABLE holds status codes only
-        reason = f"{code.name}: {error.details}"
+        reason = f"{'MISMATCH' if mismatch else code.name}: {error.details}"
         self.report.reasons.append(reason)
         self.report.targets.append(self.targets.names[self.target])
         if self._failed_at is None:
             self._failed_at = time.monotonic()
-        log.warning("request %s: %s failed after %d frames (%s); resuming on %s in %.2f s (resume %d of %d)",
-                    self.request_id or "-", self.targets.names[failed], self.delivered, reason,
+        log.warning("request %s: %s %s after %d %s (%s); resuming on %s in %.2f s (resume %d of %d)",
+                    self.request_id or "-", self.targets.names[failed], "refused" if mismatch else "failed",
+                    self.delivered, self.unit, reason,
                     self.targets.names[self.target], delay, self.report.resumes, self.policy.max_resumes)
         return delay
+
+    def _final(self, error: VaedError, why: str = "") -> VaedError:
+        """The error that ends the call (`why`: the reason it cannot resume). After a server of
+        another decoder was refused, a call that ends for want of a target of its own (`error` the
+        refusal, or a later failure of a retryable kind) raises ReplicaMismatchError saying so; any
+        other error that ends a resumed call gets the call's request id, resumes, targets tried and
+        frames delivered after its message."""
+        mismatch = self._mismatch
+        if mismatch is not None and not self.cancelled and (error is mismatch or error.code in RETRYABLE):
+            last = "" if error is mismatch else f" (the last failure: {error})"
+            final: VaedError = ReplicaMismatchError(
+                f"{mismatch.details}: its {self.unit} are not joined to the first's, and "
+                f"{why or 'the call cannot resume'}{last} [{self._context()}]")
+        elif not self.report.resumes:
+            return error
+        else:
+            final = type(error)(f"{error.details} [{self._context()}]", error.code)
+        final.__cause__ = error.__cause__  # the message holds `error`'s: its own cause, if any, stays
+        final.__suppress_context__ = True
+        return final
+
+    def _context(self) -> str:
+        tried = ", ".join(dict.fromkeys(self.report.targets))
+        resumes = self.report.resumes
+        return (f"request {self.request_id or '-'}: {resumes} resume{'' if resumes == 1 else 's'} "
+                f"over {tried}; {self.delivered} {self.unit} delivered")
+
+
+def identity_of(metadata: Any, header: str) -> str | None:
+    """The value of `header` in a call's initial metadata (sync: a tuple of pairs; grpc.aio:
+    Metadata, also pairs), None when absent or empty (a server older than the header)."""
+    for key, value in metadata or ():
+        if key == header and value:
+            return value if isinstance(value, str) else bytes(value).decode("ascii", "replace")
+    return None
+
+
+def identity_difference(first: str, other: str) -> str:
+    """The parts in which two identity lines differ, "name: first's vs other's" each."""
+    a, b = wire.identity_parts(first), wire.identity_parts(other)
+    names = list(dict.fromkeys([*a, *b]))
+    differ = [f"{name}: {a.get(name, '(none)')} vs {b.get(name, '(none)')}" for name in names
+              if a.get(name) != b.get(name)]
+    return "; ".join(differ) or f"{first!r} vs {other!r}"
 
 
 def _tail(reply: Any, cut: int, axis: int) -> Any:

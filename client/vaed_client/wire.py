@@ -50,6 +50,33 @@ MAX_REQUEST_ID_CHARS = 128
 # Wan's causal VAE: latent frame 0 -> 1 frame, every later one -> 4.
 DEFAULT_TEMPORAL_FACTOR = 4
 
+# Initial metadata of Decode / DecodeStream (the decoder's) and Encode (the encoder's): what
+# decides the call's bits (ModelInfo.decoder_identity / encoder_identity), sent before the first
+# reply, so a client resuming a call on another replica compares it with the first attempt's.
+DECODER_IDENTITY_HEADER = "vaed-decoder-identity"
+ENCODER_IDENTITY_HEADER = "vaed-encoder-identity"
+_IDENTITY_SEPARATOR = "; "
+
+
+def identity_line(parts: list[tuple[str, str]]) -> str:
+    """An identity's (name, value) parts -> its line, `name=value; name=value`. A value keeps to
+    printable ASCII without ";" (a gRPC header value; the separator), which a GPU's name could break."""
+    def clean(value: str) -> str:
+        return "".join(c if " " <= c <= "~" and c != ";" else "?" for c in value).strip()
+
+    return _IDENTITY_SEPARATOR.join(f"{name}={clean(value)}" for name, value in parts)
+
+
+def identity_parts(line: str) -> dict[str, str]:
+    """An identity line -> {name: value} (`identity_line`'s inverse; text without "=" is kept whole,
+    under its own text, so two lines of another form still compare)."""
+    parts: dict[str, str] = {}
+    for item in line.split(";"):
+        name, sep, value = item.strip().partition("=")
+        if name:
+            parts[name] = value if sep else ""
+    return parts
+
 
 def output_frames(latent_frames: int, temporal: int = DEFAULT_TEMPORAL_FACTOR) -> int:
     """Frames decoded from `latent_frames` latent frames: 1 + temporal*(T-1), 0 for 0."""
@@ -96,6 +123,10 @@ __all__ = [
     "AUTH_TOKEN_ENV",
     "MAX_REQUEST_ID_CHARS",
     "DEFAULT_TEMPORAL_FACTOR",
+    "DECODER_IDENTITY_HEADER",
+    "ENCODER_IDENTITY_HEADER",
+    "identity_line",
+    "identity_parts",
     "output_frames",
     "encoded_latent_frames",
     "frame_slices",

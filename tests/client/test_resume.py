@@ -15,6 +15,7 @@ from vaed_client.errors import (
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
+    ReplicaMismatchError,
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
@@ -202,3 +203,118 @@ def test_an_internal_error_past_the_calls_timeout_is_its_deadline() -> None:
     refused = progress.error_of(_aio_error(grpc.StatusCode.INVALID_ARGUMENT, "bad latents"))
     assert type(refused) is InvalidArgumentError
     assert type(_progress("a:1").error_of(core)) is InternalError  # no timeout at all
+
+
+# -- one decoder per call: each attempt's identity header (`Progress.check_server`) -----------------
+
+IDENTITY = "weights=sha256:aaaa; dtype=float32; precision=lossless; kernels=off; layout=contiguous; device=cpu"
+OTHER_WEIGHTS = IDENTITY.replace("sha256:aaaa", "sha256:bbbb")
+OTHER_DTYPE = IDENTITY.replace("float32", "bfloat16")
+
+
+def _headers(identity: str | None, header: str = wire.DECODER_IDENTITY_HEADER) -> tuple[tuple[str, str], ...]:
+    """An attempt's initial metadata as grpc gives it; None: a server older than the header."""
+    return (("content-type", "application/grpc"),) + (((header, identity),) if identity is not None else ())
+
+
+def test_a_resume_on_another_decoder_is_refused_and_its_target_not_tried_again_in_the_call(caplog):
+    progress = _progress("a:1", "b:1", "c:1")
+    progress.check_server(_headers(IDENTITY))  # the first attempt's: the call's
+    progress.delivered = 9
+    progress.retry_delay(UnavailableError(LOST))
+    assert progress.target == 1
+    with pytest.raises(ReplicaMismatchError) as refused:
+        progress.check_server(_headers(OTHER_WEIGHTS))
+    assert str(refused.value) == ("UNAVAILABLE: b:1 serves another decoder than a:1, which served this call first "
+                                  "(weights: sha256:aaaa vs sha256:bbbb)")
+    with caplog.at_level("WARNING", logger="vaed_client.resume"):
+        assert progress.retry_delay(refused.value) == 0.0  # c has not failed: no backoff
+    assert progress.target == 2 and progress.report.resumes == 2
+    assert progress.report.targets == ["a:1", "b:1", "c:1"]
+    assert progress.report.reasons[1].startswith("MISMATCH: b:1 serves another decoder")
+    assert "request rid: b:1 refused after 9 frames (MISMATCH: " in caplog.text
+    progress.check_server(_headers(IDENTITY))  # c serves the call's decoder
+    progress.retry_delay(UnavailableError(LOST))  # c fails too: back to a, never to b
+    assert progress.target == 0
+    assert progress.targets.first() == 1  # a new call starts on b: refused for this call, not failed (a, c are)
+
+
+def test_two_identities_are_compared_only_when_both_were_sent():
+    """A server older than the header sends none: it is not refused, nor is a later attempt
+    compared with it; the first identity any attempt sends is the call's."""
+    progress = _progress("a:1", "b:1", "c:1")
+    progress.check_server(_headers(None))
+    progress.retry_delay(UnavailableError(LOST))
+    progress.check_server(_headers(OTHER_DTYPE))  # nothing to compare with: it becomes the call's
+    progress.retry_delay(UnavailableError(LOST))
+    progress.check_server(_headers(None))  # an older server again: not refused
+    progress.retry_delay(UnavailableError(LOST))
+    with pytest.raises(ReplicaMismatchError, match=r"\(dtype: bfloat16 vs float32\)"):
+        progress.check_server(_headers(IDENTITY))
+    encode = Progress(ResumePolicy(), Targets(["a:1", "b:1"]), CallReport(), None, "rid", encoder=True)
+    encode.check_server(_headers(IDENTITY, wire.ENCODER_IDENTITY_HEADER))
+    encode.retry_delay(UnavailableError(LOST))
+    encode.check_server(_headers(OTHER_WEIGHTS))  # a decoder's header: not the encoder's
+    with pytest.raises(ReplicaMismatchError, match="serves another encoder"):
+        encode.check_server(_headers(OTHER_WEIGHTS, wire.ENCODER_IDENTITY_HEADER))
+
+
+def test_no_target_of_the_calls_decoder_left_ends_the_call_with_the_difference():
+    progress = _progress("a:1", "b:1")
+    progress.check_server(_headers(IDENTITY))
+    progress.delivered = 13
+    progress.retry_delay(UnavailableError(LOST))
+    with pytest.raises(ReplicaMismatchError) as refused:
+        progress.check_server(_headers(OTHER_WEIGHTS))
+    progress.retry_delay(refused.value)  # a may still come back: it is tried again
+    assert progress.target == 0
+    with pytest.raises(ReplicaMismatchError) as again:
+        progress.check_server(_headers(OTHER_DTYPE))  # it did, with another dtype
+    with pytest.raises(ReplicaMismatchError) as final:
+        progress.retry_delay(again.value)
+    assert str(final.value) == (
+        "UNAVAILABLE: a replica behind a:1 serves another decoder than the one that served this call first "
+        "(dtype: float32 vs bfloat16): its frames are not joined to the first's, and no other target is left to "
+        "resume on [request rid: 2 resumes over a:1, b:1; 13 frames delivered]")
+    # the call's other failures after a refusal end it with the refusal too, naming the last one
+    late = _progress("a:1", "b:1", policy=ResumePolicy(max_resumes=2))
+    late.check_server(_headers(IDENTITY))
+    late.retry_delay(UnavailableError(LOST))
+    with pytest.raises(ReplicaMismatchError) as refused:
+        late.check_server(_headers(OTHER_WEIGHTS))
+    late.retry_delay(refused.value)
+    with pytest.raises(ReplicaMismatchError, match=r"resumes ran out \(max_resumes 2\) \(the last failure: "
+                                                   r"UNAVAILABLE: Stream removed"):
+        late.retry_delay(UnavailableError(LOST))
+    with pytest.raises(InvalidArgumentError):  # a refusal of the request itself stays what it is
+        late.retry_delay(InvalidArgumentError("bad latents"))
+
+
+def test_a_dns_name_is_not_refused_for_good():
+    """Behind one `dns:` name the next attempt may reach another replica: a refusal moves on to
+    the same name (within the resumes), and only their end ends the call."""
+    progress = _progress("dns:///vaed-headless:50051", policy=ResumePolicy(max_resumes=2))
+    progress.check_server(_headers(IDENTITY))
+    progress.retry_delay(UnavailableError(LOST))
+    with pytest.raises(ReplicaMismatchError) as refused:
+        progress.check_server(_headers(OTHER_WEIGHTS))
+    assert "a replica behind dns:///vaed-headless:50051 serves another decoder" in str(refused.value)
+    assert progress.retry_delay(refused.value) >= 0 and progress.target == 0
+    progress.check_server(_headers(IDENTITY))  # the round_robin channel reached the call's decoder
+    assert progress.report.resumes == 2
+
+
+def test_the_error_that_ends_a_resumed_call_says_what_it_went_through():
+    progress = _progress("a:1", "b:1", policy=ResumePolicy(max_resumes=2, initial_backoff=0.001))
+    progress.delivered = 21
+    progress.retry_delay(UnavailableError(LOST))
+    progress.retry_delay(UnavailableError(LOST))
+    with pytest.raises(UnavailableError) as ended:
+        progress.retry_delay(UnavailableError("connection refused"))
+    assert type(ended.value) is UnavailableError and ended.value.code == grpc.StatusCode.UNAVAILABLE
+    assert str(ended.value) == ("UNAVAILABLE: connection refused "
+                                "[request rid: 2 resumes over a:1, b:1; 21 frames delivered]")
+    never = _progress("a:1", "b:1", policy=policy_of(False))
+    with pytest.raises(UnavailableError) as alone:
+        never.retry_delay(UnavailableError(LOST))
+    assert str(alone.value) == f"UNAVAILABLE: {LOST}"  # nothing was resumed: nothing to add

@@ -41,6 +41,18 @@ def test_model_info_reports_tiers_devices_and_parallel(two_workers):
     assert info.parallel == "off"
 
 
+def test_every_worker_serves_the_seeds_weights(two_workers):
+    """Each worker builds its own copy of a random model: built at once from torch's one global
+    generator, their draws interleaved and each served weights of no seed (a call resumed from one
+    worker to the other was refused: its identity differed)."""
+    from vaed.models import build_random_vae, weights_digest
+
+    want = weights_digest(build_random_vae("wan2.1-tiny"), "decoder")
+    assert [w.engine.identity.weights for w in two_workers.server.pool.workers] == [want, want]
+    with VaeClient(two_workers.target) as client:
+        assert wire.identity_parts(client.model_info().decoder_identity)["weights"] == f"sha256:{want[:16]}"
+
+
 def test_new_sessions_go_to_the_least_loaded_worker(two_workers):
     pool = two_workers.server.pool
     with VaeClient(two_workers.target) as client:

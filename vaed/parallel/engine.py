@@ -53,6 +53,7 @@ from ..choices import Kernels, Layout, Parallel, Precision, SpatialAxis
 from ..engine import DecodeEngine
 from ..engine_protocol import DecodedGroup, Engine, EngineInfo, OutputSpec
 from ..errors import ShardGroupError
+from ..identity import EngineIdentity
 from ..patches.ops import OpSet
 from .comm import gather_along, group_rank_world
 from .forward import ShardContext, check_shardable, decoder_forward
@@ -215,12 +216,18 @@ class ShardedEngine(Engine):
         self.sharded_frames = 0  # latent frames decoded by the whole group (metrics, tests)
         self.local_frames = 0  # latent frames decoded on rank 0 alone (too small, or group broken)
         self._comm_device = torch.device("cpu") if dist.get_backend(data_group) == "gloo" else base.device
+        # rank 0's with the group: sharded frames are within a tolerance of one GPU's, not its bits
+        self._identity = dataclasses.replace(base.identity, parallel=self.describe())
 
     # -- the engine interface ------------------------------------------------------------
 
     @property
     def info(self) -> EngineInfo:
         return self.base.info
+
+    @property
+    def identity(self) -> EngineIdentity:
+        return self._identity
 
     @property
     def graphs(self) -> Any:
