@@ -252,8 +252,13 @@ class DecodeEngine(Engine):
         the CPU copy before the cast; a model loaded elsewhere (a benchmark's) is digested here,
         as it is now, on first use only."""
         digests = self.loaded.digests
+
+        def digest(half: str) -> str:
+            made = digests.get(half)
+            return made.result() if made is not None else weights_digest(self.vae, half)
+
         identity = EngineIdentity(
-            weights=digests.get("decoder") or weights_digest(self.vae, "decoder"), dtype=self.dtype,
+            weights=digest("decoder"), dtype=self.dtype,
             kernels=self.fast_paths.kernels, layout=self.fast_paths.layout, device=device_kind(self.device),
             disabled_ops=tuple(self.fast_paths.disabled_ops),
         )
@@ -262,7 +267,7 @@ class DecodeEngine(Engine):
         dtype = self._encode_dtypes[0]
         paths = self.encoders[dtype][1]
         return dataclasses.replace(
-            identity, encoder_weights=digests.get("encoder") or weights_digest(self.vae, "encoder"),
+            identity, encoder_weights=digest("encoder"),
             encode_dtype=dtype, encoder_kernels=paths.kernels, encoder_layout=paths.layout)
 
     @property

@@ -17,6 +17,7 @@ import logging
 import pathlib
 import threading
 import urllib.parse
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,10 +108,10 @@ class LoadedModel:
     # encoder-only copies in other dtypes (decoder and post_quant_conv None), from the loaded
     # weights before their cast: an fp32 encode beside a bf16 decode (load_model's encoder_dtypes)
     encoder_copies: dict[torch.dtype, Any] = dataclasses.field(default_factory=dict)
-    # `weights_digest` of each half loaded ("decoder", "encoder"), taken before the cast and the
-    # move to the device (a model built elsewhere, e.g. by a benchmark, has none: see
-    # vaed.engine.DecodeEngine.identity)
-    digests: dict[str, str] = dataclasses.field(default_factory=dict)
+    # `weights_digest` of each half loaded ("decoder", "encoder"), of the weights before the cast
+    # and the move to the device, done beside the rest of the start-up (`_digests`; a model built
+    # elsewhere, e.g. by a benchmark, has none: see vaed.engine.DecodeEngine.identity)
+    digests: dict[str, Future[str]] = dataclasses.field(default_factory=dict)
 
 
 # The modules of each half of an AutoencoderKLWan: a decode runs the first, an encode the second.
@@ -123,20 +124,51 @@ def weights_digest(vae: Any, half: str) -> str:
     bytes, in name order. Equal for the same files or seed wherever they are served; taken on the
     weights as loaded, so dtype and device are not in it (the identity names them apart).
 
-    Cost: sha256 runs at ~2 GB/s on a CPU with SHA extensions. Measured on a 2-core CI machine,
-    random:wan2.1 in fp32: 0.14 s for the decoder half (293 MB), 0.10 s for the encoder's
-    (214 MB); random:wan2.2: 1.07 s (2.2 GB) and 0.29 s (0.6 GB). Once per load, beside a start-up
-    of seconds (building random:wan2.1 alone takes 3.3 s there)."""
-    digest = hashlib.sha256()
+    Cost: sha256 runs at ~2 GB/s on a CPU with SHA extensions. Measured in fp32 on a 2-core CI
+    machine / the H200 machine's CPU: random:wan2.1 0.14 / 0.25 s for the decoder half (293 MB),
+    0.10 / 0.18 s for the encoder's (214 MB); random:wan2.2 1.07 / 1.74 s (2.2 GB) and
+    0.29 / 0.47 s (0.6 GB). `load_model` runs it beside the move to the GPU (`_digests`)."""
+    return _digest(*_digest_inputs(vae, half))
+
+
+def _digest_inputs(vae: Any, half: str) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """What `weights_digest` hashes: the config's JSON and the half's tensors (references to the
+    model's own storage: they must not change until the digest is made)."""
     config = {k: v for k, v in dict(vae.config).items() if not k.startswith("_")}  # `_name_or_path`: not compute
-    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for module_name in HALVES[half]:
-        module = getattr(vae, module_name)
-        for name, tensor in sorted(module.state_dict().items()):
-            data = tensor.detach().to("cpu").contiguous().reshape(-1)
-            digest.update(f"\n{module_name}.{name} {data.dtype} {tuple(tensor.shape)}\n".encode())
-            digest.update(data.view(torch.uint8).numpy())  # every dtype as its bytes (numpy has no bf16)
+    tensors = [(f"{module_name}.{name}", tensor.detach())
+               for module_name in HALVES[half]
+               for name, tensor in sorted(getattr(vae, module_name).state_dict().items())]
+    return json.dumps(config, sort_keys=True, default=str).encode(), tensors
+
+
+def _digest(config: bytes, tensors: list[tuple[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256(config)
+    for name, tensor in tensors:
+        data = tensor.to("cpu").contiguous().reshape(-1)
+        digest.update(f"\n{name} {data.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(data.view(torch.uint8).numpy().data)  # every dtype as its bytes (numpy has no bf16)
     return digest.hexdigest()
+
+
+# sha256 releases the GIL on large buffers, so a digest thread runs beside the start-up's own work.
+_DIGESTS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weights-digest")
+
+
+def _digests(vae: Any, halves: list[str], device: torch.device) -> dict[str, Future[str]]:
+    """`weights_digest` of each of `halves`, in a thread when the model is about to be copied to a
+    GPU: the move leaves the CPU tensors as they are, and Wan2.2's 1.7 s (above) then costs no
+    start-up time. On the CPU the model keeps those tensors, which the fast paths may change in
+    place, so the digest is made at once."""
+    inputs = {half: _digest_inputs(vae, half) for half in halves}
+    if device.type == "cpu":
+        return {half: _done(_digest(*args)) for half, args in inputs.items()}
+    return {half: _DIGESTS.submit(_digest, *args) for half, args in inputs.items()}
+
+
+def _done(value: str) -> Future[str]:
+    future: Future[str] = Future()
+    future.set_result(value)
+    return future
 
 
 def parse_random_spec(spec: str) -> tuple[str, int]:
@@ -302,8 +334,8 @@ def load_model(
     else:
         vae = _load_pretrained(spec)
         random_weights = False
-    # on the CPU copy, before the cast and the move: what was loaded, with no device round trip
-    digests = {half: weights_digest(vae, half) for half in HALVES if half == "decoder" or not decoder_only}
+    # of the CPU copy, before the cast and the move: what was loaded, with no device round trip
+    digests = _digests(vae, ["decoder"] if decoder_only else list(HALVES), torch.device(device))
     if decoder_only:
         vae.encoder = None
         vae.quant_conv = None

@@ -20,6 +20,7 @@ from vaed.models import (
     load_model,
     looks_like_path,
     parse_random_spec,
+    weights_digest,
 )
 
 
@@ -62,6 +63,24 @@ def test_local_folder_saved_with_save_pretrained(tmp_path, point_at):
     assert not loaded.random_weights
     for (name, a), (_, b) in zip(original.state_dict().items(), loaded.vae.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_weights_digests_name_the_loaded_weights_wherever_they_are_made(tmp_path):
+    """A replica's identity starts with these: equal for a save_pretrained folder and the model
+    it was saved from, in any compute dtype (taken before the cast), and from the digest thread a
+    GPU load uses; another seed differs."""
+    from vaed import models
+
+    original = build_random_vae("wan2.2-tiny", seed=5)
+    original.save_pretrained(tmp_path / "vae")
+    want = {half: weights_digest(original, half) for half in ("decoder", "encoder")}
+    loaded = load_model(str(tmp_path), "cpu", torch.bfloat16)
+    assert {half: made.result() for half, made in loaded.digests.items()} == want
+    threaded = models._digests(original, ["decoder", "encoder"], torch.device("cuda"))  # submits only
+    assert {half: made.result() for half, made in threaded.items()} == want
+    assert weights_digest(build_random_vae("wan2.2-tiny", seed=6), "decoder") != want["decoder"]
+    assert load_model("random:wan2.2-tiny?seed=5", "cpu", torch.float32, decoder_only=True).digests.keys() == {
+        "decoder"}
 
 
 @pytest.mark.parametrize("arch", ["wan2.1-tiny", "wan2.2-tiny"])
