@@ -307,6 +307,7 @@ class Call(Generic[T]):
         self._to_message = to_message
         self._deadline_passed = deadline_passed
         self._linger = linger
+        self._refused: Status | None = None  # why the front ended the call early (`end_refused`)
         self._messages = self._run()
 
     def __aiter__(self) -> AsyncIterator[T]:
@@ -317,12 +318,20 @@ class Call(Generic[T]):
         garbage collection; a call not over yet is logged as cancelled."""
         await self._messages.aclose()
 
+    async def end_refused(self, status: Status) -> None:
+        """End the call now because its front refuses what it makes (a whole answer past the
+        front's bound): logged and counted with `status`, the answer the front sends, not as a
+        call its client cancelled."""
+        self._refused = status
+        await self._messages.aclose()
+
     async def _run(self) -> AsyncGenerator[T, None]:
         try:
             async for item in self._body:
                 yield self._to_message(item)
         except (asyncio.CancelledError, GeneratorExit):
-            self._core.finish(self.record, Status.DEADLINE_EXCEEDED if self._deadline_passed() else Status.CANCELLED)
+            ended = Status.DEADLINE_EXCEEDED if self._deadline_passed() else Status.CANCELLED
+            self._core.finish(self.record, self._refused or ended)
             raise
         except Exception as exc:
             await self._body.aclose()  # frees the session and stops its reader before the status

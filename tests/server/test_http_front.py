@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import math
 import re
 import socket
@@ -340,13 +341,16 @@ def test_nan_in_a_later_latent_frame_is_a_400_before_a_streamed_answer_begins(
 
 
 def test_a_whole_mp4_over_the_answer_bound_is_413_and_stream_is_not_bound(
-        tiny_http: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_http: RunningServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A whole mp4 is held before it is sent, to raw pt's bound (MAX_WHOLE_ANSWER_BYTES, 1000 bytes
-    here): past it, 413 telling the client to stream; stream=true holds no answer and is served."""
+    here): past it, 413 telling the client to stream, and the call is logged as the refusal it is
+    (not as one its client cancelled); stream=true holds no answer and is served."""
     monkeypatch.setattr(http_front, "MAX_WHOLE_ANSWER_BYTES", 1000)
     sent = prepare_decode(latents("random:wan2.1-tiny", t=3, h=8, w=8, seed=12), output_type="mp4")
-    _assert_json_error(_post(tiny_http, sent["params"], sent["data"]), 413,
-                       "the MP4 passed 1000 bytes.*holds at most 1000 bytes.*ask stream=true")
+    with caplog.at_level(logging.INFO, logger="vaed.service"):
+        _assert_json_error(_post(tiny_http, sent["params"], sent["data"], **{"X-Request-Id": "mp4-past-bound"}),
+                           413, "the MP4 passed 1000 bytes.*holds at most 1000 bytes.*ask stream=true")
+    assert re.search(r"Decode id=mp4-past-bound status=INVALID_ARGUMENT ", caplog.text), caplog.text
     streamed = _post(tiny_http, {**sent["params"], "stream": "true"}, sent["data"])
     assert streamed.status_code == 200 and len(streamed.content) > 1000
     assert requests.get(url(tiny_http, "/health"), timeout=10).status_code == 200

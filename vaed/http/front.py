@@ -520,7 +520,8 @@ class HfFront:
                 if not query.stream:
                     whole += data
                     if len(whole) > MAX_WHOLE_ANSWER_BYTES:
-                        return _mp4_too_large()  # the caller's aclose ends the call
+                        await call.end_refused(Status.INVALID_ARGUMENT)  # as a body over the bound is
+                        return _mp4_too_large()
                 elif data:
                     if response is None:
                         response = web.StreamResponse(
