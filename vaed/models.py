@@ -156,9 +156,10 @@ _DIGESTS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weights-digest"
 
 def _digests(vae: Any, halves: list[str], device: torch.device) -> dict[str, Future[str]]:
     """`weights_digest` of each of `halves`, in a thread when the model is about to be copied to a
-    GPU: the move leaves the CPU tensors as they are, and Wan2.2's 1.7 s (above) then costs no
-    start-up time. On the CPU the model keeps those tensors, which the fast paths may change in
-    place, so the digest is made at once."""
+    GPU: the move leaves the CPU tensors as they are, and Wan2.2's 1.7 s (above) then runs beside
+    the move and the start-up's compiles (its effect on a GPU start not measured yet). On the CPU
+    the model keeps those tensors, which the fast paths may change in place, so the digest is made
+    at once."""
     inputs = {half: _digest_inputs(vae, half) for half in halves}
     if device.type == "cpu":
         return {half: _done(_digest(*args)) for half, args in inputs.items()}
