@@ -17,7 +17,10 @@ Parts of the decoder's line, `name=value; ...` (`vaed_client.wire.identity_line`
 * device: "cpu" or the GPU's name: one GPU type computes the bits another may not;
 * parallel: "off", or the spatial group (sharded frames are within a tolerance of one GPU's);
 * disabled: the fused ops switched off, for a fast default tier only (the lossless ops are
-  bit-exact against the aten chain they replace, so they change no lossless bit).
+  bit-exact against the aten chain they replace, so they change no lossless bit);
+* software: the torch (with its CUDA), cuDNN and diffusers versions, whose kernels and choices of
+  kernel make stock's bits; with a fast default tier also vaed's, whose own kernels make the
+  fast tier's (a replica upgraded in a rolling update computes the same call otherwise).
 
 What it leaves out: the fast tier's cuDNN plans (`--conv-plans`: per plan file, within the tier's
 tolerance), so replicas serving the fast tier by default should share one kernel cache. A server's
@@ -25,18 +28,21 @@ line is its first healthy device's (`CallCore.identities`): the header goes out 
 admitted to a device, and the devices of one server load one model alike (one GPU model per host).
 
 The encoder's line has the encoder half's digest, the default encode dtype, its tier (lossless),
-the kernels and layout of that dtype's copy, and the device.
+the kernels and layout of that dtype's copy, the device and the software.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from vaed_client.wire import identity_line
 
+from . import __version__
 from .choices import Parallel, Precision
+from .patches.versions import installed_diffusers_version
 
 DIGEST_CHARS = 16  # of the sha256's 64 hex digits: 64 bits tell two weight sets apart
 
@@ -52,6 +58,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def software_versions() -> str:
+    """"torch 2.11.0+cu130, cudnn 91900, diffusers 0.42.1": the libraries whose kernels decide
+    stock diffusers' bits (cudnn "none" on a torch without it)."""
+    return (f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version() or 'none'}, "
+            f"diffusers {installed_diffusers_version() or 'none'}")
+
+
 @dataclass(frozen=True)
 class EngineIdentity:
     """What decides an engine's bits (see the module doc); one engine's, built once."""
@@ -62,6 +75,7 @@ class EngineIdentity:
     layout: str
     device: str                         # `device_kind`
     parallel: str = Parallel.OFF
+    software: str = dataclasses.field(default_factory=software_versions)
     disabled_ops: tuple[str, ...] = ()  # the decoder's fused ops switched off
     encoder_weights: str | None = None  # the encoder half's sha256; None without an encoder
     encode_dtype: torch.dtype | None = None  # the default encode dtype
@@ -75,6 +89,8 @@ class EngineIdentity:
                  ("device", self.device), ("parallel", self.parallel)]
         if precision != Precision.LOSSLESS and self.disabled_ops:
             parts.append(("disabled", ",".join(self.disabled_ops)))
+        fast_kernels = f", vaed {__version__}" if precision != Precision.LOSSLESS else ""
+        parts.append(("software", self.software + fast_kernels))
         return identity_line(parts)
 
     def encoder(self) -> str:
@@ -84,5 +100,5 @@ class EngineIdentity:
         return identity_line([
             ("weights", f"sha256:{self.encoder_weights[:DIGEST_CHARS]}"), ("dtype", dtype_name(self.encode_dtype)),
             ("precision", str(Precision.LOSSLESS)), ("kernels", str(self.encoder_kernels)),
-            ("layout", str(self.encoder_layout)), ("device", self.device),
+            ("layout", str(self.encoder_layout)), ("device", self.device), ("software", self.software),
         ])

@@ -301,8 +301,9 @@ def test_the_identity_is_in_model_info_and_each_calls_headers() -> None:
         ids = {r.target: identity_of(r) for r in (a, b, seed1, bf16, encoding)}
         parts = {t: wire.identity_parts(i) for t, i in ids.items()}
         assert ids[a.target] and ids[a.target] == ids[b.target] == ids[encoding.target]
-        assert set(parts[a.target]) >= {"weights", "dtype", "precision", "kernels", "layout", "device"}
+        assert set(parts[a.target]) >= {"weights", "dtype", "precision", "kernels", "layout", "device", "software"}
         assert parts[a.target]["weights"].startswith("sha256:") and parts[a.target]["dtype"] == "float32"
+        assert parts[a.target]["software"].startswith(f"torch {torch.__version__}, cudnn ")
 
         def differing(x: Replica, y: Replica) -> set[str]:
             px, py = parts[x.target], parts[y.target]
