@@ -46,9 +46,9 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import CancelledError, ClientClosedError, ReplicaMismatchError, VaedError
+from .errors import CancelledError, ClientClosedError, VaedError
 from .mp4 import Mp4Output, mp4_output
-from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
+from .resume import ATTEMPT_FAILURES, CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
@@ -196,11 +196,9 @@ class AsyncVaeClient:
                         if (reply := progress.accept(reply, spec.wire_format)) is not None:
                             assembly.add(reply)
                     return assembly.result()
-                except grpc.RpcError as e:
+                except ATTEMPT_FAILURES as e:
+                    call.cancel()  # a refused replica's call (a failed one is over already)
                     await asyncio.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
-                except ReplicaMismatchError as e:  # another decoder: its replies are not taken
-                    call.cancel()
-                    await asyncio.sleep(progress.retry_delay(e))  # raises when no target is left
                 except BaseException:
                     call.cancel()
                     raise
@@ -244,11 +242,9 @@ class AsyncVaeClient:
                     if (reply := progress.accept_latent(reply)) is not None:
                         assembly.add(reply)
                 return assembly.result()
-            except grpc.RpcError as e:
+            except ATTEMPT_FAILURES as e:
+                call.cancel()  # a refused replica's call (a failed one is over already)
                 await asyncio.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
-            except ReplicaMismatchError as e:  # another encoder: its latents are not taken
-                call.cancel()
-                await asyncio.sleep(progress.retry_delay(e))  # raises when no target is left
             except BaseException:
                 call.cancel()
                 raise
@@ -283,10 +279,8 @@ class AsyncVaeClient:
                     if reply is not None and has_frames(reply):
                         yield chunk_result(reply, spec, streamed.as_torch)
                 return
-            except grpc.RpcError as e:
+            except ATTEMPT_FAILURES as e:  # the call is cancelled below
                 error = progress.error_of(e)
-            except ReplicaMismatchError as e:  # another decoder: this attempt ends unused (below)
-                error = e
             finally:
                 first_reply.set()
                 call.cancel()  # no-op once the call ended
@@ -413,11 +407,9 @@ class AsyncDecodeSession(SessionView):
                         if (reply := self._progress.accept(reply, self._state.format)) is not None:
                             replies.put_nowait(reply)
                     break
-                except grpc.RpcError as e:
+                except ATTEMPT_FAILURES as e:
+                    call.cancel()  # a refused replica's call (a failed one is over already)
                     error = self._progress.error_of(e)
-                except ReplicaMismatchError as e:  # another decoder: this attempt ends unused
-                    call.cancel()
-                    error = e
                 await asyncio.sleep(self._progress.retry_delay(error, resumable=self._log.resumable))
                 if self._state.cancelled:
                     raise error

@@ -43,9 +43,9 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import ClientClosedError, ReplicaMismatchError, VaedError
+from .errors import ClientClosedError, VaedError
 from .mp4 import mp4_output
-from .resume import CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
+from .resume import ATTEMPT_FAILURES, CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
 
 log = logging.getLogger(__name__)
@@ -215,11 +215,9 @@ class VaeClient:
                             assembly.add(reply)
                         gate.opened.set()  # after the first reply is placed (see _iterate_chunks)
                     return assembly.result()
-                except grpc.RpcError as e:
+                except ATTEMPT_FAILURES as e:
+                    gate.call.cancel()  # a refused replica's call (a failed one is over already)
                     time.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
-                except ReplicaMismatchError as e:  # another decoder: its replies are not taken
-                    gate.call.cancel()
-                    time.sleep(progress.retry_delay(e))  # raises when no target is left
                 except BaseException:
                     gate.call.cancel()
                     raise
@@ -267,11 +265,9 @@ class VaeClient:
                     if (reply := progress.accept_latent(reply)) is not None:
                         assembly.add(reply)
                 return assembly.result()
-            except grpc.RpcError as e:
+            except ATTEMPT_FAILURES as e:
+                call.cancel()  # a refused replica's call (a failed one is over already)
                 time.sleep(progress.retry_delay(progress.error_of(e)))  # raises when the call ends here
-            except ReplicaMismatchError as e:  # another encoder: its latents are not taken
-                call.cancel()
-                time.sleep(progress.retry_delay(e))  # raises when no target is left
             except BaseException:
                 call.cancel()
                 raise
@@ -318,10 +314,8 @@ class VaeClient:
             try:
                 yield from _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened, progress)
                 return
-            except grpc.RpcError as e:
+            except ATTEMPT_FAILURES as e:  # _iterate_chunks ended its call
                 time.sleep(progress.retry_delay(progress.error_of(e)))
-            except ReplicaMismatchError as e:  # another decoder (_iterate_chunks ended its call)
-                time.sleep(progress.retry_delay(e))
             gate = self._open_stream(streamed, spec, progress)
 
     def session(
@@ -502,11 +496,9 @@ class DecodeSession(SessionView):
                         if (reply := self._progress.accept(reply, self._state.format)) is not None:
                             self._replies.put(reply)
                     break
-                except grpc.RpcError as e:
+                except ATTEMPT_FAILURES as e:
+                    call.cancel()  # a refused replica's call (a failed one is over already)
                     error = self._progress.error_of(e)
-                except ReplicaMismatchError as e:  # another decoder: this attempt ends unused
-                    call.cancel()
-                    error = e
                 delay = self._progress.retry_delay(error, resumable=self._log.resumable)
                 time.sleep(delay)
                 if self._state.cancelled:

@@ -80,6 +80,9 @@ log = logging.getLogger("vaed_client.resume")
 pb = wire.pb
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
+# What ends an attempt for `Progress.retry_delay` to judge: the call's failure, or its server refused
+# before any of its replies was taken (`Progress.check_server`).
+ATTEMPT_FAILURES = (grpc.RpcError, ReplicaMismatchError)
 # A target that failed is avoided for this long when another one is left (seconds).
 FAILED_TARGET_COOLDOWN = 5.0
 
@@ -314,13 +317,16 @@ class Progress:
         self._failed_at = None
 
     # -- after a failure --------------------------------------------------------------
-    def error_of(self, rpc_error: grpc.RpcError) -> VaedError:
-        """The VaedError an attempt's failure stands for. An INTERNAL seen once the call's own
+    def error_of(self, failure: grpc.RpcError | ReplicaMismatchError) -> VaedError:
+        """The VaedError an attempt's failure (`ATTEMPT_FAILURES`) stands for: a refused replica's
+        ReplicaMismatchError is its own. An INTERNAL seen once the call's own
         timeout has run out is that timeout: grpc.aio reports a message written into a call that
         its deadline has just ended as INTERNAL ("Internal error from Core"), and a deadline's
         status is best effort in grpc (a server-side cancel can arrive first as a bare stream
         reset), so the caller gets the DEADLINE_EXCEEDED its timeout asked for."""
-        error = from_rpc_error(rpc_error)
+        if isinstance(failure, ReplicaMismatchError):
+            return failure
+        error = from_rpc_error(failure)
         if (isinstance(error, InternalError) and self.deadline is not None
                 and time.monotonic() >= self.deadline):
             late = DeadlineExceededError(f"the call's timeout ran out (gRPC reported: {error.details})")
@@ -338,7 +344,7 @@ class Progress:
         code = error.code
         failed = self.target
         mismatch = isinstance(error, ReplicaMismatchError)
-        if isinstance(error, ReplicaMismatchError):
+        if isinstance(error, ReplicaMismatchError):  # as `mismatch`, spelt out for the type checker
             self._mismatch = error
             if not self.targets.names[failed].startswith("dns:"):  # one address, one decoder
                 self._refused.add(failed)
@@ -491,4 +497,5 @@ class ReplayLog:
         self.sent = 0
 
 
-__all__ = ["ResumePolicy", "NO_RESUME", "policy_of", "CallReport", "Targets", "Progress", "ReplayLog", "RETRYABLE"]
+__all__ = ["ResumePolicy", "NO_RESUME", "policy_of", "CallReport", "Targets", "Progress", "ReplayLog", "RETRYABLE",
+           "ATTEMPT_FAILURES"]
