@@ -207,13 +207,18 @@ def _int(query: Mapping[str, str], name: str) -> int | None:
         raise InvalidInput(f"{name} must be an integer, got {value!r}") from None
 
 
+def _shape_sizes(values: Sequence[str]) -> tuple[int, ...]:
+    """The `shape` parameters' sizes, one per dimension (decode's and encode's)."""
+    try:
+        return tuple(_integer(v) for v in values)
+    except ValueError:
+        raise InvalidInput(f"shape must be integers, got {list(values)}") from None
+
+
 def parse_shape(values: Sequence[str]) -> tuple[int, ...]:
     if not values:
         raise InvalidInput("shape is required: one shape= parameter per dimension of [B, z, T, h, w]")
-    try:
-        shape = tuple(_integer(v) for v in values)
-    except ValueError:
-        raise InvalidInput(f"shape must be integers, got {list(values)}") from None
+    shape = _shape_sizes(values)
     if len(shape) != LATENT_DIMS or any(d < 1 for d in shape):
         raise InvalidInput(f"shape must be 5 positive sizes [B, z, T, h, w] (Wan latents), got {list(shape)}")
     return shape
@@ -454,10 +459,7 @@ def parse_encode_query(params: MultiMapping[str]) -> EncodeQuery:
                                "or neither with an image file")
         return EncodeQuery(shape=None, dtype=None, normalised=normalised, precision=precision,
                            allow_non_finite=allow_non_finite)
-    try:
-        shape = tuple(_integer(v) for v in shape_values)
-    except ValueError:
-        raise InvalidInput(f"shape must be integers, got {list(shape_values)}") from None
+    shape = _shape_sizes(shape_values)
     if len(shape) not in (IMAGE_DIMS, VIDEO_DIMS) or any(d < 1 for d in shape):
         raise InvalidInput(
             f"shape must be 4 or 5 positive sizes (an image [B, 3, H, W] or video [B, 3, T, H, W] in [-1, 1]; "
