@@ -27,6 +27,12 @@ routes to ``HttpServer.app`` before ``start`` (``vaed.metrics`` adds
   without it one such client would hold its session slot and its answer's
   memory until the server stops. A slow reader that keeps draining re-arms
   the timer each time the transport resumes, so only a stalled one is cut.
+* a client's FIN: the connection closes and its request is cancelled (asyncio's and aiohttp's
+  default, kept on purpose). TCP cannot tell a client that left from one that only half-closed
+  (``shutdown(SHUT_WR)`` after its request) until the server writes and gets a reset, and a
+  whole answer writes nothing until the video is decoded: keeping half-closed connections open
+  would decode every departed client's video to the end, holding its session slot. So a client
+  that half-closes gets no answer; HTTP/1.1 clients do not half-close.
 * shutdown: ``stop`` cuts every request still in flight the way the send
   timeout cuts a stalled reader (its connection aborted, its handler
   cancelled, so the call it serves ends and frees its slot). The caller stops
