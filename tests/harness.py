@@ -119,13 +119,15 @@ def serve_argv(*extra: str, device: tuple[str, ...] = ("--device", "cpu")) -> li
 
 
 def start_serve(*extra: str, device: tuple[str, ...] = ("--device", "cpu"), until: str = "SERVING",
-                timeout: float = 120, fresh_interpreter: bool = False) -> tuple[Any, str, list[str]]:
+                timeout: float = 120, fresh_interpreter: bool = False,
+                environ: dict[str, str] | None = None) -> tuple[Any, str, list[str]]:
     """`vaed serve` in its own process (random:wan2.1-tiny unless `extra` names another --model,
     port 0); returns (process, target, its log lines so far) once a line holds `until` and the
     port is known. A process that ends or takes longer than `timeout` s fails the test. The
     process is forked from a pre-imported interpreter (tests/launcher.py), or with
-    `fresh_interpreter` a `subprocess.Popen` of the command line."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    `fresh_interpreter` a `subprocess.Popen` of the command line. `environ` is added to the
+    process's environment (what the C runtime reads at its start needs `fresh_interpreter`)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(environ or {}))
     argv = serve_argv(*extra, device=device)
     proc: Any
     if fresh_interpreter:

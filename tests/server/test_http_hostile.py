@@ -28,7 +28,7 @@ import pytest
 import requests
 import torch
 from diffusers.utils.remote_utils import prepare_decode, remote_decode
-from harness import PeakRss, start_cli_server
+from harness import PeakRss, start_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 MIB = 1 << 20
@@ -71,12 +71,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(*extra: str) -> Iterator[Served]:
+def serve(*extra: str, environ: dict[str, str] | None = None) -> Iterator[Served]:
     """`vaed serve` with the HTTP front and /metrics on one port and --max-sessions 2; its output
-    is drained in a thread (a full pipe would block the server's logging)."""
+    is drained in a thread (a full pipe would block the server's logging). With `environ`, a
+    fresh interpreter with those variables added (glibc reads its tunables when it starts)."""
     port = _free_port()
-    proc, _ = start_cli_server("--http-port", str(port), "--metrics-port", str(port),
-                               "--max-sessions", str(MAX_SESSIONS), *extra)
+    proc, _, _ = start_serve("--http-port", str(port), "--metrics-port", str(port),
+                             "--max-sessions", str(MAX_SESSIONS), *extra,
+                             fresh_interpreter=environ is not None, environ=environ)
     served = Served(proc, port)
 
     def drain() -> None:
@@ -170,12 +172,18 @@ def test_a_body_flood_over_the_admission_limit_is_refused_unread_and_memory_stay
 
 # -- a reader that stops reading ------------------------------------------------------------
 
-# 1533 frames of 256 x 256: 288 MiB of RGB8 (the bound, half of it, is well above the -31..+79 MiB
-# by which the stalled call's peak exceeded a reading client's, the decoder's and x264's transient
-# working memory varying between calls), and about 6 s of decode per latent frame on a loaded
+# 1533 frames of 256 x 256: 288 MiB of RGB8, and about 6 s of decode per latent frame on a loaded
 # 2-core machine, so a call that is not held back would outlast the test
 SLOW_T, SLOW_H, SLOW_W = 384, 32, 32
 SLOW_FRAMES = 1 + 4 * (SLOW_T - 1)
+# A call's RSS peak is its live memory only where freed memory goes back to the kernel. glibc's
+# malloc returns a freed block only when it was mmapped, and its mmap threshold rises to each freed
+# block's size (up to 32 MiB), so after a call some of the decoder's working memory stays resident
+# in one heap or another: with the default, the stalled call's peak over a reading call's ranged
+# -90..+169 MiB on the loaded 2-core machine (the bound below failed at +169). With the threshold
+# fixed at 128 KiB every large block is mmapped and unmapped when freed, and that difference was
+# +7.3..+7.8 MiB in the same runs (the body, the other client's small call).
+STEADY_RSS = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
 @pytest.mark.parametrize("route", ["pt-partial", "mp4-stream"])
@@ -198,7 +206,7 @@ def test_a_reader_that_stops_reading_stalls_only_its_session_until_the_send_time
     path = requests.Request("POST", "http://x/", params=params).prepare().path_url
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
     answer_bytes = SLOW_FRAMES * SLOW_H * 8 * SLOW_W * 8 * 3
-    with serve("--http-send-timeout", str(SEND_TIMEOUT_S)) as served:
+    with serve("--http-send-timeout", str(SEND_TIMEOUT_S), environ=STEADY_RSS) as served:
         # The same route and frame size read by a client that reads, as many latent frames as the
         # stalled call gets to decode: its peak is the decoder's and the encoder's working memory
         # (~220 MiB at 256 x 256 on the CPU, freed after each call), what the slow reader's is
@@ -228,5 +236,6 @@ def test_a_reader_that_stops_reading_stalls_only_its_session_until_the_send_time
               f"RSS peak {rss.peak / MIB:.0f} MiB, {growth / MIB:+.1f} over a reading client's call "
               f"({reading.peak / MIB:.0f} MiB); the whole answer is {answer_bytes / MIB:.0f} MiB")
         assert frames < SLOW_FRAMES // 2, line  # held back by the unread answer, not decoded to the end
-        assert growth < answer_bytes // 2, f"the slow reader's call peaked {growth / MIB:.0f} MiB higher"
+        # an eighth of the answer: over four times the measured +7.8 MiB, and far under the answer
+        assert growth < answer_bytes // 8, f"the slow reader's call peaked {growth / MIB:.0f} MiB higher"
         assert requests.get(f"{served.endpoint}health", timeout=10).status_code == 200
