@@ -602,6 +602,45 @@ def test_frames_answers_stream_each_group_before_the_call_ends(output_type: str,
     assert torch.equal(streamed, expected)
 
 
+END_HELD_S = 3.0  # how long the test's server holds a call's end for a client that closes early
+
+
+def test_a_streamed_answer_ends_after_its_call_so_a_client_that_closes_at_once_is_not_cancelled(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A client of a Content-Length answer may close as soon as it has every byte. The server
+    holds each call's end (the worker's last step of it) until the client has closed, or for
+    END_HELD_S: the answer's last bytes must not reach the client before then, and the call
+    is logged OK with the bytes gRPC gives. (The last piece used to go out before the end, and
+    the client's close then cancelled a delivered answer.)"""
+    from vaed import session as session_module
+
+    client_done = threading.Event()
+    done_while_held: list[bool] = []
+    finish = session_module.Session.finish
+
+    def held_finish(self: Any) -> None:
+        done_while_held.append(client_done.wait(END_HELD_S))
+        finish(self)
+
+    monkeypatch.setattr(session_module.Session, "finish", held_finish)
+    config = make_config("random:wan2.1-tiny", http_port=0, warmup=False)
+    x = latents("random:wan2.1-tiny", t=3, h=8, w=8, seed=11)
+    sent = prepare_decode(x, output_type="pt", partial_postprocess=True)
+    with serve_in_thread(config) as running, caplog.at_level(logging.INFO, logger="vaed.service"):
+        with requests.post(url(running), data=sent["data"], params=sent["params"],
+                           headers={"X-Request-Id": "closes-at-once"}, stream=True, timeout=60) as response:
+            assert response.status_code == 200, response.text
+            length = int(response.headers["Content-Length"])
+            data = response.raw.read(length)  # every byte, then the connection closes
+        client_done.set()
+        _wait(lambda: "id=closes-at-once status=" in caplog.text)
+        expected = torch.as_tensor(grpc_decode(running, x))[0]
+    assert done_while_held == [False, True]  # this call's end, then the gRPC call's (client_done set)
+    assert re.search(r"Decode id=closes-at-once status=OK ", caplog.text), caplog.text
+    assert len(data) == length and torch.equal(torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(
+        expected.shape), expected)
+
+
 def test_a_failure_after_the_first_frames_cuts_the_streamed_body_short(caplog: pytest.LogCaptureFixture) -> None:
     """A streamed answer's status went out with its first bytes: a failure at latent frame 2 (after
     the client read frame 0) ends the body before its Content-Length, so the client's read fails

@@ -472,8 +472,15 @@ class HfFront:
     async def _stream_frames(self, request: web.Request, query: DecodeQuery, call: Any) -> web.StreamResponse:
         """pt + partial_postprocess ([T, H, W, 3] uint8) and pil + a processor ([T, 3, H, W]):
         each group's bytes sent as it decodes, after the headers and Content-Length that the
-        latents' shape gives (see `hf_protocol`)."""
+        latents' shape gives (see `hf_protocol`).
+
+        The piece that completes the Content-Length goes out once the call has ended: a client
+        with every byte of its answer may close at once, and a close while the call still waited
+        for its end cancelled it, logging and counting a delivered answer as CANCELLED. A
+        whole answer is sent after its call's end for the same reason."""
         response: web.StreamResponse | None = None
+        sent = 0
+        last: memoryview | None = None
         try:
             async for item in call:
                 if isinstance(item, CallEnd):
@@ -485,13 +492,19 @@ class HfFront:
                         headers={REQUEST_ID_HEADER: item.request_id, **headers_for(shape, piece.dtype)})
                     response.content_length = math.prod(shape) * piece.element_size()
                     await response.prepare(request)
-                await _write(response, tensor_bytes(piece))
+                data = tensor_bytes(piece)
+                sent += len(data)
+                if sent == response.content_length:
+                    last = data  # a copy the front owns (`_to_message`), kept until the call ends
+                else:
+                    await _write(response, data)
         except CallFailed as exc:
             if response is None:
                 raise
             self._cut(exc, request)
             return response
-        assert response is not None  # T >= 1 latent frame decodes to >= 1 frame
+        assert response is not None and last is not None  # T >= 1 latent frame decodes to >= 1 frame
+        await _write(response, last)
         await response.write_eof()
         return response
 
