@@ -42,6 +42,7 @@ from .core import (
     StreamedLatents,
     call_spec,
     chunk_result,
+    frame_call_spec,
     normalize_latents,
     stream_latents,
 )
@@ -113,7 +114,8 @@ class AsyncVaeClient:
         return self._stub_objs[index]
 
     def _progress(self, report: CallReport | None, request_id: str, encoder: bool = False) -> Progress:
-        return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder)
+        return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder,
+                        client_closed=lambda: self.closed)
 
     @property
     def closed(self) -> bool:
@@ -141,7 +143,7 @@ class AsyncVaeClient:
     async def model_info(self) -> ModelInfo:
         # GetModelInfo takes no decode's turn (`Targets.first`).
         progress = Progress(ResumePolicy(max_resumes=len(self.targets) - 1), self._targets, None, self.timeout, "",
-                            takes_turn=False)
+                            takes_turn=False, client_closed=lambda: self.closed)
         while True:
             stub = self._stub_at(progress.target)
             try:
@@ -263,8 +265,8 @@ class AsyncVaeClient:
         """Async-iterate DecodedChunks as they decode; leaving early cancels.
         The latents go as in `VaeClient.stream`: two frames first, the rest after the first frame
         (a resumed attempt sends them all at once)."""
-        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
-                         raw_dtype=raw_dtype, request_id=request_id)
+        spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                               raw_dtype=raw_dtype, request_id=request_id)
         latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
         streamed = stream_latents(spec, latents, (await self._cached_info()).compute_dtype)
         progress = self._progress(report, spec.options.request_id)
@@ -321,8 +323,8 @@ class AsyncVaeClient:
         report: CallReport | None = None,
     ) -> AsyncDecodeSession:
         """Open a DecodeStream session (see `VaeClient.session`); it starts on first use."""
-        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
-                         raw_dtype=raw_dtype, request_id=request_id)
+        spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                               raw_dtype=raw_dtype, request_id=request_id)
         return AsyncDecodeSession(self, spec, max_pending=max_pending, report=report)
 
 
@@ -418,8 +420,10 @@ class AsyncDecodeSession(SessionView):
         except VaedError as e:
             replies.put_nowait(self._state.reader_failed(e))
         except asyncio.CancelledError:
-            # grpc.aio raises CancelledError from reads once the call is cancelled.
-            replies.put_nowait(self._state.reader_failed(CancelledError("session cancelled")))
+            # grpc.aio raises CancelledError from reads once the call is cancelled (by the session,
+            # or by the client's close, which cancels its channel's calls).
+            ended = self._progress.closed_error("its channel closed") or CancelledError("session cancelled")
+            replies.put_nowait(self._state.reader_failed(ended))
             if not self._state.cancelled:
                 raise
         except BaseException as e:  # keep the consumer from waiting forever

@@ -39,6 +39,7 @@ from .core import (
     call_spec,
     chunk_result,
     format_name,
+    frame_call_spec,
     normalize_latents,
     stream_latents,
 )
@@ -123,7 +124,8 @@ class VaeClient:
         return self._stub_objs[index]
 
     def _progress(self, report: CallReport | None, request_id: str, encoder: bool = False) -> Progress:
-        return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder)
+        return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder,
+                        client_closed=lambda: self.closed)
 
     @property
     def closed(self) -> bool:
@@ -145,7 +147,7 @@ class VaeClient:
         # Each other target is tried once (the channel retries each one itself).
         # GetModelInfo takes no decode's turn (`Targets.first`).
         progress = Progress(ResumePolicy(max_resumes=len(self.targets) - 1), self._targets, None, self.timeout, "",
-                            takes_turn=False)
+                            takes_turn=False, client_closed=lambda: self.closed)
         while True:
             try:
                 reply = self._stub_at(progress.target).GetModelInfo(
@@ -289,8 +291,8 @@ class VaeClient:
         then the rest once the first frame is back, so the first frame waits
         for neither the whole upload nor its traffic (`core.StreamedLatents`).
         A resumed attempt sends everything at once (its first frames are skipped)."""
-        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
-                         raw_dtype=raw_dtype, request_id=request_id)
+        spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                               raw_dtype=raw_dtype, request_id=request_id)
         latents = normalize_latents(latents)  # LocalInputError before any call, GetModelInfo too
         streamed = stream_latents(spec, latents, self._cached_info().compute_dtype)
         progress = self._progress(report, spec.options.request_id)
@@ -331,8 +333,8 @@ class VaeClient:
     ) -> DecodeSession:
         """Open a DecodeStream session: push latent chunks, iterate frames. The session keeps
         its pushed latents to replay them if its server fails (`ResumePolicy.max_replay_bytes`)."""
-        spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
-                         raw_dtype=raw_dtype, request_id=request_id)
+        spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
+                               raw_dtype=raw_dtype, request_id=request_id)
         return DecodeSession(self, spec, max_pending=max_pending, report=report)
 
 

@@ -207,6 +207,24 @@ def call_spec(
     return CallSpec(wire_format=wire_format, output_type=output_type, options=options)
 
 
+def frame_call_spec(
+    *,
+    output_type: str | None = None,
+    format: Any = None,
+    raw_latents: bool = False,
+    raw_dtype: Any = None,
+    request_id: str | None = None,
+) -> CallSpec:
+    """`call_spec` for the calls that yield frames as they decode (`stream()`, `session()`): an
+    MP4 file is one answer at the call's end, so output_type 'mp4' is refused before the call."""
+    spec = call_spec(output_type=output_type, format=format, raw_latents=raw_latents, raw_dtype=raw_dtype,
+                     request_id=request_id)
+    if spec.video:
+        raise LocalInputError("stream() and session() yield frames as they decode; "
+                              "for an MP4 file call decode(latents, output_type='mp4')")
+    return spec
+
+
 # -- latents -------------------------------------------------------------------
 def normalize_latents(latents: Any) -> Any:
     """The input rule of the module doc: float64 -> float32, 4-D -> B=1;

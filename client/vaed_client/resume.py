@@ -64,7 +64,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,14 @@ import grpc
 import numpy as np
 
 from . import wire
-from .errors import DeadlineExceededError, InternalError, ReplicaMismatchError, VaedError, from_rpc_error
+from .errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    InternalError,
+    ReplicaMismatchError,
+    VaedError,
+    from_rpc_error,
+)
 from .tensors import TensorFormatError, storage_view
 from .video import TIME_AXIS, check_layout
 
@@ -189,8 +196,11 @@ class Progress:
     one call's frames arrive in order), the attempts, and what to do after a failure."""
 
     def __init__(self, policy: ResumePolicy, targets: Targets, report: CallReport | None,
-                 timeout: float | None, request_id: str, takes_turn: bool = True, encoder: bool = False) -> None:
+                 timeout: float | None, request_id: str, takes_turn: bool = True, encoder: bool = False,
+                 client_closed: Callable[[], bool] = lambda: False) -> None:
         self.policy = policy
+        # whether the application closed the client: an attempt that fails then is not resumed
+        self._client_closed = client_closed
         self.targets = targets
         self.report = report if report is not None else CallReport()
         self.started = time.monotonic()
@@ -334,6 +344,13 @@ class Progress:
             return late
         return error
 
+    def closed_error(self, details: str) -> ClientClosedError | None:
+        """What ends an attempt that failed because the application closed the client (`details`:
+        what the attempt saw), else None."""
+        if not self._client_closed():
+            return None
+        return ClientClosedError(f"the client was closed during the call ({details})")
+
     def retry_delay(self, error: VaedError, *, resumable: bool = True) -> float:
         """Seconds to wait before the next attempt, or raise the call's final error (`_final`) when
         it ends here: not a retryable status, cancelled by the application, out of attempts or
@@ -348,6 +365,9 @@ class Progress:
             self._mismatch = error
             if not self.targets.names[failed].startswith("dns:"):  # one address, one decoder
                 self._refused.add(failed)
+        closed = self.closed_error(error.details)
+        if closed is not None:  # the application's doing (grpc's CANCELLED "Channel closed!"), as a cancel
+            raise closed
         if self.cancelled or (code not in RETRYABLE and not mismatch):
             raise self._final(error)
         if not resumable:

@@ -289,6 +289,29 @@ def test_stream_sends_its_head_first(fake: tuple[FakeDecoder, str], asynchronous
     assert servicer.attempts == attempts  # a new client: not even its GetModelInfo went out
 
 
+def test_stream_and_session_refuse_mp4_before_any_call(fake: tuple[FakeDecoder, str]) -> None:
+    """An MP4 file is one answer at a call's end: the frame calls refuse output_type 'mp4' (they
+    used to yield nothing from a call that decoded the whole video), sync and asyncio alike."""
+    servicer, target = fake
+    attempts = servicer.attempts
+    z = latents_np(t=2, h=2, w=2)
+    with vaed_client.VaeClient(target) as client:
+        with pytest.raises(errors.LocalInputError, match=r"decode\(latents, output_type='mp4'\)"):
+            list(client.stream(z, output_type="mp4"))
+        with pytest.raises(errors.LocalInputError, match="yield frames"):
+            client.session(output_type="MP4")
+
+    async def asynchronous() -> None:
+        async with vaed_client.AsyncVaeClient(target) as client:
+            with pytest.raises(errors.LocalInputError, match="yield frames"):
+                [chunk async for chunk in client.stream(z, output_type="mp4")]
+            with pytest.raises(errors.LocalInputError, match="yield frames"):
+                client.session(output_type="mp4")
+
+    asyncio.run(asynchronous())
+    assert servicer.attempts == attempts  # nothing went out, not even a GetModelInfo
+
+
 def test_stream_rest_waits_for_the_first_reply() -> None:
     """The request side holds the rest until the first reply opens the gate (or the call ends)."""
     from vaed_client.client import _RestGate

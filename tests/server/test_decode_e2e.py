@@ -198,6 +198,43 @@ def test_async_client_decode_stream_and_session(tiny_server, ref21):
     assert [c.first_frame for c in chunks] == [0, 1, 5]
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_closing_the_client_ends_its_open_session_without_resuming(tiny_server, ref21, caplog, asynchronous):
+    """Closing a client is the application's own doing: a session still open on it ends with
+    ClientClosedError, and is not resumed (grpc's CANCELLED "Channel closed!" was taken for a
+    failure of its server: a warning, a resume and its back-off)."""
+    import asyncio
+    import logging
+
+    from vaed_client.errors import ClientClosedError
+
+    z = latents_for(ref21, 1, 2, 3, 4, seed=22)
+
+    def sync() -> None:
+        client = VaeClient(tiny_server.target)
+        session = client.session()
+        session.push(z[:, :, :1])
+        chunks = iter(session)
+        assert next(chunks).first_frame == 0
+        client.close()
+        with pytest.raises(ClientClosedError, match="the client was closed during the call"):
+            next(chunks)
+
+    async def main() -> None:
+        client = AsyncVaeClient(tiny_server.target)
+        session = client.session()
+        await session.push(z[:, :, :1])
+        chunks = aiter(session)
+        assert (await anext(chunks)).first_frame == 0
+        await client.close()
+        with pytest.raises(ClientClosedError, match="the client was closed during the call"):
+            await anext(chunks)
+
+    with caplog.at_level(logging.INFO, logger="vaed_client"):
+        asyncio.run(main()) if asynchronous else sync()
+    assert "resum" not in caplog.text, caplog.text
+
+
 def test_random_wan21_at_a_small_size():
     """The real Wan2.1 architecture (random weights) at 16x24 output pixels."""
     from harness import make_config, serve_in_thread
