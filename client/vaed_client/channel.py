@@ -45,7 +45,7 @@ from typing import Any, Union
 import grpc
 import grpc.aio
 
-from .wire import DEFAULT_PORT, MAX_MESSAGE_BYTES, METHODS, SERVICE_NAME  # noqa: F401  (MAX_MESSAGE_BYTES re-exported)
+from .wire import DEFAULT_PORT, MAX_MESSAGE_BYTES, METHODS, SERVICE_NAME  # MAX_MESSAGE_BYTES re-exported
 
 RETRY_POLICY: dict[str, Any] = {
     "maxAttempts": 5,

@@ -97,7 +97,7 @@ class Mp4Output:
             self._parts.append(data)
             return
         if self._file is None:
-            self._file = open(self.path, "wb")  # noqa: SIM115  (closed by result or discard)
+            self._file = open(self.path, "wb")  # closed by result or discard
         self._file.write(data)
 
     def result(self) -> bytes | pathlib.Path:
@@ -106,7 +106,7 @@ class Mp4Output:
             self._parts.clear()
             return data
         if self._file is None:
-            self._file = open(self.path, "wb")  # noqa: SIM115
+            self._file = open(self.path, "wb")  # an empty file: a video with no bytes yet
         self._file.close()
         return self.path
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from ._proto import vaed_pb2
-from .dtypes import (  # noqa: F401  (re-exported: the old public names of this module)
+from .dtypes import (  # re-exported: the old public names of this module
     DTYPE_NAMES,
     NUMPY_STORAGE,
     WIRE_DTYPE_BY_NAME,

@@ -19,7 +19,7 @@ from . import tensors
 from ._proto import vaed_pb2
 from .errors import InternalError
 from .heap import prefault, video_buffer
-from .wire import output_frames  # noqa: F401  (re-exported; the rule lives in wire)
+from .wire import output_frames  # re-exported; the rule lives in wire
 
 RGB8 = "rgb8"
 RAW = "raw"

@@ -76,6 +76,7 @@ from ..calls import (
     FramesOut,
     InputMessage,
     LatentFrameOut,
+    LatentsIn,
     RequestedEncode,
     RequestedOutput,
     VideoMessage,
@@ -308,7 +309,9 @@ class HfFront:
         try:
             async for item in call:
                 if isinstance(item, LatentFrameOut):
-                    pieces.append(item.latents if query.normalised else item.moments)  # type: ignore[arg-type]
+                    piece = item.latents if query.normalised else item.moments
+                    assert piece is not None  # the core adds the normalised latents where the call asked for them
+                    pieces.append(piece)
                 else:
                     request_id = item.request_id
         except CallFailed as exc:
@@ -345,8 +348,12 @@ class HfFront:
         receive = self._body_once(request, length)
 
         def parse(body: memoryview) -> VideoMessage:
-            frames = (DecodedImage(body, self.core.config.max_pixels) if query.shape is None
-                      else RawLatents(body, query.video_shape, query.dtype))  # type: ignore[arg-type]
+            frames: LatentsIn
+            if query.shape is None:
+                frames = DecodedImage(body, self.core.config.max_pixels)
+            else:
+                assert query.dtype is not None  # a tensor body's dtype comes with its shape (EncodeQuery)
+                frames = RawLatents(body, query.video_shape, query.dtype)
             return VideoMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""), frames=frames,
                                 options=lambda: _requested_encode(query))
 

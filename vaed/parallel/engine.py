@@ -328,7 +328,7 @@ class ShardedEngine(Engine):
             if self._healthy:
                 try:
                     self._send_header(StepHeader(OP_FREE, state.sid))
-                except Exception as exc:  # noqa: BLE001 (the group is gone; the state is freed anyway)
+                except Exception as exc:  # the group is gone; the state is freed anyway
                     self._fail(exc)
 
     def peak_memory(self, reset: bool = False) -> list[int]:
@@ -354,7 +354,7 @@ class ShardedEngine(Engine):
         if self._healthy:
             try:
                 self._send_header(StepHeader(OP_STOP))
-            except Exception as exc:  # noqa: BLE001 (already broken: nothing to tell)
+            except Exception as exc:  # already broken: nothing to tell
                 log.warning("could not stop the followers cleanly: %s", exc)
             self._healthy = False
         if self._launched is not None:

@@ -179,7 +179,7 @@ def check_op(ops: OpSet, name: str, device: torch.device, dtype: torch.dtype) ->
                 why = _compare(got, ref(*args, **kwargs), exact, same_layout=ops.exact)
                 if why:
                     return f"case {i}: {why}"
-    except Exception as e:  # noqa: BLE001 - compile errors, driver issues, launch failures: the op is reported
+    except Exception as e:  # compile errors, driver issues, launch failures: the op is reported
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -206,7 +206,7 @@ def check_bias_deferral(device: torch.device, dtype: torch.dtype) -> str | None:
                 got = raw + bias.view(1, -1, *([1] * (raw.dim() - 2)))
                 if not torch.equal(got, want):  # values: the readers write their own layouts
                     return f"case {i}: a conv's bias added after it differs from the conv's own (torch.equal)"
-    except Exception as e:  # noqa: BLE001 - as in check_op: a failure is reported, not raised
+    except Exception as e:  # as in check_op: a failure is reported, not raised
         return f"{type(e).__name__}: {e}"
     return None
 

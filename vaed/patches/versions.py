@@ -40,7 +40,7 @@ def installed_diffusers_version() -> str | None:
     """diffusers.__version__ read at call time (tests monkeypatch it), or None when unimportable."""
     try:
         import diffusers
-    except Exception:  # noqa: BLE001 - a broken install counts as "not verified"
+    except Exception:  # a broken install counts as "not verified"
         return None
     return str(getattr(diffusers, "__version__", "")) or None
 
