@@ -243,9 +243,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fps", type=int, default=None,
                         help="frame rate of the video (default: the model's, 16 for Wan2.1 and 24 for Wan2.2, "
                              f"as the server says; {FALLBACK_FPS} from a server that does not)")
-    parser.add_argument("--crf", type=int, default=DEFAULT_CRF,
-                        help="H.264 quality of a lossy .mp4, 0..51, lower is better (default %(default)s, "
-                             "visually lossless)")
+    parser.add_argument("--crf", type=int, default=None,
+                        help=f"H.264 quality of a lossy .mp4, 0..51, lower is better (default {DEFAULT_CRF}, "
+                             "visually lossless; refused with --lossless, .mkv and PNG folders, which are lossless)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--server-side", dest="encode_on", action="store_const", const="server",
                        help="the server encodes the .mp4 and sends its bytes (batch 1; default when the server "
@@ -263,8 +263,7 @@ def run_decode(args: argparse.Namespace) -> int:
         check_output(args.output)
         if args.fps is not None and not 1 <= args.fps <= 240:
             raise CommandError(f"--fps must be in 1..240, got {args.fps}")
-        if not 0 <= args.crf <= 51:
-            raise CommandError(f"--crf must be in 0..51, got {args.crf}")
+        args.crf = _checked_crf(args)
         batch = int(latents.shape[0])
         _check_outputs(args.output, batch, getattr(args, "force", False))
         with connect(args) as client:
@@ -285,6 +284,20 @@ def run_decode(args: argparse.Namespace) -> int:
         return _fail("decode", "interrupted", 130)
     _print_summary(stats)
     return 0
+
+
+def _checked_crf(args: argparse.Namespace) -> int:
+    """--crf, or the default; refused where nothing lossy is encoded, as the library and the
+    server refuse a crf with lossless=True (a silently dropped flag would look like a used one)."""
+    if args.crf is None:
+        return DEFAULT_CRF
+    if not 0 <= args.crf <= 51:
+        raise CommandError(f"--crf must be in 0..51, got {args.crf}")
+    if getattr(args, "lossless", False):
+        raise CommandError("--crf applies to lossy .mp4; --lossless is always CRF 0")
+    if pathlib.Path(args.output).suffix.lower() != ".mp4" or args.output.endswith(("/", os.sep)):
+        raise CommandError(f"--crf applies to .mp4 output; {args.output} is written lossless (.mkv or PNG frames)")
+    return int(args.crf)
 
 
 def _check_outputs(output: str, batch: int, force: bool) -> None:

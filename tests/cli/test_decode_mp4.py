@@ -110,3 +110,12 @@ def test_server_side_is_refused_where_it_cannot_be(served: str, latents_file: An
         server.stop(0)
     assert main(["decode", str(path), "--server", served, "-o", str(tmp_path / "w.mp4"), "--crf", "52"]) == 2
     assert "--crf must be in 0..51, got 52" in capsys.readouterr().err
+    # --crf where nothing lossy is encoded is refused, as the library and the server refuse it
+    # (it was dropped without a word)
+    for output, extra, said in (("w.mp4", ["--lossless"], "--lossless is always CRF 0"),
+                                ("w.mp4", ["--lossless", "--client-side"], "--lossless is always CRF 0"),
+                                ("w.mkv", [], "is written lossless"), ("frames/", [], "is written lossless")):
+        argv = ["decode", str(path), "--server", served, "-o", str(tmp_path / output), "--crf", "10", *extra]
+        assert main(argv) == 2, argv
+        assert said in capsys.readouterr().err
+        assert not (tmp_path / output).exists()
