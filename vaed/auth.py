@@ -65,8 +65,8 @@ RefusedCallback = Callable[[str, str], None]
 
 _SCHEME = "bearer"
 # Where vaed's own clients take the token from (vaed_client.channel.read_token).
-_HOW = ("vaed decode/info take --token-file FILE or $VAED_AUTH_TOKEN, "
-        "VaeClient(..., token=...) in Python")
+_HOW = ("the client commands (vaed-client decode/encode/info, vaed decode/info) take --token-file FILE "
+        "or $VAED_AUTH_TOKEN, VaeClient(..., token=...) in Python")
 _MISSING = (
     f"missing credentials: this server requires a bearer token ('authorization: Bearer <token>' metadata); {_HOW}"
 )
