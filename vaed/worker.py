@@ -327,6 +327,7 @@ class DeviceWorker:
         self._hand_over(session, group, started, started_event)
         if first_step:
             session.first_step_launched()
+        session.finish_if_drained()
 
     def _leave_rotation(self, exc: BaseException) -> None:
         """A device fault: fail every session here and take no new ones."""

@@ -235,6 +235,28 @@ def test_closing_the_client_ends_its_open_session_without_resuming(tiny_server, 
     assert "resum" not in caplog.text, caplog.text
 
 
+def test_a_decode_ends_with_its_last_step_not_a_step_of_its_own(tiny_server, ref21, monkeypatch):
+    """A Decode RPC's input (its one message) has ended before its steps run, so the worker
+    delivers its end with the last latent frame's group: no step of the session takes no frame
+    (such a step waited its turn behind every other session's step, and the call's status with
+    it). `VaeClient.decode` sends a DecodeStream, whose input may end after its last step."""
+    from harness import decode_rpc
+
+    from vaed import session as session_module
+
+    taken: list[bool] = []
+    take_frame = session_module.Session.take_frame
+
+    def recorded(self):
+        frame = take_frame(self)
+        taken.append(frame is not None)
+        return frame
+
+    monkeypatch.setattr(session_module.Session, "take_frame", recorded)
+    assert decode_rpc(tiny_server.target, latents_for(ref21, 1, 3, 5, 7, seed=23)) == 9
+    assert taken == [True, True, True]
+
+
 def test_random_wan21_at_a_small_size():
     """The real Wan2.1 architecture (random weights) at 16x24 output pixels."""
     from harness import make_config, serve_in_thread

@@ -91,6 +91,36 @@ def test_steps_frame_zero_first_then_ends_after_the_input() -> None:
     run(main)
 
 
+def test_the_last_step_of_an_ended_input_delivers_the_end_behind_its_group() -> None:
+    """The worker's `finish_if_drained` after each step: while frames are left, or while the
+    input is open, it does nothing; after the last frame of an ended input it queues the end
+    behind that step's group, so the session needs no step of its own (and no turn) to end."""
+    async def main() -> None:
+        worker = Recorder()
+        session = new_session(asyncio.get_running_loop())
+        session.accept(torch.zeros(1, Z, 2, 2, 2))
+        session.attach(worker.placement)
+        session.begin_step()
+        assert session.take_frame() is not None
+        session.finish_if_drained()  # the input is open
+        session.end_step()
+        session.deliver_group(group(0))
+        session.finish_input()
+        session.begin_step()
+        assert session.take_frame() is not None
+        session.deliver_group(group(1))  # queued here as the worker queues it: behind the step
+        session.finish_if_drained()
+        session.end_step()
+        with session.lock:
+            assert session.state is SessionState.ENDED and not session.runnable()  # no step left to run
+        assert (await session.next_group()).chunk_index == 0
+        worker.run_jobs()
+        assert (await session.next_group()).chunk_index == 1
+        assert await session.next_group() is None
+
+    run(main)
+
+
 def test_a_failed_step_fails_the_session_once_and_frees_its_cache_after_the_step() -> None:
     async def main() -> None:
         worker = Recorder()
