@@ -176,13 +176,15 @@ def test_a_body_flood_over_the_admission_limit_is_refused_unread_and_memory_stay
 # 2-core machine, so a call that is not held back would outlast the test
 SLOW_T, SLOW_H, SLOW_W = 384, 32, 32
 SLOW_FRAMES = 1 + 4 * (SLOW_T - 1)
-# A call's RSS peak is its live memory only where freed memory goes back to the kernel. glibc's
-# malloc returns a freed block only when it was mmapped, and its mmap threshold rises to each freed
-# block's size (up to 32 MiB), so after a call some of the decoder's working memory stays resident
-# in one heap or another: with the default, the stalled call's peak over a reading call's ranged
-# -90..+169 MiB on the loaded 2-core machine (the bound below failed at +169). With the threshold
-# fixed at 128 KiB every large block is mmapped and unmapped when freed, and that difference was
-# +7.3..+7.8 MiB in the same runs (the body, the other client's small call).
+# A call's RSS peak is its live memory only where freed memory goes back to the kernel. `vaed serve`
+# keeps it instead (`vaed_client.heap.keep_freed_memory`: blocks under 32 MiB from the heap, up to
+# 64 MiB of free heap kept per malloc arena, for its frame messages' copies), so after a call some
+# of the decoder's working memory stays resident in one arena or another: the stalled call's peak
+# over a reading call's ranged -90..+169 MiB on the loaded 2-core machine (the bound below failed at
+# +169). A malloc tunable in the environment makes the server leave glibc to it: with its mmap
+# threshold at 128 KiB every large block is mmapped and unmapped when freed, and that difference
+# was +6.5..+7.8 MiB in the same runs (the body, the other client's small call). What the server
+# holds for a reader that stops reading is the same either way.
 STEADY_RSS = {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
 
 
