@@ -430,8 +430,17 @@ class CallCore:
         """The precisions this server decodes in, its default first."""
         engine = self.pool.engine
         offered = engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
-        default = self.config.precision
+        default = self.default_precision
         return (default,) + tuple(p for p in Precision if p in offered and p != default)
+
+    @property
+    def default_precision(self) -> Precision:
+        """The tier of a call that asks for none: --precision where the engine has that tier, else
+        lossless (on a CPU, or where the fast tier's kernels are unavailable: the server says so at
+        start-up), so that what the server offers, decodes and names in its identity agree."""
+        engine = self.pool.engine
+        offered = engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
+        return self.config.precision if self.config.precision in offered else Precision.LOSSLESS
 
     def default_fps(self) -> int:
         """The served model's frame rate: server-side video's fps when a call asks for none."""
@@ -446,7 +455,7 @@ class CallCore:
             return "", ""
         made = self._identities
         if made is None or made[0] is not engine:
-            made = self._identities = (engine, (engine.identity.decoder(self.config.precision),
+            made = self._identities = (engine, (engine.identity.decoder(self.default_precision),
                                                 engine.identity.encoder()))
         return made[1]
 
@@ -497,7 +506,7 @@ class CallCore:
         )
 
     def output_spec(self, requested: RequestedOutput) -> OutputSpec:
-        precision = requested.precision or self.config.precision
+        precision = requested.precision or self.default_precision
         if precision not in self.offered:
             raise InvalidInput(
                 f"precision {precision} is not offered by this server; it offers {', '.join(self.offered)}")

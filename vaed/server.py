@@ -370,6 +370,11 @@ class VaedServer:
                 frozen, seconds = freeze_startup_heap()
             log.info("froze %d start-up objects out of the cyclic GC (a full collection took %.0f ms)",
                      frozen, seconds * 1e3)
+            if self.core.default_precision != self.config.precision:
+                log.warning("--precision %s: this server has no %s tier (its kernels are off or failed their "
+                            "start-up checks; the fast paths line says why): calls that ask for no tier get %s, "
+                            "and it offers %s", self.config.precision, self.config.precision,
+                            self.core.default_precision, ", ".join(self.core.offered))
             # made once here, before the first call; what a resuming client compares (vaed.identity)
             decoder_identity, encoder_identity = self.core.identities()
             log.info("decoder identity: %s%s", decoder_identity,

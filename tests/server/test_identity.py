@@ -44,3 +44,35 @@ def test_the_encoder_line_is_its_own_half() -> None:
     assert parts["precision"] == "lossless" and parts["kernels"] == "off" and parts["layout"] == "contiguous"
     assert parts["software"] == wire.identity_parts(IDENTITY.decoder("lossless"))["software"]
     assert dataclasses.replace(IDENTITY, encoder_weights=None).encoder() == ""
+
+
+def test_a_fast_default_where_there_is_no_fast_tier_is_lossless_and_said_so() -> None:
+    """`vaed serve --precision fast` on a CPU (no fast tier: its kernels need CUDA) warns at
+    start-up and serves, offers and names in its identity the lossless tier, not a fast tier it
+    does not have (it said precision=fast, put vaed's version in the line, and took fast calls)."""
+    import grpc
+    import pytest
+
+    from harness import decode_rpc, start_serve
+    from vaed_client import VaeClient
+
+    proc, target, lines = start_serve("--precision", "fast")
+    try:
+        assert any("--precision fast: this server has no fast tier" in line for line in lines), "".join(lines)
+        with VaeClient(target) as client:
+            info = client.model_info()
+        assert info.precisions == ["lossless"]
+        parts = wire.identity_parts(info.decoder_identity)
+        assert parts["precision"] == "lossless" and "vaed" not in parts["software"], parts
+        latents = torch.randn(1, 4, 2, 4, 4)
+        assert decode_rpc(target, latents) == 5
+        with grpc.insecure_channel(target) as channel:
+            options = wire.pb.DecodeOptions(precision=wire.pb.FAST)
+            request = wire.pb.DecodeRequest(latents=wire.to_message(latents), options=options)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(wire.pb_grpc.VaeDecoderStub(channel).Decode(request, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "precision fast is not offered by this server; it offers lossless" in refused.value.details()
+    finally:
+        proc.kill()
+        proc.wait(30)
