@@ -375,6 +375,27 @@ def unpacked_before_load(running: RunningServer, url: str, auth: dict[str, str])
     return answer.status_code, len(loads)
 
 
+def pickle_bomb_before_load(url: str, auth: dict[str, str]) -> tuple[int, int, str]:
+    """(status, torch.load calls, error) of a .pt file whose pickle is 0.9 MB of one-byte "empty
+    dict" opcodes in a list (deflated, a few KB sent): each would build a dict in torch.load
+    (20 MB of them took 1.6 GB and 29 s of the server's CPU), refused from its zip directory."""
+    plain = zipfile.ZipFile(io.BytesIO(_pt_bytes(torch.zeros(1))))
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name in plain.namelist():
+            data = plain.read(name)
+            if name.endswith("data.pkl"):
+                data = b"\x80\x02](" + b"}" * 900_000 + b"e."  # PROTO 2, [ MARK, {} * 900k, APPENDS, STOP
+            archive.writestr(name, data)
+    assert len(bomb.getvalue()) < 16 << 10
+    loads = []
+    real_load = torch.load
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "load", lambda *args, **kwargs: loads.append(1) or real_load(*args, **kwargs))
+        answer = requests.post(url, data=bomb.getvalue(), headers=auth, timeout=30)
+    return answer.status_code, len(loads), answer.json()["error"]
+
+
 def test_convert_pt(guarded: RunningServer) -> None:
     """A .pt file's tensor comes back as its raw bytes with shape and dtype headers; refusals are
     401 / 411 / 413 from the head (the body unread) and 400 with a JSON error for a bad file."""
@@ -407,6 +428,8 @@ def test_convert_pt(guarded: RunningServer) -> None:
     assert torch.equal(torch.frombuffer(bytearray(answer.content), dtype=torch.float32).reshape(x.shape),
                        x.double().float())
     assert unpacked_before_load(guarded, url, auth) == (413, 0)
+    status, loads, error = pickle_bomb_before_load(url, auth)
+    assert (status, loads) == (413, 0) and "the file's pickle is 900006 bytes" in error, error
     for data, pattern in [
         (b"not a zip", "torch.load"),
         (_pt_bytes_legacy(x), "zip format"),

@@ -54,6 +54,10 @@ from .server import json_error
 PAGE_PATH = "/"
 STATUS_PATH = "/v1/status"
 CONVERT_PT_PATH = "/v1/convert/pt"
+# A .pt file's pickle (its objects' structure; the tensors' bytes are records of their own): a
+# tensor's is ~180 bytes, a dict of a dozen tensors' ~330, so 64 KiB is room for any latents file
+# and bounds what unpickling it builds (each opcode may make an object).
+MAX_PICKLE_BYTES = 64 << 10
 
 # The page's files: served path -> (file in vaed/http/static, content type).
 _FILES = {
@@ -162,11 +166,13 @@ def latents_of(loaded: Any, limit: int) -> torch.Tensor:
 
 
 def _check_unpacked_size(body: memoryview, limit: int) -> None:
-    """Refuse a file whose records unpack to more than `limit` bytes, from its zip directory and
-    before anything is unpacked: torch.load inflates each record into a buffer of its declared
-    size (a 2 MB file of deflated zeros took 2 GiB of the server's memory before the latents'
-    own size check). Only torch.save's zip format (its default since torch 1.6): the legacy one
-    sizes its storages from numbers in the file, not from what the file holds."""
+    """Refuse a file whose records unpack to more than `limit` bytes, or whose pickle is over
+    MAX_PICKLE_BYTES, from its zip directory and before anything is unpacked: torch.load inflates
+    each record into a buffer of its declared size (a 2 MB file of deflated zeros took 2 GiB of
+    the server's memory before the latents' own size check), and every opcode of the pickle may
+    build an object (20 MB of one-byte "empty dict" opcodes, deflated to a 20 KB body, took
+    1.6 GB and 29 s of CPU). Only torch.save's zip format (its default since torch 1.6): the
+    legacy one sizes its storages from numbers in the file, not from what the file holds."""
     try:
         records = zipfile.ZipFile(io.BytesIO(body)).infolist()
     except (zipfile.BadZipFile, ValueError) as exc:
@@ -175,6 +181,10 @@ def _check_unpacked_size(body: memoryview, limit: int) -> None:
     unpacked = sum(record.file_size for record in records)
     if unpacked > limit:
         raise TooLarge(f"the file unpacks to {unpacked} bytes, over the server's message limit of {limit} bytes")
+    pickled = sum(record.file_size for record in records if record.filename.endswith(".pkl"))
+    if pickled > MAX_PICKLE_BYTES:
+        raise TooLarge(f"the file's pickle is {pickled} bytes; a latents file's is a few hundred (this server "
+                       f"reads at most {MAX_PICKLE_BYTES}: a tensor, or a list or dict of tensors)")
 
 
 def _load_pt(body: memoryview, limit: int) -> torch.Tensor:
