@@ -21,6 +21,7 @@ emptied first), under the same `ResumePolicy` as frame calls. A failed call leav
 
 from __future__ import annotations
 
+import numbers
 import os
 import pathlib
 from typing import Any, BinaryIO
@@ -40,19 +41,29 @@ def video_fields(
     """Set DecodeOptions' video fields (format MP4 / MP4_LOSSLESS, fps, crf, preset) in place."""
     options.format = pb.MP4_LOSSLESS if lossless else pb.MP4
     if fps is not None:
-        if not 1 <= int(fps) <= 240:
+        if not 1 <= _whole(fps, "fps") <= 240:
             raise LocalInputError(f"fps must be in 1..240, got {fps}")
         options.fps = int(fps)
     if crf is not None:
         if lossless:
             raise LocalInputError("crf applies to lossy MP4; lossless=True is always CRF 0")
-        if not 0 <= int(crf) <= 51:
+        if not 0 <= _whole(crf, "crf") <= 51:
             raise LocalInputError(f"crf must be in 0..51, got {crf}")
         options.crf = int(crf)
     if preset is not None:
         if preset not in X264_PRESETS:
             raise LocalInputError(f"preset must be one of {', '.join(X264_PRESETS)}, got {preset!r}")
         options.preset = preset
+
+
+def _whole(value: Any, name: str) -> int:
+    """`value` as an int; a fraction or a bool is refused, not truncated (fps=23.976 made a
+    23 fps video, whose timing drifts from the source's)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise LocalInputError(f"{name} must be a whole number, got {value!r}"
+                              + (" (the server's MP4 frame rates are whole numbers of frames a second)"
+                                 if name == "fps" else ""))
+    return int(value)
 
 
 def check_no_video_options(output_type: str, **given: Any) -> None:

@@ -287,6 +287,10 @@ def test_the_client_checks_video_options_before_the_call() -> None:
             (dict(output_type="mp4", lossless=True, crf=10), "lossless=True is always CRF 0"),
             (dict(output_type="mp4", preset="warp"), "preset must be one of"),
             (dict(output_type="mp4", fps=0), "fps must be in 1..240"),
+            # a fraction or a bool is refused, not truncated (23.976 made a 23 fps video)
+            (dict(output_type="mp4", fps=23.976), "fps must be a whole number, got 23.976"),
+            (dict(output_type="mp4", fps=True), "fps must be a whole number, got True"),
+            (dict(output_type="mp4", crf=18.5), "crf must be a whole number, got 18.5"),
             (dict(output_type="mp4", format="raw"), "format and raw_dtype are options of frame output"),
             (dict(output_type="uint8", fps=16), "fps: options of output_type='mp4', not of 'uint8'"),
             (dict(mp4_path="x.mp4"), "mp4_path is for output_type='mp4'"),
