@@ -65,7 +65,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from vaed_client.wire import MAX_REQUEST_ID_CHARS, frame_slices
+from vaed_client.wire import frame_slices, request_id_problem
 
 from .choices import Parallel, Precision
 from .config import ServerConfig
@@ -246,15 +246,12 @@ class ModelFacts:
 
 
 def checked_request_id(request_id: str) -> str:
-    """The caller's id if it is at most MAX_REQUEST_ID_CHARS printable ASCII characters; a new one if empty."""
+    """The caller's id if the wire's rule takes it (`request_id_problem`); a new one if empty."""
     if not request_id:
         return uuid.uuid4().hex[:16]
-    limit = MAX_REQUEST_ID_CHARS
-    if len(request_id) > limit or not all(" " <= c <= "~" for c in request_id):
-        raise InvalidInput(
-            f"request_id must be at most {limit} printable ASCII characters; got {len(request_id)} "
-            f"characters starting {request_id[:16]!r}"
-        )
+    problem = request_id_problem(request_id)
+    if problem is not None:
+        raise InvalidInput(problem)
     return request_id
 
 

@@ -195,8 +195,8 @@ def call_spec(
     wire_format = fmt or natural
     if raw_dtype is not None and wire_format != RAW:
         raise LocalInputError("raw_dtype applies to RAW output only (output_type 'raw', 'np', 'pt' or 'pil')")
-    if request_id is not None and len(request_id) > wire.MAX_REQUEST_ID_CHARS:
-        raise LocalInputError(f"request_id is {len(request_id)} characters; at most {wire.MAX_REQUEST_ID_CHARS}")
+    if request_id and (problem := wire.request_id_problem(request_id)) is not None:
+        raise LocalInputError(problem)
     options = pb.DecodeOptions(
         format=_WIRE_FORMATS[wire_format],
         # The server rejects a raw_dtype it can't produce (e.g. uint8): its message, not a second opinion.

@@ -146,6 +146,8 @@ def encode_options(
 ) -> Any:
     if output_type not in OUTPUT_TYPES:
         raise LocalInputError(f"unknown output_type {output_type!r}; use one of {', '.join(OUTPUT_TYPES)}")
+    if request_id and (problem := wire.request_id_problem(request_id)) is not None:
+        raise LocalInputError(problem)
     options = pb.EncodeOptions(latents=output_type == LATENTS, trailing_zero_frames=zero_frames,
                                request_id=request_id or "")
     if out_dtype is not None:

@@ -47,6 +47,17 @@ AUTH_TOKEN_ENV = "VAED_AUTH_TOKEN"
 # Longest request_id the server accepts or echoes (it ends up in logs).
 MAX_REQUEST_ID_CHARS = 128
 
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why the server refuses a caller's request id, else None: it must be at most
+    MAX_REQUEST_ID_CHARS printable ASCII characters other than the space. It is the `id=` field
+    of the server's log line, whose fields spaces separate: an id "x status=OK" made a failed
+    call's line read as an OK one's."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in request_id):
+        return (f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces; "
+                f"got {len(request_id)} characters starting {request_id[:16]!r}")
+    return None
+
 # Wan's causal VAE: latent frame 0 -> 1 frame, every later one -> 4.
 DEFAULT_TEMPORAL_FACTOR = 4
 
@@ -122,6 +133,7 @@ __all__ = [
     "FRAME_MESSAGE_BYTES",
     "AUTH_TOKEN_ENV",
     "MAX_REQUEST_ID_CHARS",
+    "request_id_problem",
     "DEFAULT_TEMPORAL_FACTOR",
     "DECODER_IDENTITY_HEADER",
     "ENCODER_IDENTITY_HEADER",
