@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -269,7 +270,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def log_line(record: CallRecord, status: Status) -> str:
+def log_line(record: CallRecord, status: Status, error: str = "") -> str:
     total_ms = (time.perf_counter() - record.started) * 1e3
     first = record.first_frame_at - record.started if record.first_frame_at else None
     return (
@@ -281,6 +282,8 @@ def log_line(record: CallRecord, status: Status) -> str:
         f"first_launch_ms={_ms(record.first_launch_s)} total_ms={total_ms:.1f}"
         # a resumed call: frames decoded for the causal cache but not sent (the client had them)
         + (f" skipped_frames={record.skipped_frames}" if record.skipped_frames else "")
+        # a failed call's message as its client got it; JSON-quoted, as it may quote the client's input
+        + (f" error={json.dumps(error)}" if error else "")
     )
 
 
@@ -394,8 +397,8 @@ class CallCore:
 
     # -- finishing: the one log line and the metrics ----------------------------------------
 
-    def finish(self, record: CallRecord, status: Status) -> None:
-        (log.info if status is Status.OK else log.warning)(log_line(record, status))
+    def finish(self, record: CallRecord, status: Status, error: str = "") -> None:
+        (log.info if status is Status.OK else log.warning)(log_line(record, status, error))
         if self.metrics is not None:
             self.metrics.request_finished(record.method, status.name, time.perf_counter() - record.started)
             if status is Status.OK and record.first_frame_at is not None:
@@ -409,7 +412,7 @@ class CallCore:
             message = f"internal error (request id {record.request_id}); see the server log"
         else:
             message = str(exc)
-        self.finish(record, status)
+        self.finish(record, status, message)
         return CallFailed(status, message)
 
     # -- the server's state and the model ----------------------------------------------------
