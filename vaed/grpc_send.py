@@ -109,10 +109,14 @@ class TimedWriter:
         sending = asyncio.ensure_future(self._context.write(message))
         try:
             await asyncio.wait((sending,), timeout=self.timeout)
-        finally:
-            if not sending.done():  # stalled, or this call was cancelled meanwhile
-                _leave(sending)
+        except BaseException:
+            # this call was cancelled meanwhile: the write's outcome is read when it ends, or now
+            # if it has (a write that failed as the client cancelled, unread, was logged at ERROR
+            # with its traceback as "Task exception was never retrieved")
+            _leave(sending)
+            raise
         if not sending.done():
+            _leave(sending)
             self.stalled = True
             raise SendStalled(self.timeout)
         sending.result()
