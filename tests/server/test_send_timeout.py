@@ -198,7 +198,7 @@ def test_a_write_that_fails_as_its_call_is_cancelled_is_read_not_logged() -> Non
 
     async def main() -> None:
         asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unretrieved.append(ctx["message"]))
-        writer = TimedWriter(Context(), timeout=30.0)  # type: ignore[arg-type]
+        writer = TimedWriter(Context(), timeout=30.0)
         handler = asyncio.ensure_future(writer.write(b"frames"))
         await asyncio.sleep(0)  # the handler starts the write and waits on it
         await asyncio.sleep(0)  # the write fails; the handler's wake-up is queued
