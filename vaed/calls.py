@@ -598,7 +598,9 @@ class CallCore:
                         yield VideoOut(item.request_id, item.chunk_index, item.first_frame, data)
                     continue
                 assert isinstance(item, CallEnd)
-                yield VideoOut(item.request_id, item.groups, item.frames, await packager.close())
+                tail = await packager.close()
+                if tail:  # a fragmented MP4's last fragment went out with the last frame: nothing is left
+                    yield VideoOut(item.request_id, item.groups, item.frames, tail)
                 yield item
         except VideoError as exc:
             raise InvalidInput(str(exc)) from None

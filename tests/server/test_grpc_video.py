@@ -163,6 +163,7 @@ def test_fragments_arrive_before_the_call_ends() -> None:
             rgb8 = client.decode(x)[0].numpy()
     assert np.array_equal(early_frames, rgb8[:1])  # frame 0, exactly (lossless)
     assert rest[-1].final and rest[-1].first_frame == rgb8.shape[0] and not rest[-1].video
+    assert all(r.video for r in rest[:-1])  # every message before the final one carries bytes (none empty)
     data = early + b"".join(r.video for r in rest)
     assert np.array_equal(frames_of_mp4(data)[0], rgb8)
 
