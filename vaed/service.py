@@ -117,6 +117,9 @@ def requested_output(options: Any, default_fps: Callable[[], int]) -> RequestedO
     video = video_options(options, default_fps)
     raw_dtype = None
     if options.raw_dtype != pb.DATA_TYPE_UNSPECIFIED:
+        if fmt != pb.RAW:  # as video options on frames: a mistake, not something to ignore
+            raise InvalidInput(f"raw_dtype is an option of the RAW format, not of "
+                               f"{pb.OutputFormat.Name(fmt) if fmt else 'RGB8 (the default)'}")
         name = wire.DTYPE_NAMES.get(options.raw_dtype)
         if name not in DTYPES:
             raise InvalidInput(

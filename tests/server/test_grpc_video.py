@@ -216,6 +216,9 @@ def test_the_encoder_opens_after_frame_0_launched_while_it_decodes(monkeypatch: 
     (dict(format=pb.MP4), 2, "MP4 output holds one video: send batch 1, got 2"),
     (dict(format=pb.MP4, skip_frames=1), 1, "skip_frames (1) does not apply to MP4 output"),
     (dict(format=7), 1, "unknown output format 7; use RGB8, RAW, MP4 or MP4_LOSSLESS"),
+    # raw_dtype on any other format was dropped without a word
+    (dict(raw_dtype=pb.FLOAT16), 1, "raw_dtype is an option of the RAW format, not of RGB8 (the default)"),
+    (dict(format=pb.MP4, raw_dtype=pb.FLOAT16), 1, "raw_dtype is an option of the RAW format, not of MP4"),
 ])
 def test_bad_video_options_are_invalid_argument(server: RunningServer, options: dict[str, Any], b: int,
                                                 message: str) -> None:
