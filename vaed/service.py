@@ -181,6 +181,8 @@ class ProtoLatents:
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a wire tensor, checked against its byte count."""
+        if not self._message.ByteSize():  # unset: its dtype would be reported as "unknown(0)"
+            raise InvalidInput(f"the message carries no {self._what}: set its Tensor (dtype, shape and data)")
         try:
             shape = wire.validate(self._message, self._payload())
             return shape, wire.torch_dtype(self._message.dtype)

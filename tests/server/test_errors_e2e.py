@@ -84,6 +84,9 @@ BAD_DECODE_REQUESTS = {
         vaed_pb2.DecodeRequest(latents=tensor_msg(good_latents()), options=vaed_pb2.DecodeOptions(format=7)),
         "format",
     ),
+    # it said "latents: shape []: unsupported dtype unknown(0)"
+    "no latents": (vaed_pb2.DecodeRequest(), "the message carries no latents: set its Tensor"),
+    "options only": (vaed_pb2.DecodeRequest(options=vaed_pb2.DecodeOptions(request_id="r")), "carries no latents"),
 }
 
 
