@@ -8,6 +8,7 @@ server's own loop would be).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -22,6 +23,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from vaed.http import HttpLimits, HttpServer
+from vaed.http.server import MAX_ERROR_CHARS
 from vaed.metrics import PENDING_LATENT_FRAMES_METRIC, DeviceLoad, ServerMetrics, add_metrics_route
 
 HTTP_MAX_CONNECTIONS = HttpLimits().max_connections
@@ -200,6 +202,11 @@ def test_malformed_and_oversized_heads(served: tuple[ServerMetrics, int], caplog
     assert status_of(raw_exchange(port, long_line)) == 400
     many = b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(limits.max_headers + 1))
     assert status_of(raw_exchange(port, many + b"\r\n")) == 400
+    # A head aiohttp cannot parse is quoted in its error, at most MAX_ERROR_CHARS of it (a body
+    # sent without its Content-Length is parsed as the next head: 7 KB of it came back).
+    reply = refused_exchange(port, b"Z" * 8000 + b" /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert status_of(reply) == 400 and len(error) <= MAX_ERROR_CHARS + 40 and "more characters" in error, error
     # A client's garbage is not logged as a server error (aiohttp would log each with a traceback).
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
     # The endpoint still answers afterwards.

@@ -103,6 +103,8 @@ _protocol_log = logging.getLogger(f"{__name__}.protocol")
 _protocol_log.addFilter(_NotClientErrors())
 log = logging.getLogger(__name__)
 
+# The longest text of an error this stack turns into JSON (its own messages are under 300).
+MAX_ERROR_CHARS = 512
 # Seconds ``stop`` waits for the handlers it cut to finish their cleanup (log line, session slot);
 # a cancelled handler ends within milliseconds, so this bounds only a bug.
 CUT_WAIT_S = 5.0
@@ -270,11 +272,17 @@ def json_error(status: int, message: str, headers: LooseHeaders | None = None) -
 
 
 def _as_json(plain: web.Response) -> web.Response:
-    """aiohttp's text/plain error as JSON: its status, its text, its other headers (Allow on a 405)."""
+    """aiohttp's text/plain error as JSON: its status, its text (at most MAX_ERROR_CHARS: a head
+    aiohttp could not parse is quoted in it, and a body sent without its Content-Length was
+    parsed as the next head, so 7 KB of a client's body came back), its other headers (Allow on
+    a 405)."""
     headers = CIMultiDict(plain.headers)
     for name in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH):
         headers.popall(name, None)
-    answer = json_error(plain.status, plain.text or plain.reason, headers)
+    text = plain.text or plain.reason
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + f"... ({len(text) - MAX_ERROR_CHARS} more characters)"
+    answer = json_error(plain.status, text, headers)
     if plain.keep_alive is False:
         answer.force_close()
     return answer
