@@ -181,7 +181,7 @@ class ProtoLatents:
 
     def header(self) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a wire tensor, checked against its byte count."""
-        if not self._message.ByteSize():  # unset: its dtype would be reported as "unknown(0)"
+        if self._message.dtype == pb.DATA_TYPE_UNSPECIFIED and not len(self._message.shape):  # no tensor at all
             raise InvalidInput(f"the message carries no {self._what}: set its Tensor (dtype, shape and data)")
         try:
             shape = wire.validate(self._message, self._payload())
