@@ -324,9 +324,9 @@ def _set_status(context: grpc.aio.ServicerContext, failed: CallFailed) -> None:
     """The call's status, sent when its handler returns. Not `context.abort`: it raises an
     AbortError that grpc keeps on the call's state, and whose traceback reaches the handler's
     frames, which reach that state again: a reference cycle, so the call's request message (its
-    latents, up to the message limit) stayed in memory until a full garbage collection. In a
-    server whose start-up heap is frozen that came after about 2,000 refused calls, so a client
-    repeating a refused 1.3 MB Decode grew the server by ~1.5 MB a call, past 2.9 GB."""
+    latents, up to the message limit) stayed in memory until a full garbage collection, which a
+    frozen start-up heap makes rare: 1,500 refused 1.3 MB Decodes grew the server by ~1.5 MB a
+    call, to 2.9 GB, and no collection came."""
     context.set_code(grpc.StatusCode[failed.status.name])
     context.set_details(failed.message)
 

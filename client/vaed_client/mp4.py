@@ -76,6 +76,8 @@ def check_no_video_options(output_type: str, **given: Any) -> None:
 def mp4_output(output_type: str, mp4_path: str | os.PathLike[str] | None) -> Mp4Output | None:
     """The container of an "mp4" call's bytes; None for a frame call (mp4_path is then a mistake)."""
     if output_type == MP4:
+        if mp4_path is not None and pathlib.Path(mp4_path).is_dir():  # before the call, not after its first bytes
+            raise LocalInputError(f"mp4_path {os.fspath(mp4_path)} is a directory; name the .mp4 file to write")
         return Mp4Output(mp4_path)
     if mp4_path is not None:
         raise LocalInputError("mp4_path is for output_type='mp4'")

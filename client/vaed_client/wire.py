@@ -48,11 +48,13 @@ AUTH_TOKEN_ENV = "VAED_AUTH_TOKEN"
 MAX_REQUEST_ID_CHARS = 128
 
 
-def request_id_problem(request_id: str) -> str | None:
+def request_id_problem(request_id: object) -> str | None:
     """Why the server refuses a caller's request id, else None: it must be at most
     MAX_REQUEST_ID_CHARS printable ASCII characters other than the space. It is the `id=` field
     of the server's log line, whose fields spaces separate: an id "x status=OK" made a failed
     call's line read as an OK one's."""
+    if not isinstance(request_id, str):
+        return f"request_id must be a str, got {type(request_id).__name__}"
     if len(request_id) > MAX_REQUEST_ID_CHARS or not all("!" <= c <= "~" for c in request_id):
         return (f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces; "
                 f"got {len(request_id)} characters starting {request_id[:16]!r}")

@@ -121,6 +121,7 @@ def test_stream_and_session_convert_each_chunk(fake: tuple[FakeDecoder, str]) ->
         (dict(output_type="uint8", raw_dtype="float16"), "raw_dtype"),
         (dict(request_id="x" * 129), "128"),
         (dict(request_id="x status=OK"), "without spaces"),  # the server's log line separates fields by spaces
+        (dict(request_id=5), "request_id must be a str, got int"),  # was a TypeError from len()
     ],
 )
 def test_bad_options_are_local_errors(fake: tuple[FakeDecoder, str], kwargs: dict[str, Any], message: str) -> None:

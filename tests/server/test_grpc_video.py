@@ -298,6 +298,7 @@ def test_the_client_checks_video_options_before_the_call() -> None:
             (dict(output_type="mp4", format="raw"), "format and raw_dtype are options of frame output"),
             (dict(output_type="uint8", fps=16), "fps: options of output_type='mp4', not of 'uint8'"),
             (dict(mp4_path="x.mp4"), "mp4_path is for output_type='mp4'"),
+            (dict(output_type="mp4", mp4_path="."), "is a directory"),  # was an IsADirectoryError mid-call
         ]:
             with pytest.raises(LocalInputError, match=message):
                 client.decode(x, **kwargs)
