@@ -355,45 +355,49 @@ def _pt_bytes_legacy(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def unpacked_before_load(running: RunningServer, url: str, auth: dict[str, str]) -> tuple[int, int]:
-    """(status, torch.load calls) of a .pt file whose deflated records hold 2 MiB of zeros (a few
-    KB sent, over the fixture's 1 MiB limit once unpacked): refused from its zip directory,
-    before torch.load (watched in the in-process server) inflates anything."""
-    plain = zipfile.ZipFile(io.BytesIO(_pt_bytes(torch.zeros(1, Z, 32, 64, 64))))
-    deflated = io.BytesIO()
-    with zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+def _deflated(pt: bytes, replace: dict[str, bytes] | None = None) -> bytes:
+    """A torch.save file's records deflated (as `zipfile` may store them), those whose name ends
+    with a key of `replace` replaced by its bytes."""
+    plain = zipfile.ZipFile(io.BytesIO(pt))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for name in plain.namelist():
-            archive.writestr(name, plain.read(name))
-    assert len(deflated.getvalue()) < 64 << 10
+            data = next((v for k, v in (replace or {}).items() if name.endswith(k)), None)
+            archive.writestr(name, plain.read(name) if data is None else data)
+    return out.getvalue()
+
+
+def _post_watching_load(url: str, data: bytes, auth: dict[str, str]) -> tuple[requests.Response, int]:
+    """The answer to `data`, and how many times the in-process server called torch.load."""
     loads = []
     real_load = torch.load
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "load", lambda *args, **kwargs: loads.append(1) or real_load(*args, **kwargs))
-        answer = requests.post(url, data=deflated.getvalue(), headers=auth, timeout=30)
+        answer = requests.post(url, data=data, headers=auth, timeout=30)
+    return answer, len(loads)
+
+
+def unpacked_before_load(running: RunningServer, url: str, auth: dict[str, str]) -> tuple[int, int]:
+    """(status, torch.load calls) of a .pt file whose deflated records hold 2 MiB of zeros (a few
+    KB sent, over the fixture's 1 MiB limit once unpacked): refused from its zip directory,
+    before torch.load (watched in the in-process server) inflates anything."""
+    deflated = _deflated(_pt_bytes(torch.zeros(1, Z, 32, 64, 64)))
+    assert len(deflated) < 64 << 10
+    answer, loads = _post_watching_load(url, deflated, auth)
     assert re.search(r"the file unpacks to 2\d{6} bytes, over the server's message limit of 1048576 bytes",
                      answer.json()["error"]), answer.text
-    return answer.status_code, len(loads)
+    return answer.status_code, loads
 
 
 def pickle_bomb_before_load(url: str, auth: dict[str, str]) -> tuple[int, int, str]:
     """(status, torch.load calls, error) of a .pt file whose pickle is 0.9 MB of one-byte "empty
     dict" opcodes in a list (deflated, a few KB sent): each would build a dict in torch.load
     (20 MB of them took 1.6 GB and 29 s of the server's CPU), refused from its zip directory."""
-    plain = zipfile.ZipFile(io.BytesIO(_pt_bytes(torch.zeros(1))))
-    bomb = io.BytesIO()
-    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for name in plain.namelist():
-            data = plain.read(name)
-            if name.endswith("data.pkl"):
-                data = b"\x80\x02](" + b"}" * 900_000 + b"e."  # PROTO 2, [ MARK, {} * 900k, APPENDS, STOP
-            archive.writestr(name, data)
-    assert len(bomb.getvalue()) < 16 << 10
-    loads = []
-    real_load = torch.load
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "load", lambda *args, **kwargs: loads.append(1) or real_load(*args, **kwargs))
-        answer = requests.post(url, data=bomb.getvalue(), headers=auth, timeout=30)
-    return answer.status_code, len(loads), answer.json()["error"]
+    # PROTO 2, EMPTY_LIST, MARK, EMPTY_DICT * 900k, APPENDS, STOP
+    bomb = _deflated(_pt_bytes(torch.zeros(1)), {"data.pkl": b"\x80\x02](" + b"}" * 900_000 + b"e."})
+    assert len(bomb) < 16 << 10
+    answer, loads = _post_watching_load(url, bomb, auth)
+    return answer.status_code, loads, answer.json()["error"]
 
 
 def test_convert_pt(guarded: RunningServer) -> None:
