@@ -428,19 +428,21 @@ class CallCore:
     @property
     def offered(self) -> tuple[Precision, ...]:
         """The precisions this server decodes in, its default first."""
-        engine = self.pool.engine
-        offered = engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
         default = self.default_precision
-        return (default,) + tuple(p for p in Precision if p in offered and p != default)
+        return (default,) + tuple(p for p in Precision if p in self._engine_precisions and p != default)
 
     @property
     def default_precision(self) -> Precision:
         """The tier of a call that asks for none: --precision where the engine has that tier, else
         lossless (on a CPU, or where the fast tier's kernels are unavailable: the server says so at
         start-up), so that what the server offers, decodes and names in its identity agree."""
+        return self.config.precision if self.config.precision in self._engine_precisions else Precision.LOSSLESS
+
+    @property
+    def _engine_precisions(self) -> tuple[str, ...]:
+        """The tiers the served engine has (lossless alone before one serves)."""
         engine = self.pool.engine
-        offered = engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
-        return self.config.precision if self.config.precision in offered else Precision.LOSSLESS
+        return engine.info.precisions if engine is not None else (Precision.LOSSLESS,)
 
     def default_fps(self) -> int:
         """The served model's frame rate: server-side video's fps when a call asks for none."""
