@@ -53,7 +53,16 @@ from .channel import read_token, with_default_port
 from .core import normalize_latents
 from .encode_cli import add_encode_arguments, run_encode
 from .errors import LocalInputError, VaedError
-from .export import X264_CRF, ExportError, FrameWriter, check_output, existing_outputs, make_writer, remove_png_frames
+from .export import (
+    X264_CRF,
+    ExportError,
+    FrameWriter,
+    check_output,
+    existing_outputs,
+    is_mp4_output,
+    make_writer,
+    remove_png_frames,
+)
 from .heap import keep_freed_memory
 from .resume import CallReport
 from .tensors import widen_bf16_bits
@@ -295,7 +304,7 @@ def _checked_crf(args: argparse.Namespace) -> int:
         raise CommandError(f"--crf must be in 0..51, got {args.crf}")
     if getattr(args, "lossless", False):
         raise CommandError("--crf applies to lossy .mp4; --lossless is always CRF 0")
-    if pathlib.Path(args.output).suffix.lower() != ".mp4" or args.output.endswith(("/", os.sep)):
+    if not is_mp4_output(args.output):
         raise CommandError(f"--crf applies to .mp4 output; {args.output} is written lossless (.mkv or PNG frames)")
     return int(args.crf)
 
@@ -328,7 +337,7 @@ def _progress(total: int, quiet: bool) -> Any:
 def _server_side(args: argparse.Namespace, info: Any, batch: int) -> bool:
     """Where the .mp4 is encoded (see the module docstring); CommandError when --server-side
     cannot be honoured."""
-    is_mp4 = pathlib.Path(args.output).suffix.lower() == ".mp4"
+    is_mp4 = is_mp4_output(args.output)
     can = is_mp4 and batch == 1 and "mp4" in info.video_formats
     if getattr(args, "encode_on", None) == "server" and not can:
         why = ("the output is not an .mp4" if not is_mp4 else f"the latents hold {batch} videos (batch > 1)"

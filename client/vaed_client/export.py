@@ -231,6 +231,12 @@ def _is_png_folder(text: str) -> bool:
     return text.endswith(("/", os.sep)) or not pathlib.Path(text).suffix
 
 
+def is_mp4_output(out: str | os.PathLike[str]) -> bool:
+    """Whether `out` names an .mp4 file (not a PNG folder, whatever its name)."""
+    text = os.fspath(out)
+    return not _is_png_folder(text) and pathlib.Path(text).suffix.lower() == ".mp4"
+
+
 def existing_outputs(out: str | os.PathLike[str], batch: int) -> list[pathlib.Path]:
     """What writing `out` for `batch` videos would overwrite: the video files
     that exist, or the PNG folders that already hold frames (an empty folder
