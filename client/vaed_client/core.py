@@ -232,6 +232,9 @@ def normalize_latents(latents: Any) -> Any:
     if is_torch(latents):
         import torch
 
+        problem = wire.torch_data_problem(latents)
+        if problem:
+            raise LocalInputError(problem)
         if latents.dtype == torch.float64:
             latents = latents.float()
     else:

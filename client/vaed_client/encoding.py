@@ -110,6 +110,9 @@ def _rgb8_frames(frames: Any) -> Any | None:
 def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
     """Check and shape the caller's frames (`LocalInputError` before a byte is sent)."""
     as_torch = is_torch(frames)
+    problem = wire.torch_data_problem(frames) if as_torch else None
+    if problem:
+        raise LocalInputError(problem)
     if not as_torch:
         frames = np.asarray(frames)
         if frames.dtype == np.float64:

@@ -30,7 +30,7 @@ from .dtypes import (  # re-exported: the old public names of this module
 __all__ = [
     "DTYPE_NAMES", "NUMPY_STORAGE", "WIRE_DTYPE_BY_NAME", "TensorFormatError", "dtype_name", "is_torch", "itemsize",
     "torch_dtype", "wire_dtype", "validate", "payload", "to_message", "to_numpy", "to_torch", "storage_view",
-    "widen_bf16_bits", "storage_to_torch", "to_bf16_message",
+    "widen_bf16_bits", "storage_to_torch", "to_bf16_message", "torch_data_problem",
 ]
 
 
@@ -87,6 +87,18 @@ def _filled(out: vaed_pb2.Tensor | None, wire: int, shape: tuple[int, ...], data
     return message
 
 
+def torch_data_problem(tensor: Any) -> str | None:
+    """Why a torch tensor has no dense data to send (torch's own errors for these name numpy or
+    storage, which the caller never used), or None."""
+    import torch
+
+    if tensor.layout != torch.strided:
+        return f"a {tensor.layout} tensor cannot travel; pass a dense one (.to_dense())"
+    if tensor.is_meta:
+        return "a meta tensor has no data to send"
+    return None
+
+
 def _torch_to_message(tensor: Any, out: vaed_pb2.Tensor | None = None) -> vaed_pb2.Tensor:
     import torch
 
@@ -96,6 +108,9 @@ def _torch_to_message(tensor: Any, out: vaed_pb2.Tensor | None = None) -> vaed_p
         raise TensorFormatError(
             f"unsupported torch dtype {tensor.dtype}; use uint8, float16, bfloat16 or float32"
         ) from None
+    problem = torch_data_problem(tensor)
+    if problem:
+        raise TensorFormatError(problem)
     host = tensor.detach().to("cpu")
     if tensor.dtype == torch.bfloat16:
         host = host.view(torch.int16)  # same bits; numpy has no bf16

@@ -25,7 +25,7 @@ from .dtypes import (
     torch_dtype,
     wire_dtype,
 )
-from .tensors import payload, to_bf16_message, to_message, to_numpy, to_torch, validate
+from .tensors import payload, to_bf16_message, to_message, to_numpy, to_torch, torch_data_problem, validate
 
 SERVICE_NAME = "vaed.v1.VaeDecoder"
 # The port `vaed serve` listens on by default; client targets without a port get
@@ -154,6 +154,7 @@ __all__ = [
     "is_torch",
     "to_message",
     "to_bf16_message",
+    "torch_data_problem",
     "to_numpy",
     "to_torch",
     "validate",

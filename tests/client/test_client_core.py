@@ -156,6 +156,25 @@ def test_float64_and_4d_latents(fake: tuple[FakeDecoder, str]) -> None:
             client.decode(np.zeros((1, 16, 1, 1, 1), np.int64))
 
 
+def test_tensors_without_dense_data_are_local_errors(fake: tuple[FakeDecoder, str]) -> None:
+    """A sparse or meta tensor is refused by name before any call, for decode, stream and encode
+    (a sparse one used to fail on the client's own slicing: "Cannot access storage of
+    SparseTensorImpl")."""
+    servicer, target = fake
+    dense = torch.from_numpy(latents_np())
+    frames = torch.zeros(1, 3, 5, 4, 4)
+    with vaed_client.VaeClient(target) as client:
+        client.model_info()
+        calls = servicer.attempts
+        for make, why in ((lambda t: t.to_sparse(), "sparse_coo tensor cannot travel"),
+                          (lambda t: torch.empty_like(t, device="meta"), "a meta tensor has no data")):
+            for call in (lambda: client.decode(make(dense)), lambda: list(client.stream(make(dense))),
+                         lambda: client.encode(make(frames))):
+                with pytest.raises(errors.LocalInputError, match=why):
+                    call()
+        assert servicer.attempts == calls
+
+
 def test_latents_travel_in_a_bf16_servers_dtype(fake: tuple[FakeDecoder, str]) -> None:
     """For a server computing in bfloat16, a whole-video call's float32 latents go as bf16 (the
     server's own first step is that cast): every message, the head and the rest, holds torch's

@@ -117,6 +117,23 @@ def test_torch_views_are_sent_as_their_c_order_bytes(dtype: torch.dtype, view: s
     assert torch.equal(wire.to_torch(m), t)
 
 
+@pytest.mark.parametrize("make, why", [
+    (lambda x: x.to_sparse(), "sparse_coo tensor cannot travel; pass a dense one"),
+    (lambda x: x.to_sparse_csr(), "sparse_csr tensor cannot travel; pass a dense one"),
+    (lambda x: torch.empty_like(x, device="meta"), "a meta tensor has no data to send"),
+])
+def test_tensors_without_dense_data_are_refused_by_name(make: Any, why: str) -> None:
+    with pytest.raises(wire.TensorFormatError, match=why):
+        wire.to_message(make(torch.ones(4, 6)))
+
+
+def test_big_endian_numpy_arrays_travel_as_little_endian() -> None:
+    a = np.arange(24, dtype=">f4").reshape(2, 3, 4)
+    m = wire.to_message(a)
+    assert m.data == a.astype("<f4").tobytes()
+    assert np.array_equal(wire.to_numpy(m), a)
+
+
 class _CountingTensor:
     """A wire Tensor that counts reads of its payload (each read of a protobuf bytes field is a
     copy of it under the upb runtime)."""
