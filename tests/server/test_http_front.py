@@ -488,6 +488,8 @@ def test_what_the_query_says_is_refused_before_admission_and_the_body(guarded: R
         ((1, 4, 3, 4, 6), "&height=33&width=48", (), "not the decoded size 32x48"),
         ((1, 4, 3, 4, 6), "&precision=fast", (), "precision fast is not offered"),
         ((1, 4, 3, 4, 6), "", ("X-Request-Id: " + "r" * 200,), "request_id must be at most 128"),
+        # two ids: the log and the caller could name the call by different ones
+        ((1, 4, 3, 4, 6), "", ("X-Request-Id: a", "X-Request-Id: b"), "X-Request-Id came 2 times; send it once"),
     ]
     with _holding_the_slot(guarded, x, auth) as bodies_read:
         for shape, extra, headers, pattern in cases:

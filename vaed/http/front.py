@@ -142,15 +142,26 @@ def _status_answer(status: Status, message: str) -> web.Response:
     return json_error(code, message, extra)
 
 
+def request_id_of(request: web.BaseRequest) -> str:
+    """The request's X-Request-Id ("" without one); InvalidInput when it comes more than once,
+    which would leave the caller and the server's log disagreeing on which one names the call."""
+    ids = request.headers.getall(REQUEST_ID_HEADER, [])
+    if len(ids) > 1:
+        raise InvalidInput(f"{REQUEST_ID_HEADER} came {len(ids)} times; send it once")
+    return ids[0] if ids else ""
+
+
 def _with_request_id(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
     """`response` carrying the request's X-Request-Id when it is valid, as a success does (a
     streamed answer, already sent, has it from its start)."""
-    request_id = request.headers.get(REQUEST_ID_HEADER, "")
-    if request_id and not response.prepared and REQUEST_ID_HEADER not in response.headers:
-        try:
+    if response.prepared or REQUEST_ID_HEADER in response.headers:
+        return response
+    try:
+        request_id = request_id_of(request)
+        if request_id:
             response.headers[REQUEST_ID_HEADER] = checked_request_id(request_id)
-        except InvalidInput:
-            pass  # not echoed: the answer is the 400 that refuses it
+    except InvalidInput:
+        pass  # not echoed: the answer is the 400 that refuses it
     return response
 
 
@@ -253,7 +264,7 @@ class HfFront:
         try:
             query = parse_query(request.query, request.headers.get(hdrs.ACCEPT, ""), self.core.default_fps())
             check_body_bytes(length, "latents", query.shape, query.dtype)
-            self._check_decode_head(request.headers.get(REQUEST_ID_HEADER, ""), query)
+            self._check_decode_head(request_id_of(request), query)
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
         if (answer_bytes := self._whole_answer_bytes(query)) > MAX_WHOLE_ANSWER_BYTES:
@@ -300,7 +311,7 @@ class HfFront:
             query = parse_encode_query(request.query)
             if query.shape is not None and query.dtype is not None:
                 check_body_bytes(length, "frames", query.shape, query.dtype)
-            self._check_encode_head(request.headers.get(REQUEST_ID_HEADER, ""), query)
+            self._check_encode_head(request_id_of(request), query)
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc), ENCODE_METHOD)
         call = self.core.encode(self._encode_input(request, query, length), lambda item: item, lambda: False)
@@ -354,7 +365,7 @@ class HfFront:
             else:
                 assert query.dtype is not None  # a tensor body's dtype comes with its shape (EncodeQuery)
                 frames = RawLatents(body, query.video_shape, query.dtype)
-            return VideoMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""), frames=frames,
+            return VideoMessage(request_id=request_id_of(request), frames=frames,
                                 options=lambda: _requested_encode(query))
 
         return CallInput(receive=receive, parse=parse)
@@ -368,7 +379,7 @@ class HfFront:
         receive = self._body_once(request, length, None if query.allow_non_finite else check)
 
         def parse(body: memoryview) -> InputMessage:
-            return InputMessage(request_id=request.headers.get(REQUEST_ID_HEADER, ""),
+            return InputMessage(request_id=request_id_of(request),
                                 latents=RawLatents(body, query.shape, query.dtype), options=lambda: _requested(query))
 
         return CallInput(receive=receive, parse=parse)

@@ -84,8 +84,8 @@ equal the decoded size.
 vaed's own extensions (ignored by diffusers, which never sends them): `fps`, `crf`, `lossless` for
 mp4 (`vaed.video.VideoOptions`), `stream=true` (mp4 only: the fMP4 bytes are sent with chunked
 transfer as the frames decode), `precision` (lossless | fast), `allow_non_finite=true` (NaN / Inf
-latents or frames taken as they are, as gRPC's option), and an `X-Request-Id` header. A parameter
-that is neither diffusers' nor vaed's, or one given twice (`shape` aside), is refused (400): a
+latents or frames taken as they are, as gRPC's option), and an `X-Request-Id` header (once). A
+parameter that is neither diffusers' nor vaed's, or one given twice (`shape` aside), is refused (400): a
 misspelt `do_scaling` ignored would decode wrong colours, and of two values either could be meant.
 """
 
