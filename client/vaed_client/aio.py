@@ -361,9 +361,12 @@ class AsyncDecodeSession(SessionView):
         assert self._changed is not None
         await self._changed.wait()
 
-    def _start(self) -> Any:
+    async def _start(self) -> Any:
         if self._call is None:
             self._client._stub  # noqa: B018  (binds the client to this loop)
+            self._state.info = await self._client._cached_info()  # see SessionState.info
+            if self._call is not None:  # another of this session's tasks started it meanwhile
+                return self._call
             self._replies = asyncio.Queue()
             self._changed = asyncio.Event()
             self._open()
@@ -434,7 +437,7 @@ class AsyncDecodeSession(SessionView):
     async def push(self, latents: Any) -> None:
         """Send one latent chunk `[B, z_dim, t, h, w]` (any t >= 1)."""
         self._state.check_push()
-        self._start()
+        await self._start()
         message = self._state.replay_message(latents)
         while True:
             if self._state.failure is not None:
@@ -452,7 +455,7 @@ class AsyncDecodeSession(SessionView):
         if self._state.closed:
             return
         self._state.closed = True
-        self._start()
+        await self._start()
         self._log.closed = True
         self._notify()
 
@@ -470,7 +473,7 @@ class AsyncDecodeSession(SessionView):
         if self._state.error is not None:
             self._state.after_error()
             return None
-        self._start()
+        await self._start()
         assert self._replies is not None
         reply, put_back = self._state.take(await self._replies.get())
         if put_back:
@@ -487,14 +490,13 @@ class AsyncDecodeSession(SessionView):
         """Close and return the whole video (see `DecodeSession.collect`)."""
         self._state.start_collect()
         await self.close()
-        info = await self._client._cached_info() if self._state.latent_frames else None
-        assembly = self._state.assembly(info)
+        assembly = self._state.assembly()
         while (reply := await self._next_reply()) is not None:
             assembly.add(reply)
         return self._state.finish_collect(assembly)
 
     async def __aenter__(self) -> AsyncDecodeSession:
-        self._start()
+        await self._start()
         return self
 
     async def __aexit__(self, exc_type: Any, *exc: Any) -> None:

@@ -396,6 +396,7 @@ class DecodeSession(SessionView):
     def __init__(self, client: VaeClient, spec: CallSpec, *, max_pending: int = 8,
                  report: CallReport | None = None) -> None:
         self._state = SessionState(spec)
+        self._state.info = client._cached_info()
         self._client = client
         self._max_pending = max(1, max_pending)
         self._log = ReplayLog(client.resume.max_replay_bytes)
@@ -535,7 +536,7 @@ class DecodeSession(SessionView):
         """Close and return the whole video (chunks not taken by iteration)."""
         self._state.start_collect()
         self.close()
-        assembly = self._state.assembly(self._client._cached_info() if self._state.latent_frames else None)
+        assembly = self._state.assembly()
         while (reply := self._next_reply()) is not None:
             assembly.add(reply)
         return self._state.finish_collect(assembly)

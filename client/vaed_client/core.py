@@ -410,6 +410,11 @@ class SessionState:
         self.closed = False
         self.cancelled = False
         self.iterated = False
+        self.collected = False
+        # the served model, learnt before the call opens (as decode() learns it): collect() checks
+        # the frame count against it without a GetModelInfo of its own, which a draining server
+        # would refuse while it still finishes this call
+        self.info: ModelInfo | None = None
         self.error: VaedError | None = None  # seen by the consumer
         self.failure: VaedError | None = None  # set by the reply reader
 
@@ -467,8 +472,16 @@ class SessionState:
             raise RuntimeError(
                 "collect() after iterating the session: assemble the chunks with vaed_client.video.assemble()"
             )
+        if self.collected:
+            raise RuntimeError("collect() called twice: the first call returned the whole video")
+        self.collected = True
 
-    def assembly(self, info: ModelInfo | None) -> Assembly:
+    def assembly(self) -> Assembly:
+        """The whole video's container, once the session is closed; LocalInputError when nothing
+        was pushed (the server then ends the call with no frames: there is no video)."""
+        if not self.latent_frames and not self.cancelled:
+            raise LocalInputError("collect() of a session that was pushed no latents: there is no video to return")
+        info = self.info
         expected = info.output_frames(self.latent_frames) if info is not None and self.latent_frames else None
         return Assembly(self.spec, bool(self.as_torch), expected)
 

@@ -481,6 +481,35 @@ def test_session_collect_after_cancel_raises(fake: tuple[FakeDecoder, str]) -> N
             session.collect()
 
 
+def test_session_collect_of_nothing_and_collect_twice_are_usage_errors(fake: tuple[FakeDecoder, str]) -> None:
+    """A session pushed nothing has no video (the server ends it with no frames: that was an
+    InternalError, which the client keeps for servers that break the protocol); a second
+    collect() has none left (it read the end marker as an empty video: InternalError too)."""
+    _, target = fake
+    with vaed_client.VaeClient(target) as client:
+        with client.session() as session:
+            with pytest.raises(errors.LocalInputError, match="pushed no latents"):
+                session.collect()
+        with client.session() as session:
+            session.push(latents_np(t=2))
+            assert np.array_equal(session.collect(), expected_video(1, 2, 2, 3))
+            with pytest.raises(RuntimeError, match="collect\\(\\) called twice"):
+                session.collect()
+
+    async def main() -> None:
+        async with vaed_client.AsyncVaeClient(target) as client:
+            async with client.session() as session:
+                with pytest.raises(errors.LocalInputError, match="pushed no latents"):
+                    await session.collect()
+            async with client.session() as session:
+                await session.push(latents_np(t=2))
+                assert np.array_equal(await session.collect(), expected_video(1, 2, 2, 3))
+                with pytest.raises(RuntimeError, match="collect\\(\\) called twice"):
+                    await session.collect()
+
+    asyncio.run(main())
+
+
 # -- asyncio -----------------------------------------------------------------
 def test_async_client(fake: tuple[FakeDecoder, str]) -> None:
     servicer, target = fake

@@ -20,7 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vaed.server import VaedServer, engine_factory
-from vaed_client import VaeClient, wire
+from vaed_client import AsyncVaeClient, VaeClient, wire
 from vaed_client.errors import UnavailableError
 
 from harness import engine_calling_at, make_config, serve_in_thread, start_cli_server
@@ -185,6 +185,50 @@ def test_vaed_serve_process_answers_and_drains_on_sigterm():
         output += proc.stdout.read().splitlines()
         assert proc.returncode == 0, output
         assert any("draining" in line for line in output)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def test_a_session_collected_after_sigterm_gets_its_whole_video(front: str) -> None:
+    """A session of a client that never asked for ModelInfo, pushed on and collected after
+    SIGTERM, gets its whole video. collect() used to ask for ModelInfo only then (to check the
+    frame count), and the draining server refused that new call with UNAVAILABLE although it
+    would have finished the session."""
+    proc, target = start_cli_server("--grace", "300")
+    latents = torch.randn(1, 4, 12, 12, 12)
+    try:
+        with VaeClient(target) as reference:
+            want = reference.decode(latents)
+
+        def drain() -> None:
+            proc.send_signal(signal.SIGTERM)
+            _read_until(proc, "draining")
+
+        if front == "sync":
+            with VaeClient(target) as client:
+                session = client.session()
+                session.push(latents[:, :, :1])
+                session._call.initial_metadata()  # the server has the call: it sends these at its start
+                drain()
+                session.push(latents[:, :, 1:])
+                video = session.collect()
+        else:
+            async def collect() -> torch.Tensor:
+                async with AsyncVaeClient(target) as client:
+                    async with client.session() as session:
+                        await session.push(latents[:, :, :1])
+                        await session._call.initial_metadata()  # as above
+                        await asyncio.get_running_loop().run_in_executor(None, drain)
+                        await session.push(latents[:, :, 1:])
+                        return await session.collect()
+
+            video = asyncio.run(collect())
+        assert video.shape == want.shape == (1, 45, 96, 96, 3) and torch.equal(video, want)
+        proc.wait(120)
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()
