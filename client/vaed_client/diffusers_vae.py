@@ -223,7 +223,12 @@ class RemoteAutoencoderKLWan(_ModuleBase):
             return (sample,)
         return _decoder_output(sample)
 
-    def forward(self, z: torch.Tensor, return_dict: bool = True) -> Any:
+    def forward(self, sample: torch.Tensor, sample_posterior: bool = False, return_dict: bool = True,
+                generator: torch.Generator | None = None) -> Any:
+        """As `AutoencoderKLWan.forward`: frames encoded, then the posterior's mode (or, with
+        `sample_posterior`, a sample drawn with `generator`) decoded."""
+        posterior = self.encode(sample).latent_dist
+        z = posterior.sample(generator=generator) if sample_posterior else posterior.mode()
         return self.decode(z, return_dict=return_dict)
 
     @torch.no_grad()

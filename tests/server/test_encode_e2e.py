@@ -245,14 +245,21 @@ def test_remote_autoencoder_encode(served: tuple[Any, Any]) -> None:
     try:
         out = vae.encode(x)
         (posterior,) = vae.encode(x, return_dict=False)
+        # calling the module is stock's forward: encode, then decode the mode or a sample
+        round_trip = vae(x).sample
+        sampled = vae(x, sample_posterior=True, generator=torch.Generator().manual_seed(2), return_dict=False)[0]
     finally:
         vae.close()
     with torch.no_grad():
         local = stock.encode(x).latent_dist
+        want_round_trip = stock(x).sample
+        want_sampled = stock(x, sample_posterior=True, generator=torch.Generator().manual_seed(2)).sample
     assert type(out.latent_dist) is type(local)
     assert torch.equal(out.latent_dist.mode(), local.mode()) and torch.equal(posterior.logvar, local.logvar)
     g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     assert torch.equal(out.latent_dist.sample(g1), local.sample(g2))
+    assert round_trip.shape == x.shape and torch.equal(round_trip, want_round_trip)
+    assert torch.equal(sampled, want_sampled) and not torch.equal(sampled, round_trip)
 
 
 def test_a_decode_only_server_refuses_encode(tiny_server: Any) -> None:
