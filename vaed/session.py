@@ -431,7 +431,7 @@ class Session:
         deliver; never while frame 0 is still on its way out (see the module docstring)."""
         if self._first_group_pending:
             return False
-        if self.state is SessionState.INPUT_DONE and not self._backlog:
+        if self._drained():
             return True
         return self.state in (SessionState.OPEN, SessionState.INPUT_DONE) and bool(self._backlog) and self._credits > 0
 
@@ -491,9 +491,13 @@ class Session:
         every other session's next step (20-40 ms each on an H200 at 480x832), and with it the
         call's status, which `decode()` returns on and a Content-Length HTTP answer ends with."""
         with self.lock:
-            drained = self.state is SessionState.INPUT_DONE and not self._backlog
+            drained = self._drained()
         if drained:
             self.finish()
+
+    def _drained(self) -> bool:
+        """The input ended and every latent frame was taken: only the end is left (`lock` held)."""
+        return self.state is SessionState.INPUT_DONE and not self._backlog
 
     def end_step(self, failure: BaseException | None = None) -> None:
         """The step is over; `failure` fails the session (after the step, so its cache goes at once)."""
