@@ -264,7 +264,8 @@ class HfFront:
         try:
             query = parse_query(request.query, request.headers.get(hdrs.ACCEPT, ""), self.core.default_fps())
             check_body_bytes(length, "latents", query.shape, query.dtype)
-            self._check_decode_head(request_id_of(request), query)
+            request_id = request_id_of(request)
+            self._check_decode_head(request_id, query)
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
         if (answer_bytes := self._whole_answer_bytes(query)) > MAX_WHOLE_ANSWER_BYTES:
@@ -273,7 +274,7 @@ class HfFront:
                                 f"partial_postprocess is sent whole: this server holds at most "
                                 f"{MAX_WHOLE_ANSWER_BYTES} bytes for one; decode fewer frames per call, or ask "
                                 "partial_postprocess=true (uint8 frames, streamed) or output_type mp4")
-        call = self.core.decode(self._input(request, query, length), self._to_message(query),
+        call = self.core.decode(self._input(request, query, length, request_id), self._to_message(query),
                                 lambda: send_timed_out(request))
         try:
             return await self._answer(request, query, call)
@@ -311,10 +312,12 @@ class HfFront:
             query = parse_encode_query(request.query)
             if query.shape is not None and query.dtype is not None:
                 check_body_bytes(length, "frames", query.shape, query.dtype)
-            self._check_encode_head(request_id_of(request), query)
+            sent_id = request_id_of(request)
+            self._check_encode_head(sent_id, query)
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc), ENCODE_METHOD)
-        call = self.core.encode(self._encode_input(request, query, length), lambda item: item, lambda: False)
+        call = self.core.encode(self._encode_input(request, query, length, sent_id), lambda item: item,
+                                lambda: False)
         pieces: list[torch.Tensor] = []
         request_id = ""
         try:
@@ -353,9 +356,11 @@ class HfFront:
         if query.shape is not None:
             check_encoder_frames(query, engine.scale_temporal)
 
-    def _encode_input(self, request: web.Request, query: EncodeQuery, length: int) -> CallInput[memoryview]:
+    def _encode_input(self, request: web.Request, query: EncodeQuery, length: int,
+                      request_id: str) -> CallInput[memoryview]:
         """The core's view of an encode request: one message (the body: a tensor, or an image
-        file decoded once it is read), then the end."""
+        file decoded once it is read), then the end. `request_id`: the header's, as the head
+        checked it."""
         receive = self._body_once(request, length)
 
         def parse(body: memoryview) -> VideoMessage:
@@ -365,21 +370,22 @@ class HfFront:
             else:
                 assert query.dtype is not None  # a tensor body's dtype comes with its shape (EncodeQuery)
                 frames = RawLatents(body, query.video_shape, query.dtype)
-            return VideoMessage(request_id=request_id_of(request), frames=frames,
+            return VideoMessage(request_id=request_id, frames=frames,
                                 options=lambda: _requested_encode(query))
 
         return CallInput(receive=receive, parse=parse)
 
-    def _input(self, request: web.Request, query: DecodeQuery, length: int) -> CallInput[memoryview]:
+    def _input(self, request: web.Request, query: DecodeQuery, length: int,
+               request_id: str) -> CallInput[memoryview]:
         """The core's view of the request: one message (the body, its latents checked for NaN / Inf
-        unless the call allows them), then the end."""
+        unless the call allows them), then the end. `request_id`: the header's, as the head checked it."""
         def check(body: memoryview) -> None:
             check_finite_latents(RawLatents(body, query.shape, query.dtype).to_tensor())
 
         receive = self._body_once(request, length, None if query.allow_non_finite else check)
 
         def parse(body: memoryview) -> InputMessage:
-            return InputMessage(request_id=request_id_of(request),
+            return InputMessage(request_id=request_id,
                                 latents=RawLatents(body, query.shape, query.dtype), options=lambda: _requested(query))
 
         return CallInput(receive=receive, parse=parse)
