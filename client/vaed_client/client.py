@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -284,10 +284,11 @@ class VaeClient:
         raw_dtype: Any = None,
         request_id: str | None = None,
         report: CallReport | None = None,
-    ) -> Iterator[DecodedChunk]:
+    ) -> ChunkStream:
         """Yield DecodedChunks (frames in `output_type`) as the server decodes
-        them. Stopping the iteration early (break, close()) cancels the decode
-        on the server. Sent as a DecodeStream: the first two latent frames,
+        them. Stopping the iteration early (break, close(), or dropping the
+        iterator, even before its first next()) cancels the decode on the
+        server. Sent as a DecodeStream: the first two latent frames,
         then the rest once the first frame is back, so the first frame waits
         for neither the whole upload nor its traffic (`core.StreamedLatents`).
         A resumed attempt sends everything at once (its first frames are skipped)."""
@@ -297,7 +298,8 @@ class VaeClient:
         streamed = stream_latents(spec, latents, self._cached_info().compute_dtype)
         progress = self._progress(report, spec.options.request_id)
         # The call starts here, not at the first next(): the decode runs while the caller sets up.
-        return self._resumed_chunks(spec, streamed, progress, self._open_stream(streamed, spec, progress))
+        current = _CurrentAttempt(self._open_stream(streamed, spec, progress))
+        return ChunkStream(self._resumed_chunks(spec, streamed, progress, current), current)
 
     def _open_stream(self, streamed: StreamedLatents, spec: CallSpec, progress: Progress) -> _RestGate:
         """One attempt of a whole-video call as a DecodeStream: the head first and the rest at
@@ -311,14 +313,15 @@ class VaeClient:
         return gate
 
     def _resumed_chunks(self, spec: CallSpec, streamed: StreamedLatents, progress: Progress,
-                        gate: _RestGate) -> Iterator[DecodedChunk]:
+                        current: _CurrentAttempt) -> Generator[DecodedChunk, None, None]:
         while True:
+            gate = current.gate
             try:
                 yield from _iterate_chunks(gate.call, spec, streamed.as_torch, gate.opened, progress)
                 return
             except ATTEMPT_FAILURES as e:  # _iterate_chunks ended its call
                 time.sleep(progress.retry_delay(progress.error_of(e)))
-            gate = self._open_stream(streamed, spec, progress)
+            current.gate = self._open_stream(streamed, spec, progress)
 
     def session(
         self,
@@ -336,6 +339,42 @@ class VaeClient:
         spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                                raw_dtype=raw_dtype, request_id=request_id)
         return DecodeSession(self, spec, max_pending=max_pending, report=report)
+
+
+class _CurrentAttempt:
+    """The gate of a stream's current attempt (a resume opens another): shared by its chunk
+    generator and its `ChunkStream`, which would form a cycle if the generator held the stream."""
+
+    def __init__(self, gate: _RestGate) -> None:
+        self.gate = gate
+
+
+class ChunkStream(Iterator[DecodedChunk]):
+    """What `VaeClient.stream` returns: its DecodeStream is open before the first `next()`, so
+    `close()`, and dropping the iterator, cancel that call even when it was never iterated (a
+    generator closed before its first `next()` runs none of its code: the server would hold the
+    session until its idle timeout, and a `--max-sessions` slot with it)."""
+
+    def __init__(self, chunks: Generator[DecodedChunk, None, None], current: _CurrentAttempt) -> None:
+        self._chunks: Generator[DecodedChunk, None, None] | None = chunks
+        self._current = current
+
+    def __next__(self) -> DecodedChunk:
+        if self._chunks is None:
+            raise StopIteration
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop iterating and cancel the call on the server (a no-op once it ended)."""
+        chunks, self._chunks = self._chunks, None
+        if chunks is not None:
+            chunks.close()
+        call = self._current.gate.call
+        if call is not None:
+            call.cancel()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _RestGate:

@@ -339,3 +339,25 @@ def test_sixteen_idle_streams_hold_every_slot_until_the_timeout_then_a_new_clien
         channel.close()
         proc.kill()
         proc.wait(30)
+
+
+# -- a client's stream that it never reads ---------------------------------------------------------
+
+def test_a_stream_closed_or_dropped_before_its_first_next_frees_its_slot():
+    """`stream()` opens its call before the first next(): closing the iterator, or dropping it,
+    cancels that call at once. The server's own limits are far beyond the wait bound here, so
+    only the client's cancel frees the one slot in time."""
+    far = 10 * WAIT_S
+    config = make_config(max_sessions=1, session_first_message_timeout=far, session_idle_timeout=far,
+                         send_timeout=far)
+    latents = torch.randn(1, Z, 4, 5, 7)
+    with serve_in_thread(config) as running, VaeClient(running.target, timeout=far) as client:
+        want = client.decode(latents, format="raw", raw_dtype="float32")
+        for how in ("close", "drop"):
+            chunks = client.stream(latents)
+            _wait_for(lambda: running.server.pool.admitted == 1, f"the stream to {how} is admitted")
+            if how == "close":
+                chunks.close()
+            del chunks
+            _wait_for(lambda: _slots_free(running), f"the slot of the stream to {how} is free")
+        assert torch.equal(client.decode(latents, format="raw", raw_dtype="float32"), want)
