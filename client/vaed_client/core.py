@@ -23,7 +23,7 @@ import numpy as np
 from . import outputs, wire
 from .errors import CancelledError, InternalError, LocalInputError, VaedError
 from .mp4 import MP4, check_no_video_options, video_fields
-from .tensors import TensorFormatError, is_torch
+from .tensors import TensorFormatError, is_torch, native_array
 from .video import RAW, RGB8, DecodedChunk, VideoAssembler, has_frames, to_chunk
 
 pb = wire.pb
@@ -240,7 +240,7 @@ def normalize_latents(latents: Any) -> Any:
     else:
         if not isinstance(latents, np.ndarray) and not hasattr(latents, "__array__"):
             raise LocalInputError(f"latents must be a numpy array or torch tensor, not {type(latents).__name__}")
-        latents = np.asarray(latents)
+        latents = native_array(latents)
         if latents.dtype == np.float64:
             latents = latents.astype(np.float32)
     name = str(latents.dtype).removeprefix("torch.")

@@ -35,7 +35,7 @@ import numpy as np
 
 from . import wire
 from .errors import InternalError, LocalInputError
-from .tensors import TensorFormatError, is_torch
+from .tensors import TensorFormatError, is_torch, native_array
 
 pb = wire.pb
 # float32 frames up to this size on the CPU (a few ms to check), and any on a GPU (where the check
@@ -114,7 +114,7 @@ def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
     if problem:
         raise LocalInputError(problem)
     if not as_torch:
-        frames = np.asarray(frames)
+        frames = native_array(frames)
         if frames.dtype == np.float64:
             frames = frames.astype(np.float32)
     name = str(frames.dtype).replace("torch.", "")

@@ -138,6 +138,13 @@ def to_bf16_message(array: Any, out: vaed_pb2.Tensor | None = None) -> vaed_pb2.
     return _filled(out, vaed_pb2.BFLOAT16, bits.shape, rounded.tobytes())
 
 
+def native_array(value: Any) -> np.ndarray:
+    """``np.asarray(value)`` in this machine's byte order: a big-endian array holds the same
+    numbers, and the dtype rules name ``float32``, never ``>f4``."""
+    array = np.asarray(value)
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
+
+
 def to_numpy(message: vaed_pb2.Tensor) -> np.ndarray:
     """Wire Tensor -> numpy; BFLOAT16 is widened exactly to float32."""
     storage = storage_view(message)

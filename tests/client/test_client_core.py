@@ -19,6 +19,7 @@ import vaed_client
 from vaed_client import channel as vchannel
 from vaed_client import errors
 from vaed_client import outputs
+from vaed_client.encoding import prepare_video
 from vaed_client.video import assemble
 
 
@@ -154,6 +155,23 @@ def test_float64_and_4d_latents(fake: tuple[FakeDecoder, str]) -> None:
                 client.decode(bad)
         with pytest.raises(errors.LocalInputError, match="int64"):
             client.decode(np.zeros((1, 16, 1, 1, 1), np.int64))
+
+
+def test_big_endian_latents_and_frames_are_their_numbers(fake: tuple[FakeDecoder, str]) -> None:
+    """A big-endian array holds the same float32/float64 numbers: accepted as its native twin
+    (the dtype check once read '>f4' and refused it), and sent as the same bytes."""
+    servicer, target = fake
+    latents = np.random.default_rng(1).standard_normal((1, 16, 2, 3, 3)).astype(np.float32)
+    with vaed_client.VaeClient(target) as client:
+        want = client.decode(latents)
+        native = servicer.requests[-1].latents.data
+        for swapped in (latents.astype(">f4"), latents.astype(">f8")):
+            assert np.array_equal(client.decode(swapped), want)
+            assert servicer.requests[-1].latents.data == native
+    frames = np.random.default_rng(2).uniform(-1, 1, (1, 3, 5, 8, 8)).astype(np.float32)
+    for swapped in (frames.astype(">f4"), frames.astype(">f8")):
+        video = prepare_video(swapped)
+        assert video.frames.dtype == np.float32 and np.array_equal(video.frames, frames)
 
 
 def test_tensors_without_dense_data_are_local_errors(fake: tuple[FakeDecoder, str]) -> None:
