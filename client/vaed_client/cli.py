@@ -383,6 +383,9 @@ def _decode(client: Any, info: Any, latents: Any, writer: FrameWriter, args: arg
             if bar is not None:
                 bar.update(chunk.num_frames)
         paths = writer.close()
+    except BaseException:  # a failed or interrupted decode leaves no part of a video behind
+        writer.discard()
+        raise
     finally:
         if bar is not None:
             bar.close()

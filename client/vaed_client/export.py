@@ -92,6 +92,8 @@ def to_uint8_video(frames: Any) -> np.ndarray:
 class FrameWriter(Protocol):
     def write(self, first_frame: int, frames: np.ndarray) -> None: ...
     def close(self) -> list[pathlib.Path]: ...
+    def discard(self) -> None:
+        """The video failed: remove what this writer wrote (a part of a video looks whole)."""
 
 
 def output_paths(out: pathlib.Path, batch: int) -> list[pathlib.Path]:
@@ -198,6 +200,13 @@ class AvWriter:
             container.close()
         return self._paths
 
+    def discard(self) -> None:
+        for container in self._containers:
+            container.close()
+        self._containers, self._streams = [], []
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
 
 class PngWriter:
     """One folder of PNG frames per batch item (lossless)."""
@@ -222,6 +231,11 @@ class PngWriter:
 
     def close(self) -> list[pathlib.Path]:
         return self._dirs
+
+    def discard(self) -> None:
+        # an existing folder held no frames (or --force cleared them): only this run's are there
+        for folder in self._dirs:
+            remove_png_frames(folder)
 
 
 PNG_FRAME_GLOB = "frame_[0-9][0-9][0-9][0-9][0-9].png"

@@ -197,6 +197,30 @@ def test_decode_command_against_real_server(tiny_server: Any, tmp_path: pathlib.
         assert np.array_equal(np.asarray(Image.open(f)), video[0, i])
 
 
+@pytest.mark.parametrize("name, flags", [("v.mkv", []), ("v.mp4", ["--client-side"]), ("png", [])])
+def test_a_decode_that_fails_midway_leaves_no_part_of_a_video(
+    tiny_server: Any, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], name: str, flags: list[str]
+) -> None:
+    """The server refuses latent frame 25 (NaN) after the frames of 0-24 were written here (97
+    frames: x264 holds back its lookahead's 40 at most, so the .mp4 has packets too): exit 1, and
+    nothing of that video is left (a part of a video looks like a whole one), so the same
+    command with good latents then runs without --force."""
+    z_dim = tiny_server.vae.config.z_dim
+    latents = torch.randn(1, z_dim, 30, 4, 6, generator=torch.Generator().manual_seed(0))
+    bad = latents.clone()
+    bad[:, :, 25] = float("nan")
+    out = tmp_path / name
+    torch.save(bad, tmp_path / "bad.pt")
+    torch.save(latents, tmp_path / "good.pt")
+    argv = ["--server", tiny_server.target, "-o", str(out), "--quiet", *flags]
+    assert dc.run_decode(_parse(dc.add_decode_arguments, [str(tmp_path / "bad.pt"), *argv])) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert not out.exists() if name != "png" else not any(out.glob("*.png"))
+    assert dc.run_decode(_parse(dc.add_decode_arguments, [str(tmp_path / "good.pt"), *argv])) == 0
+    frames = _mp4_frames(out) if name != "png" else sorted(out.glob("*.png"))
+    assert len(frames) == 117  # 1 + 4 x 29 frames
+
+
 # -- outputs: suffixes, lossless ----------------------------------------------
 def test_unknown_output_suffix_is_an_error_listing_supported(tmp_path: pathlib.Path) -> None:
     from vaed_client.export import ExportError
