@@ -36,14 +36,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from . import fmp4
 from .yuv import rgb8_to_yuv420p
+
+T = TypeVar("T")
 
 DEFAULT_CRF = 23
 DEFAULT_PRESET = "veryfast"  # ~2x faster than x264's "medium" for ~10 % more bytes
@@ -201,6 +203,19 @@ class Fmp4Packager:
         self._sink.take()
         return out
 
+    def abandon(self) -> None:
+        """The call ended without its video (cut or failed): free the encoder now. x264's threads
+        and buffers otherwise lived until a cyclic garbage collection: on a 2-core machine 20
+        cut 480x832 calls held 60 more threads and ~250 MB."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._container is not None:
+            # the encoder goes with the last reference to its container and stream, once closed
+            # (the bytes closing writes go nowhere)
+            self._container.close()
+            self._container = self._stream = None
+
     def _fragment(self, packet: Any) -> bytes:
         """The packet's fragment, after the init segment for the first one. FFmpeg writes the
         init segment once it has the first packet (it needs the encoder's headers), and is
@@ -281,6 +296,12 @@ class AsyncPackager:
         self._executor = executor
         self._lock = asyncio.Lock()  # one step of this video at a time, in call order
         self._opening: asyncio.Future[None] | None = None
+        self._step: concurrent.futures.Future[Any] | None = None  # the last one on the pool
+
+    def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """One step on the pool, remembered so that `discard` frees the encoder after it."""
+        self._step = self._executor.submit(fn, *args, **kwargs)
+        return asyncio.wrap_future(self._step)
 
     @property
     def frames_in(self) -> int:
@@ -293,24 +314,21 @@ class AsyncPackager:
         frame side) is raised there."""
         if self._opening is not None:
             return
-        loop = asyncio.get_running_loop()
-
         async def open_after() -> None:
             await after.wait()
-            await loop.run_in_executor(self._executor, self._packager.open, height, width)
+            await self._run(self._packager.open, height, width)
 
         self._opening = asyncio.ensure_future(open_after())
 
     async def add(self, frames: np.ndarray, *, yuv420p: bool = False) -> bytes:
         async with self._lock:
             await self._opened()
-            return await asyncio.get_running_loop().run_in_executor(
-                self._executor, functools.partial(self._packager.add, frames, yuv420p=yuv420p))
+            return await self._run(self._packager.add, frames, yuv420p=yuv420p)
 
     async def close(self) -> bytes:
         async with self._lock:
             await self._opened()
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._packager.close)
+            return await self._run(self._packager.close)
 
     async def _opened(self) -> None:
         if self._opening is not None:
@@ -318,9 +336,17 @@ class AsyncPackager:
             await opening
 
     def discard(self) -> None:
-        """Drop an early open the call never waited for (it failed first): one still waiting for
-        its event never starts, and a failed one is not reported as never retrieved (asyncio's
-        cancel() clears that report on a future already done, and cancels a pending one)."""
+        """The call is over: free the encoder of a video that did not close (a cut or failed
+        call), after the step still running on the pool if there is one (a packager is fed by
+        one thread at a time). Also drop an early open the call never waited for: one still
+        waiting for its event never starts, and a failed one is not reported as never retrieved
+        (asyncio's cancel() clears that report on a future already done, and cancels a pending
+        one)."""
         if self._opening is not None:
             self._opening.cancel()
             self._opening = None
+        step = self._step
+        if step is not None and not step.done():
+            step.add_done_callback(lambda _: self._packager.abandon())  # on the pool, after the step
+        else:
+            self._packager.abandon()

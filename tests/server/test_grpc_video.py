@@ -365,6 +365,36 @@ def test_a_failed_mp4_call_leaves_no_file(tmp_path: pathlib.Path, got_bytes: thr
     assert got_bytes.is_set() and not path.exists()
 
 
+def test_the_encoders_of_failed_mp4_calls_are_freed_at_the_calls_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls that fail after their first fragments (latent frame 2) leave no open encoder: each
+    call's packager is closed and lets its container go at the call's end (x264's threads and
+    buffers had lived on until a cyclic garbage collection: 4 threads a call on 2 cores)."""
+    packagers: list[Fmp4Packager] = []
+    init = Fmp4Packager.__init__
+
+    def recorded(self: Fmp4Packager, options: VideoOptions) -> None:
+        init(self, options)
+        packagers.append(self)
+
+    def fail() -> None:
+        raise NotReady("device cpu failed; retry on another device or replica")
+
+    monkeypatch.setattr(Fmp4Packager, "__init__", recorded)
+    model = "random:wan2.1-tiny"
+    config = make_config(model, warmup=False)
+    with serve_in_thread(config, build_engine=engine_calling_at(config, 2, fail)) as running, \
+            VaeClient(running.target, timeout=120, resume=False) as client:
+        for lossless in (False, True, False):
+            with pytest.raises(VaedError, match="device cpu failed"):
+                client.decode(latents(model, t=4, h=16, w=16), output_type="mp4", lossless=lossless)
+        assert len(packagers) == 3 and all(p.frames_in > 0 for p in packagers)  # the encoders ran
+        for _ in range(6000):  # a bound on a hang: the call's end runs just after its status leaves
+            if all(p.closed and p._container is None for p in packagers):
+                break
+            threading.Event().wait(0.01)
+    assert [(p.closed, p._container) for p in packagers] == [(True, None)] * 3
+
+
 def test_grpc_and_http_mp4_are_one_implementation() -> None:
     """The same latents give the same MP4 bytes through gRPC (format MP4) and the HTTP front
     (`remote_decode(output_type="mp4")`): both are the call core's packaging, same options."""

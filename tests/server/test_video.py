@@ -299,3 +299,81 @@ def test_an_open_after_an_event_starts_only_once_it_is_set(monkeypatch: pytest.M
         return parts
 
     assert _run_then_shut_down(pool, run) == _package(video, options)
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (x264's are not Python threads)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_an_abandoned_packager_frees_its_encoder_at_once():
+    """A call cut before its video closed: `abandon` frees x264 (its threads) now, not at a later
+    cyclic garbage collection (off here, so only abandon can free it); opened but never fed, or
+    never opened, too; a closed packager's abandon is a no-op."""
+    first = Fmp4Packager(VideoOptions())  # the first encode's one-time threads come here
+    first.add(_smooth_video(1))
+    first.close()
+    gc.disable()
+    try:
+        for feed in (True, False):
+            before = _threads()
+            packager = Fmp4Packager(VideoOptions())
+            packager.open(480, 832)
+            if feed:
+                packager.add(_smooth_video(1).repeat(10, axis=1).repeat(13, axis=2))
+            assert _threads() > before  # x264's own threads
+            packager.abandon()
+            assert _threads() <= before
+            with pytest.raises(VideoError, match="already closed"):
+                packager.add(_smooth_video(1))
+        Fmp4Packager(VideoOptions()).abandon()
+        done = Fmp4Packager(VideoOptions())
+        data = done.add(_smooth_video(2)) + done.close()
+        done.abandon()
+        assert _decode(data).shape[0] == 2
+    finally:
+        gc.enable()
+
+
+def test_discard_frees_the_encoder_after_the_step_still_on_the_pool(monkeypatch: pytest.MonkeyPatch):
+    """A call cut while its frames encode: `discard` (from the call's end, on the event loop)
+    leaves the encoder to the step running on the pool and frees it right after that step (a
+    packager is fed by one thread at a time)."""
+    events: list[str] = []
+    release = __import__("threading").Event()
+    original_add = Fmp4Packager.add
+
+    def slow_add(self: Fmp4Packager, frames: np.ndarray, **kwargs: Any) -> bytes:
+        events.append("add started")
+        release.wait(60)
+        out = original_add(self, frames, **kwargs)
+        events.append("add ended")
+        return out
+
+    def abandon(self: Fmp4Packager) -> None:
+        events.append("abandon")
+
+    monkeypatch.setattr(Fmp4Packager, "add", slow_add)
+    monkeypatch.setattr(Fmp4Packager, "abandon", abandon)
+    pool = PackagingPool(threads=2)
+
+    async def run() -> None:
+        packager = pool.packager(VideoOptions())
+        adding = asyncio.ensure_future(packager.add(_smooth_video(1)))
+        while not events:
+            await asyncio.sleep(0.01)
+        adding.cancel()  # the call is cut; its step keeps running on the pool
+        packager.discard()
+        assert events == ["add started"]
+        release.set()
+        await asyncio.get_running_loop().run_in_executor(None, lambda: __import__("time").sleep(0))
+        for _ in range(6000):
+            if len(events) == 3:
+                break
+            await asyncio.sleep(0.01)
+
+    _run_then_shut_down(pool, run)
+    assert events == ["add started", "add ended", "abandon"]
