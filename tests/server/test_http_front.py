@@ -13,6 +13,7 @@ import math
 import re
 import socket
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -354,6 +355,29 @@ def test_a_whole_mp4_over_the_answer_bound_is_413_and_stream_is_not_bound(
     streamed = _post(tiny_http, {**sent["params"], "stream": "true"}, sent["data"])
     assert streamed.status_code == 200 and len(streamed.content) > 1000
     assert requests.get(url(tiny_http, "/health"), timeout=10).status_code == 200
+
+
+def test_a_streamed_mp4_over_http_1_0_runs_to_the_close(tiny_http: RunningServer) -> None:
+    """HTTP/1.0 has no chunked transfer (nginx's proxy_http_version defaults to it): stream=true
+    answers it with the same bytes as HTTP/1.1's chunks, the body ending at the server's close
+    (it was a 500 from aiohttp's refusal to chunk, after the call had started)."""
+    sent = prepare_decode(latents("random:wan2.1-tiny", t=3, h=8, w=8, seed=13), output_type="mp4")
+    params = {**sent["params"], "stream": "true"}
+    want = _post(tiny_http, params, sent["data"])
+    assert want.status_code == 200 and want.headers.get("Transfer-Encoding") == "chunked"
+    query = urllib.parse.urlencode(params, doseq=True)
+    body = bytes(sent["data"])
+    head = f"POST /decode?{query} HTTP/1.0\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", tiny_http.server.http_port), timeout=60) as s:
+        s.sendall(head.encode() + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    answer_head, _, content = answer.partition(b"\r\n\r\n")
+    lines = answer_head.decode().split("\r\n")
+    assert lines[0].startswith("HTTP/1.0 200"), answer_head
+    assert not any(line.lower().startswith(("transfer-encoding", "content-length")) for line in lines), lines
+    assert content == want.content
 
 
 def test_every_error_is_json_with_its_status_and_headers(tiny_http: RunningServer) -> None:

@@ -563,7 +563,10 @@ class HfFront:
                     if response is None:
                         response = web.StreamResponse(
                             headers={hdrs.CONTENT_TYPE: "video/mp4", REQUEST_ID_HEADER: item.request_id})
-                        response.enable_chunked_encoding()
+                        if request.version >= HttpVersion11:
+                            response.enable_chunked_encoding()
+                        # else HTTP/1.0, which has no chunks (a proxy's default, nginx's among
+                        # them): the body runs to the connection's close, as aiohttp then sends it
                         await response.prepare(request)
                     await _write(response, data)
         except CallFailed as exc:
