@@ -158,6 +158,9 @@ class CallInput(Generic[T]):
     receive: Receive                     # the next raw message; None once the client half-closed
     # raw -> InputMessage (Decode, DecodeStream) or VideoMessage (Encode); InvalidInput when malformed
     parse: Callable[[T], Any]
+    # the call's id where its front knows it before the first message (HTTP's checked X-Request-Id
+    # header): a call refused before that message (busy, a slow or non-finite body) logs it
+    request_id: str = "-"
 
 
 # -- what the core hands the front -------------------------------------------------------
@@ -300,8 +303,9 @@ class Call(Generic[T]):
         to_message: Callable[[Any], T],
         deadline_passed: Callable[[], bool],
         linger: float = 0.0,
+        request_id: str = "-",
     ) -> None:
-        self.record = CallRecord(method, "-")
+        self.record = CallRecord(method, request_id)
         self._core = core
         self._body = body(self.record)
         self._to_message = to_message
@@ -375,7 +379,8 @@ class CallCore:
         self, input: CallInput[T], to_message: Callable[[Out], Any], deadline_passed: Callable[[], bool],
     ) -> Call[Any]:
         """Decode: one message of latents, then the frames."""
-        return Call(self, "Decode", lambda record: self._decode(record, input), to_message, deadline_passed)
+        return Call(self, "Decode", lambda record: self._decode(record, input), to_message, deadline_passed,
+                    request_id=input.request_id)
 
     def decode_stream(
         self, input: CallInput[T], to_message: Callable[[Out], Any], deadline_passed: Callable[[], bool],
@@ -385,7 +390,7 @@ class CallCore:
         call waits, reading nothing, before its status (a front whose clients are still writing
         would otherwise miss it; see vaed.interceptors)."""
         return Call(self, "DecodeStream", lambda record: self._decode_stream(record, input), to_message,
-                    deadline_passed, linger)
+                    deadline_passed, linger, input.request_id)
 
     def encode(
         self, input: CallInput[T], to_message: Callable[[Any], Any], deadline_passed: Callable[[], bool],
@@ -393,7 +398,8 @@ class CallCore:
     ) -> Call[Any]:
         """Encode: frame chunks in (`VideoMessage`s), latent frames out (`LatentFrameOut`) as each
         encoder call finishes, then the CallEnd; `linger` as for decode_stream."""
-        return Call(self, "Encode", lambda record: self._encode(record, input), to_message, deadline_passed, linger)
+        return Call(self, "Encode", lambda record: self._encode(record, input), to_message, deadline_passed, linger,
+                    input.request_id)
 
     # -- finishing: the one log line and the metrics ----------------------------------------
 

@@ -495,6 +495,32 @@ def test_a_full_server_answers_429_and_a_draining_one_503_before_the_body_is_rea
     assert requests.get(url(guarded, "/health"), timeout=10).status_code == 200
 
 
+def test_calls_refused_before_their_body_is_parsed_log_the_headers_request_id(
+        tiny_http: RunningServer, guarded: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The log line names a call by its X-Request-Id (as gRPC's names its first message's) also
+    when the call ends before its body is parsed: non-finite latents, a body that never comes,
+    no free slot (each had been logged `id=-`, so an operator could not find the client's call)."""
+    x = latents("random:wan2.1-tiny")
+    nan = x.clone()
+    nan[0, 0, 0, 0, 0] = float("nan")
+    sent = prepare_decode(nan, output_type="pt")
+    with caplog.at_level(logging.INFO, logger="vaed.service"):
+        answer = requests.post(url(tiny_http, "/decode"), params=sent["params"], data=sent["data"],
+                               headers={**sent["headers"], "X-Request-Id": "nan-body-1"}, timeout=60)
+        assert answer.status_code == 400 and answer.headers["X-Request-Id"] == "nan-body-1"
+        status, _ = raw_request(tiny_http.server.http_port, _head(tuple(x.shape), x.numel() * 4,
+                                                                  "X-Request-Id: slow-body-1"))
+        assert status == 504
+        auth = f"Authorization: Bearer {TOKEN}"
+        with _holding_the_slot(guarded, x, auth):
+            status, _ = raw_request(guarded.server.http_port,
+                                    _head(tuple(x.shape), x.numel() * 4, auth, "X-Request-Id: second"))
+            assert status == 429
+    for line in ("Decode id=nan-body-1 status=INVALID_ARGUMENT ", "Decode id=slow-body-1 status=DEADLINE_EXCEEDED ",
+                 "Decode id=second status=RESOURCE_EXHAUSTED "):
+        assert line in caplog.text, caplog.text
+
+
 def test_what_the_query_says_is_refused_before_admission_and_the_body(guarded: RunningServer) -> None:
     """Every check the query can answer (the model's z_dim, --max-batch, --max-pixels,
     --max-latent-frames, height/width, the precisions offered, the request id) runs from the head:
