@@ -400,6 +400,47 @@ def pickle_bomb_before_load(url: str, auth: dict[str, str]) -> tuple[int, int, s
     return answer.status_code, loads, answer.json()["error"]
 
 
+def test_a_load_whose_client_left_still_holds_the_one_conversion(guarded: RunningServer,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One .pt file is read at a time: while a load runs (held here), another file is 429 even
+    after the first client disconnected (its handler is cancelled, its torch.load in a thread is
+    not; the lock had gone with the handler); once that load ends the route reads files again."""
+    from vaed.http import page
+
+    started, release = threading.Event(), threading.Event()
+    load = page._load_pt
+
+    def held_load(body: Any, limit: int) -> torch.Tensor:
+        started.set()
+        assert release.wait(WAIT_S)
+        return load(body, limit)
+
+    monkeypatch.setattr(page, "_load_pt", held_load)
+    url = _url(guarded, "/v1/convert/pt")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    x = torch.randn(1, Z, 2, 4, 6, generator=torch.Generator().manual_seed(4))
+    data = _pt_bytes(x)
+    head = (f"POST /v1/convert/pt HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    try:
+        with socket.create_connection(("127.0.0.1", guarded.server.http_port), timeout=30) as leaving:
+            leaving.sendall(head + data)
+            assert started.wait(WAIT_S)
+        # the first client is gone; for a while (its cancellation comes at once), every file is refused
+        for _ in range(20):
+            busy = requests.post(url, data=data, headers=auth, timeout=30)
+            assert busy.status_code == 429, busy.text
+            threading.Event().wait(0.05)
+    finally:
+        release.set()
+    for _ in range(600):  # a bound on a hang: the held load ends, then the lock is free
+        answer = requests.post(url, data=data, headers=auth, timeout=30)
+        if answer.status_code != 429:
+            break
+        threading.Event().wait(0.05)
+    assert answer.status_code == 200, answer.text
+
+
 def test_convert_pt(guarded: RunningServer) -> None:
     """A .pt file's tensor comes back as its raw bytes with shape and dtype headers; refusals are
     401 / 411 / 413 from the head (the body unread) and 400 with a JSON error for a bad file."""

@@ -241,7 +241,16 @@ class PageRoutes:
             try:
                 body = await self.front.read_body(request, length)
                 # torch.load unzips and copies: off the loop, which serves every other call
-                tensor = await asyncio.get_running_loop().run_in_executor(None, _load_pt, body, limit)
+                loading = asyncio.get_running_loop().run_in_executor(None, _load_pt, body, limit)
+                try:
+                    tensor = await asyncio.shield(loading)
+                except asyncio.CancelledError:
+                    # the client left, and a load cannot be stopped: the lock stays held until it
+                    # ends, or a client that keeps leaving would have several files in memory at once
+                    await asyncio.wait([loading])
+                    if not loading.cancelled():
+                        loading.exception()  # read, as nobody answers it
+                    raise
             except TooLarge as exc:
                 return json_error(413, str(exc))
             except InvalidInput as exc:
