@@ -29,8 +29,12 @@ from .errors import LocalInputError, VaedError
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov")
 
 
+OUTPUT_SUFFIXES = (".safetensors", ".npy")
+
+
 def read_frames(path: pathlib.Path) -> np.ndarray:
-    """The input's frames: uint8 [T, H, W, 3] from a video or PNG folder, or the .npy as saved."""
+    """The input's frames: uint8 [T, H, W, 3] from a video or PNG folder, or the .npy as saved;
+    LocalInputError, naming the file, for one that is missing or cannot be read."""
     if path.is_dir():
         from PIL import Image
 
@@ -38,26 +42,42 @@ def read_frames(path: pathlib.Path) -> np.ndarray:
         if not files:
             raise LocalInputError(f"{path} holds no .png frames")
         return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
-    if path.suffix == ".npy":
-        return np.load(path)
-    if path.suffix in VIDEO_SUFFIXES:
+    suffix = path.suffix.lower()
+    if suffix not in (".npy", *VIDEO_SUFFIXES):
+        raise LocalInputError(f"{path}: use a video ({', '.join(VIDEO_SUFFIXES)}), a PNG folder or .npy")
+    if not path.exists():
+        raise LocalInputError(f"{path}: no such file")
+    try:
+        if suffix == ".npy":
+            return np.load(path)
         import av
 
         with av.open(str(path)) as container:
             return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-    raise LocalInputError(f"{path}: use a video ({', '.join(VIDEO_SUFFIXES)}), a PNG folder or .npy")
+    except (ValueError, OSError) as exc:  # numpy's object arrays; PyAV's errors are ValueErrors or OSErrors
+        raise LocalInputError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
+
+
+def check_output(path: pathlib.Path, force: bool) -> None:
+    """LocalInputError before any call for an output that cannot be written: its suffix, its
+    folder, or a file there already (without --force)."""
+    if path.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise LocalInputError(f"{path}: write {' or '.join(OUTPUT_SUFFIXES)}")
+    if not path.parent.is_dir():
+        raise LocalInputError(f"{path}: no folder {path.parent}")
+    if path.exists() and not force:
+        raise LocalInputError(f"{path} exists (use --force to overwrite)")
 
 
 def write_output(path: pathlib.Path, key: str, result: Any) -> None:
-    if path.suffix == ".safetensors":
+    if path.suffix.lower() == ".safetensors":
         import torch
         from safetensors.torch import save_file
 
         save_file({key: torch.as_tensor(result).contiguous()}, str(path))
-    elif path.suffix == ".npy":
-        np.save(path, result)
     else:
-        raise LocalInputError(f"{path}: write .safetensors or .npy")
+        with open(path, "wb") as f:  # to a path np.save adds ".npy" unless it ends so (".NPY" does not)
+            np.save(f, result)
 
 
 def add_encode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +94,8 @@ def add_encode_arguments(parser: argparse.ArgumentParser) -> None:
 def run_encode(args: argparse.Namespace) -> int:
     from .cli import _fail, connect
 
-    if args.output.exists() and not args.force:
-        return _fail("encode", f"{args.output} exists (use --force to overwrite)", 2)
     try:
+        check_output(args.output, args.force)
         frames = read_frames(args.input)
         with connect(args) as client:
             result = client.encode(frames, output_type=args.output_type)
@@ -85,6 +104,8 @@ def run_encode(args: argparse.Namespace) -> int:
         return _fail("encode", str(e), 2)
     except VaedError as e:
         return _fail("encode", f"{args.server}: {e}", 1)
+    except OSError as e:  # the output could not be written after all
+        return _fail("encode", str(e), 1)
     print(f"{args.input} ({frames.shape[-4] if frames.dtype == np.uint8 else frames.shape[-3]} frames) -> "
           f"{args.output} {args.output_type} {list(result.shape)}")
     return 0

@@ -285,3 +285,39 @@ def test_encode_command_writes_the_served_moments(tmp_path) -> None:
     assert np.array_equal(load_file(str(tmp_path / "a.safetensors"))["moments"].numpy(), want)
     assert torch.equal(torch.from_numpy(np.load(tmp_path / "b.npy")), want_latents)
     assert np.array_equal(np.load(tmp_path / "d.npy"), want_mp4)
+
+
+def test_encode_command_refuses_unreadable_inputs_and_unwritable_outputs_before_the_call(
+        tmp_path, capsys, caplog) -> None:
+    """Each a one-line error, exit 2, no traceback, and no Encode on the server (the output's
+    suffix and folder are checked before the frames are sent); suffixes in any case."""
+    import logging
+
+    import numpy as np
+    from harness import make_config, serve_in_thread
+
+    from vaed_client.cli import main
+
+    frames = np.random.default_rng(2).integers(0, 256, size=(5, 64, 96, 3), dtype=np.uint8)
+    with open(tmp_path / "FRAMES.NPY", "wb") as f:  # np.save on a path would add ".npy"
+        np.save(f, frames)
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object))
+    (tmp_path / "damaged.mp4").write_bytes(b"\0" * 4096)
+    with serve_in_thread(make_config("random:wan2.1-tiny", encode=True)) as running, \
+            caplog.at_level(logging.INFO, logger="vaed.service"):
+        server = ["--server", running.target]
+        for argv, pattern in [
+            (["missing.mp4", "-o", "a.npy"], "missing.mp4: no such file"),
+            (["missing.npy", "-o", "a.npy"], "missing.npy: no such file"),
+            (["objects.npy", "-o", "a.npy"], "objects.npy: cannot read it"),
+            (["damaged.mp4", "-o", "a.npy"], "damaged.mp4: cannot read it"),
+            (["FRAMES.NPY", "-o", "nodir/a.npy"], "no folder"),
+            (["FRAMES.NPY", "-o", "a.pt"], "write .safetensors or .npy"),
+        ]:
+            args = [str(tmp_path / argv[0]), argv[1], str(tmp_path / argv[2]), *server]
+            assert main(["encode", *args]) == 2, argv
+            err = capsys.readouterr().err
+            assert pattern in err and "Traceback" not in err and err.count("\n") == 1, err
+        assert "Encode id=" not in caplog.text  # the server never saw these
+        assert main(["encode", str(tmp_path / "FRAMES.NPY"), "-o", str(tmp_path / "B.NPY"), *server]) == 0
+        assert np.load(tmp_path / "B.NPY").ndim == 5
