@@ -132,7 +132,8 @@ class CallReport:
     message of each failure); `recovery_seconds`: from each failure to the
     first frame after it (or the call's end when nothing was left to send);
     `targets`: the target of each attempt; `first_data_seconds`: from the call's
-    start to its first frames (or MP4 bytes) received, None until then."""
+    start to its first frames (or MP4 bytes, or an encode's first latent frame)
+    received, None until then."""
 
     resumes: int = 0
     reasons: list[str] = field(default_factory=list)
@@ -308,16 +309,20 @@ class Progress:
         None when an earlier attempt delivered it already (a resumed encode runs the whole
         video again: see `encode_resume`); the final marker passes as it is."""
         self._adopt_request_id(reply)
-        if self._failed_at is not None:
-            self._recovered()
         if reply.final:
+            if self._failed_at is not None:
+                self._recovered()
             return reply
         index = int(reply.latent_frame)
         if index > self.delivered:
             raise InternalError(f"server skipped latent frames {self.delivered}..{index - 1} "
                                 f"(request {self.request_id})")
         if index < self.delivered:
-            return None
+            return None  # the resumed attempt's frames before the failure point: not a recovery yet
+        if self._failed_at is not None:
+            self._recovered()
+        if self.report.first_data_seconds is None:
+            self.report.first_data_seconds = time.monotonic() - self.started
         self.delivered += 1
         return reply
 

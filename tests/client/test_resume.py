@@ -171,13 +171,18 @@ def test_targets_rotate_and_avoid_one_that_just_failed():
 
 def test_encode_replies_pass_once_each_by_latent_frame():
     """A resumed encode gets latent frames 0.. again: those delivered before are dropped, the
-    next one passes, a gap is an error, the final marker always passes."""
+    next one passes, a gap is an error, the final marker always passes. The recovery is timed to
+    that next frame, not to the first duplicate; the first data to the first latent frame."""
     progress = _progress("a:1", "b:1")
     latent = [wire.pb.LatentFrameChunk(latent_frame=i) for i in range(4)]
+    assert progress.report.first_data_seconds is None
     assert [progress.accept_latent(r) is r for r in latent[:3]] == [True] * 3
+    assert progress.report.first_data_seconds is not None
     progress.retry_delay(UnavailableError(LOST))
     assert [progress.accept_latent(r) for r in latent[:3]] == [None] * 3
+    assert progress.report.recovery_seconds == []  # the duplicates are no recovery yet
     assert progress.accept_latent(latent[3]) is latent[3] and progress.delivered == 4
+    assert len(progress.report.recovery_seconds) == 1
     end = wire.pb.LatentFrameChunk(latent_frame=4, final=True)
     assert progress.accept_latent(end) is end
     with pytest.raises(InternalError, match="skipped latent frames 4..5"):
