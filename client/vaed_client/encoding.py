@@ -4,8 +4,8 @@ Everything that does not wait, once: input preparation, the request messages
 and the reply's assembly; the two clients only differ in how they wait.
 
 Input rule: float frames `[B, 3, T, H, W]` (or `[3, T, H, W]`, taken as B=1)
-in [-1, 1], float32 / float16 / bfloat16 (torch; numpy float64 is cast to
-float32), or uint8 frames `[B, T, H, W, 3]` (or `[T, H, W, 3]`). T must be
+in [-1, 1], float32 / float16 / bfloat16 (torch; float64 is cast to
+float32, as for decode's latents), or uint8 frames `[B, T, H, W, 3]` (or `[T, H, W, 3]`). T must be
 1 + 4k. Frames are sent along the encoder's calls (frame 0 alone, then 4 a
 message, each at most `FRAME_MESSAGE_BYTES`), made one message at a time, so
 the server runs its first call once one frame has arrived and encodes while
@@ -117,6 +117,8 @@ def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
         frames = native_array(frames)
         if frames.dtype == np.float64:
             frames = frames.astype(np.float32)
+    elif str(frames.dtype) == "torch.float64":
+        frames = frames.float()
     name = str(frames.dtype).replace("torch.", "")
     if name not in ("uint8", "float32", "float16", "bfloat16"):
         raise LocalInputError(f"frames dtype {name} is not accepted; use uint8, float32, float16 or bfloat16")

@@ -172,6 +172,9 @@ def test_big_endian_latents_and_frames_are_their_numbers(fake: tuple[FakeDecoder
     for swapped in (frames.astype(">f4"), frames.astype(">f8")):
         video = prepare_video(swapped)
         assert video.frames.dtype == np.float32 and np.array_equal(video.frames, frames)
+    # torch float64 frames are cast as decode's latents are (they were refused by name)
+    video = prepare_video(torch.from_numpy(frames).double())
+    assert video.frames.dtype == torch.float32 and torch.equal(video.frames, torch.from_numpy(frames))
 
 
 def test_tensors_without_dense_data_are_local_errors(fake: tuple[FakeDecoder, str]) -> None:
