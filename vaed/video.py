@@ -74,7 +74,8 @@ def check_frame_size(height: int, width: int) -> None:
         raise VideoError(f"H.264 video needs even sides, got {height}x{width} (H x W)")
     if max(height, width) > MAX_H264_SIDE:
         raise VideoError(f"H.264 video is at most {MAX_H264_SIDE} pixels a side, and these latents decode to "
-                         f"{height}x{width} (H x W) frames; ask for RGB8 frames")
+                         f"{height}x{width} (H x W) frames; ask for frames instead (gRPC: RGB8; HTTP: "
+                         "output_type=pt&partial_postprocess=true)")
 
 
 def default_fps(patch_size: int | None) -> int:

@@ -261,7 +261,12 @@ def test_a_whole_pt_answer_over_its_bound_is_413_before_the_body_is_read(
         "do_scaling=true", "do_scaling=false"))
     answer = 3 * 4093 * 64 * 64 * 4
     assert status == 413 and f"the answer would be {answer} bytes" in error["error"], error
-    assert f"holds at most {100 << 20} bytes" in error["error"] and "partial_postprocess=true" in error["error"]
+    assert f"holds at most {100 << 20} bytes" in error["error"] and "ask partial_postprocess=true" in error["error"]
+    # a batch: the streamed answers take one video a call, so that is what the answer says
+    status, error = raw_request(tiny_http.server.http_port, _head((2, 4, 512, 8, 8), 4 * 2 * 512 * 64 * 4).replace(
+        "do_scaling=true", "do_scaling=false"))
+    assert status == 413 and "decode one video per call" in error["error"], error
+    assert "ask partial_postprocess" not in error["error"]
     assert tiny_http.server.front.bodies_read == before
     small = latents("random:wan2.1-tiny", t=3, h=4, w=6)
     assert remote_decode(endpoint=url(tiny_http), tensor=small, output_type="pt", return_type="pt").shape == (
@@ -417,6 +422,17 @@ def test_the_request_id_comes_back_on_every_answer(tiny_http: RunningServer) -> 
     bad = _post(tiny_http, sent["params"], sent["data"], **{"X-Request-Id": "x" * 200})
     _assert_json_error(bad, 400, "request_id must be at most 128 printable ASCII characters")
     assert "X-Request-Id" not in bad.headers
+    # aiohttp's own answers too: a wrong path, a wrong method, an unknown Expect; and /health
+    for answer in (requests.get(url(tiny_http, "/nothing-here"), headers=rid, timeout=10),
+                   requests.get(url(tiny_http, "/decode"), headers=rid, timeout=10),
+                   requests.get(url(tiny_http, "/health"), headers=rid, timeout=10)):
+        assert answer.headers.get("X-Request-Id") == "trace-42", (answer.status_code, answer.headers)
+    with socket.create_connection(("127.0.0.1", tiny_http.server.http_port), timeout=30) as s:
+        s.sendall((_head((1, 4, 3, 4, 6), 1152, "Expect: something-else", "X-Request-Id: trace-42") + "\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head and (chunk := s.recv(65536)):
+            head += chunk
+    assert head.startswith(b"HTTP/1.1 417") and b"\r\nX-Request-Id: trace-42\r\n" in head, head
 
 
 # -- auth and admission: refused before the body is read ----------------------------------------

@@ -151,18 +151,18 @@ def request_id_of(request: web.BaseRequest) -> str:
     return ids[0] if ids else ""
 
 
-def _with_request_id(request: web.BaseRequest, response: web.StreamResponse) -> web.StreamResponse:
-    """`response` carrying the request's X-Request-Id when it is valid, as a success does (a
-    streamed answer, already sent, has it from its start)."""
-    if response.prepared or REQUEST_ID_HEADER in response.headers:
-        return response
+async def _echo_request_id(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Every answer of the app carries the request's X-Request-Id when it is valid (aiohttp's own
+    404, 405 and 417 too; a streamed answer names it already): run as the answer's headers are
+    made (`on_response_prepare`)."""
+    if REQUEST_ID_HEADER in response.headers:
+        return
     try:
         request_id = request_id_of(request)
         if request_id:
             response.headers[REQUEST_ID_HEADER] = checked_request_id(request_id)
     except InvalidInput:
         pass  # not echoed: the answer is the 400 that refuses it
-    return response
 
 
 def _expects_continue(request: web.BaseRequest) -> bool:
@@ -194,6 +194,7 @@ class HfFront:
             app.router.add_post(path, self.decode, expect_handler=defer_continue)
         app.router.add_post(ENCODE_PATH, self.encode, expect_handler=defer_continue)
         app.router.add_get(HEALTH_PATH, self.health, allow_head=False)
+        app.on_response_prepare.append(_echo_request_id)
 
     # -- GET /health -----------------------------------------------------------------------
 
@@ -245,7 +246,7 @@ class HfFront:
         return None
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
-        return _with_request_id(request, await self._guarded(request, self._decode))
+        return await self._guarded(request, self._decode)
 
     async def _guarded(self, request: web.Request,
                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -269,11 +270,14 @@ class HfFront:
         except InvalidInput as exc:
             return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
         if (answer_bytes := self._whole_answer_bytes(query)) > MAX_WHOLE_ANSWER_BYTES:
+            # the streamed answers take one video a call
+            other = ("decode one video per call (partial_postprocess=true and output_type mp4, which "
+                     "stream, take batch 1)" if query.shape[0] > 1 else
+                     "ask partial_postprocess=true (uint8 frames, streamed) or output_type mp4")
             return self._refuse(Status.INVALID_ARGUMENT.name, 413,
                                 f"the answer would be {answer_bytes} bytes, and output_type pt without "
                                 f"partial_postprocess is sent whole: this server holds at most "
-                                f"{MAX_WHOLE_ANSWER_BYTES} bytes for one; decode fewer frames per call, or ask "
-                                "partial_postprocess=true (uint8 frames, streamed) or output_type mp4")
+                                f"{MAX_WHOLE_ANSWER_BYTES} bytes for one; decode fewer frames per call, or {other}")
         call = self.core.decode(self._input(request, query, length, request_id), self._to_message(query),
                                 lambda: send_timed_out(request))
         try:
@@ -298,7 +302,7 @@ class HfFront:
     # -- POST /encode ------------------------------------------------------------------------
 
     async def encode(self, request: web.Request) -> web.StreamResponse:
-        return _with_request_id(request, await self._guarded(request, self._encode))
+        return await self._guarded(request, self._encode)
 
     async def _encode(self, request: web.Request) -> web.StreamResponse:
         """diffusers' `remote_encode`: the head checked as a decode's, the call run by the core's
