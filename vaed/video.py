@@ -196,9 +196,10 @@ class Fmp4Packager:
         """Flush the encoder; returns the last bytes of the file (none with zerolatency)."""
         if self.closed:
             return b""
-        self.closed = True
         if not self.frames_in:
+            self.abandon()  # an encoder opened early goes too
             raise VideoError("no frames were packaged")
+        self.closed = True
         out = b"".join(self._fragment(packet) for packet in self._stream.encode())
         self._container.close()  # FFmpeg's fragment of the first packet and its index: not ours to send
         self._sink.take()

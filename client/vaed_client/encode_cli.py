@@ -27,8 +27,6 @@ from .encoding import LATENTS, OUTPUT_TYPES
 from .errors import LocalInputError, VaedError
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov")
-
-
 OUTPUT_SUFFIXES = (".safetensors", ".npy")
 
 

@@ -312,7 +312,7 @@ def _threads() -> int:
 def test_an_abandoned_packager_frees_its_encoder_at_once():
     """A call cut before its video closed: `abandon` frees x264 (its threads) now, not at a later
     cyclic garbage collection (off here, so only abandon can free it); opened but never fed, or
-    never opened, too; a closed packager's abandon is a no-op."""
+    never opened, too, and a close with no frames; a closed packager's abandon is a no-op."""
     first = Fmp4Packager(VideoOptions())  # the first encode's one-time threads come here
     first.add(_smooth_video(1))
     first.close()
@@ -329,6 +329,12 @@ def test_an_abandoned_packager_frees_its_encoder_at_once():
             assert _threads() <= before
             with pytest.raises(VideoError, match="already closed"):
                 packager.add(_smooth_video(1))
+        before = _threads()
+        empty = Fmp4Packager(VideoOptions())
+        empty.open(480, 832)
+        with pytest.raises(VideoError, match="no frames were packaged"):
+            empty.close()  # a call that ends with no frames: its early-opened encoder goes too
+        assert _threads() <= before
         Fmp4Packager(VideoOptions()).abandon()
         done = Fmp4Packager(VideoOptions())
         data = done.add(_smooth_video(2)) + done.close()
