@@ -1,21 +1,24 @@
 """Where a steady chunk's GPU time goes, against the GPU's limits: a roofline by op.
 
 For each case and tier, one steady decoder chunk (latent frame 4, its cache from frames 0-3)
-runs under torch.profiler with every op of the tier's op set (``vaed.patches.ops.OP_NAMES``
-and the attention hook) inside a profiler range of its own. Per op and shape, one row:
+runs with every op of the tier's op set (``vaed.patches.ops.OP_NAMES`` and the attention hook)
+between two CUDA events of its own. Per op and shape, one row:
 
-* ``calls`` and ``ms``: the GPU time of the kernels launched inside the op's ranges;
-* ``share``: of the chunk's GPU time (every kernel of the chunk);
-* ``GB`` and ``GB/s``: each call's tensor operands read once and its results written once
-  (the conv weights included), the least any implementation of the op moves, over its time;
+* ``calls`` and ``ms``: the GPU time between each call's events (the chunk is GPU-bound at these
+  sizes: the host is ahead, so the span is the op's kernels);
+* ``share``: of the chunk's GPU time (its first op's start to its last op's end);
+* ``GB`` and ``GB/s``: each call's tensor operands read once and its new results written once
+  (the conv weights included; a result that is a view of an operand is not written), the least
+  any implementation of the op moves, over its time;
 * ``TFLOP`` and ``TFLOP/s`` (convs): 2 x output elements x input channels per group x kernel
   volume;
 * ``%peak``: the larger of the two rates against the device's dense bf16 tensor rate or its
   HBM rate (``PEAKS``; blank for a device not listed).
 
 An op called inside another (a fallback through an op set's own ops) counts in the outer one.
-``outside the ops`` is the chunk's GPU time that no op's range holds: the decoder's own aten
-calls between ops (the lossless tier's norm reductions and conv1 bias passes among them).
+``outside the ops`` is the chunk's GPU time between ops: the decoder's own aten calls (the
+lossless tier's norm reductions and conv1 bias passes among them). torch.profiler's ranges were
+tried first: they do not hold the Triton kernels launched inside them.
 
 Run on the GPU machine from the repository root:
     python benchmarks/roofline.py                                   # all cases, both tiers
@@ -30,6 +33,7 @@ import json
 import math
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +48,6 @@ from vaed.patches.ops import OP_NAMES, OpSet
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from profile_fast import CASES, DEFAULT_CASES, decode, latent_shape
-from profiling import device_seconds, kernel_events
 
 # (dense bf16 tensor FLOP/s, HBM bytes/s), by a substring of torch.cuda.get_device_name(); the
 # vendors' datasheet figures (H100 SXM and H200 share the compute, not the memory)
@@ -54,7 +57,6 @@ PEAKS: dict[str, tuple[float, float]] = {
     "H100 PCIe": (756e12, 2.0e12),
     "A100-SXM4-80GB": (312e12, 2.04e12),
 }
-RANGE_PREFIX = "roofline:"
 STEADY_FRAME = 4  # as profile_fast.profile_chunk: the cache holds frames 0-3
 
 
@@ -73,9 +75,15 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes of every tensor in ``value`` (a tensor, or tuples/lists of them; others count 0)."""
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+def tensor_bytes(value: Any, skip: frozenset[int] = frozenset()) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or tuples/lists of them; others count 0)
+    whose storage is not in ``skip`` (storage addresses)."""
+    return sum(t.numel() * t.element_size() for t in _tensors(value)
+               if t.untyped_storage().data_ptr() not in skip)
+
+
+def _storages(value: Any) -> frozenset[int]:
+    return frozenset(t.untyped_storage().data_ptr() for t in _tensors(value))
 
 
 def conv_flops(weight: torch.Tensor, groups: int, out: torch.Tensor) -> int:
@@ -104,8 +112,10 @@ def op_key(name: str, args: tuple[Any, ...], out: Any) -> str:
 
 def call_cost(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[int, int]:
     """(bytes, FLOPs) of one op call: its tensor operands (a conv module's weight, and its bias
-    where the call adds it) read once, its results written once; FLOPs for a conv."""
-    moved = tensor_bytes(args) + tensor_bytes(list(kwargs.values())) + tensor_bytes(out)
+    where the call adds it) read once, its results written once (not one that is a view of an
+    operand, as a next cache cut from the input is); FLOPs for a conv."""
+    inputs = [*args, *kwargs.values()]
+    moved = tensor_bytes(inputs) + tensor_bytes(out, skip=_storages(inputs))
     first = args[0] if args else None
     weight = getattr(first, "weight", None) if isinstance(first, torch.nn.Module) else None
     if not isinstance(weight, torch.Tensor):
@@ -127,13 +137,21 @@ class OpRow:
 
 
 class Recorder:
-    """Wraps an op set's ops: each outermost call runs inside a profiler range, and its row key,
-    bytes and FLOPs are kept in call order (the ranges' GPU times are matched to them by order,
-    as a range's name is fixed before the call's result is known)."""
+    """Wraps an op set's ops: each outermost call runs between two CUDA events (host clock on a
+    CPU), and its row key, bytes and FLOPs are kept with them."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int, int]] = []  # (key, bytes, FLOPs) per outermost call
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.calls: list[tuple[str, int, int, Any, Any]] = []  # (key, bytes, FLOPs, start, end)
         self._depth = threading.local()
+
+    def mark(self) -> Any:
+        """A point in the chunk's GPU time (a recorded CUDA event), or the host clock's."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def wrap(self, name: str, op: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
@@ -141,14 +159,15 @@ class Recorder:
                 return op(*args, **kwargs)
             self._depth.inside = True
             try:
-                with torch.profiler.record_function(RANGE_PREFIX + name):
-                    out = op(*args, **kwargs)
+                start = self.mark()
+                out = op(*args, **kwargs)
+                end = self.mark()
             finally:
                 self._depth.inside = False
             if out is None:  # declined: the caller's other path is recorded on its own
-                self.calls.append((f"{name} (declined)", 0, 0))
+                self.calls.append((f"{name} (declined)", 0, 0, start, end))
             else:
-                self.calls.append((op_key(name, args, out), *call_cost(args, kwargs, out)))
+                self.calls.append((op_key(name, args, out), *call_cost(args, kwargs, out), start, end))
             return out
 
         return recorded
@@ -159,13 +178,14 @@ class Recorder:
         wrapped["attention"] = self.wrap("attention", ops.attention)
         return dataclasses.replace(ops, **wrapped)
 
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
-def rows_from(calls: list[tuple[str, int, int]], range_seconds: list[float]) -> list[OpRow]:
-    """Per key: calls, bytes, FLOPs and the GPU seconds of its ranges (matched in call order)."""
-    if len(calls) != len(range_seconds):
-        raise RuntimeError(f"{len(calls)} op calls but {len(range_seconds)} profiler ranges")
+
+def rows_from(calls: list[tuple[str, int, int, float]]) -> list[OpRow]:
+    """Per key: calls, bytes, FLOPs and seconds, the slowest first."""
     rows: dict[str, OpRow] = {}
-    for (key, moved, flops), secs in zip(calls, range_seconds, strict=True):
+    for key, moved, flops, secs in calls:
         row = rows.setdefault(key, OpRow(key))
         row.calls += 1
         row.bytes += moved
@@ -174,41 +194,30 @@ def rows_from(calls: list[tuple[str, int, int]], range_seconds: list[float]) -> 
     return sorted(rows.values(), key=lambda r: -r.seconds)
 
 
-def range_seconds(prof: Any) -> list[float]:
-    """GPU seconds of each op range, in the order the ranges opened."""
-    ranges = [e for e in prof.events() if e.name.startswith(RANGE_PREFIX)
-              and e.device_type == torch.autograd.DeviceType.CPU]
-    ranges.sort(key=lambda e: e.time_range.start)
-    return [e.device_time_total / 1e6 for e in ranges]
-
-
 @torch.inference_mode()
 def profile_steady_chunk(vae: Any, z: torch.Tensor, ops: OpSet) -> tuple[list[OpRow], float]:
     """(rows, the chunk's GPU seconds) of latent frame STEADY_FRAME decoded after the others."""
-    from torch.profiler import ProfilerActivity, profile
-
     k = min(STEADY_FRAME, z.shape[2] - 1)
     _, cache = decode(vae, z[:, :, :k], ops)
     x = vae.post_quant_conv(z[:, :, k:k + 1])
-    recorder = Recorder()
+    recorder = Recorder(z.is_cuda)
     traced = recorder.instrument(ops)
 
-    def chunk() -> None:
+    def chunk() -> tuple[Any, Any]:
         with P.using(traced):
+            start = recorder.mark()
             vae.decoder(x, feat_cache=list(cache), feat_idx=[0], first_chunk=False)
+            return start, recorder.mark()
 
     chunk()  # first use of anything this path adds (the wrappers launch nothing of their own)
     recorder.calls.clear()
-    cuda = z.is_cuda
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
+    if z.is_cuda:
         torch.cuda.synchronize()
-    with profile(activities=acts) as prof:
-        chunk()
-        if cuda:
-            torch.cuda.synchronize()
-    total = sum(device_seconds(e) for e in kernel_events(prof))
-    return rows_from(recorder.calls, range_seconds(prof)), total
+    start, end = chunk()
+    if z.is_cuda:
+        torch.cuda.synchronize()
+    calls = [(key, moved, flops, recorder.seconds(a, b)) for key, moved, flops, a, b in recorder.calls]
+    return rows_from(calls), recorder.seconds(start, end)
 
 
 def _rate(amount: float, seconds: float, unit: float) -> str:

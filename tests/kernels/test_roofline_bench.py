@@ -33,33 +33,38 @@ def test_other_ops_cost_their_tensors_and_no_flops() -> None:
     x, cache = torch.randn(1, 8, 4, 5, 5, dtype=torch.bfloat16), torch.randn(1, 8, 2, 5, 5, dtype=torch.bfloat16)
     padded, nxt = torch.randn(1, 8, 6, 7, 7, dtype=torch.bfloat16), x[:, :, -2:]
     moved, flops = R.call_cost((x, cache, (1, 1, 1, 1, 2, 0)), {"zero_history": False}, (padded, nxt))
-    assert moved == 2 * (x.numel() + cache.numel() + padded.numel() + nxt.numel())
+    assert moved == 2 * (x.numel() + cache.numel() + padded.numel())  # nxt views x: not written
     assert flops == 0
     assert R.op_key("causal_pad", (x, cache), (padded, nxt)) == "causal_pad C8 @4x5x5"
     assert R.op_key("conv3d", (torch.nn.Conv3d(8, 16, (3, 1, 1)), padded), torch.zeros(1, 16, 4, 7, 7)) == (
         "conv3d 8->16 k3x1x1 @4x7x7")
 
 
-def test_rows_are_matched_to_ranges_in_call_order() -> None:
-    calls = [("a", 10, 0), ("b", 5, 100), ("a", 10, 0)]
-    rows = R.rows_from(calls, [0.001, 0.004, 0.002])
+def test_rows_sum_each_keys_calls() -> None:
+    rows = R.rows_from([("a", 10, 0, 0.001), ("b", 5, 100, 0.004), ("a", 10, 0, 0.002)])
     assert [(r.key, r.calls, r.bytes, r.flops, round(r.seconds, 6)) for r in rows] == [
         ("b", 1, 5, 100, 0.004), ("a", 2, 20, 0, 0.003)]
-    with pytest.raises(RuntimeError, match="3 op calls but 2 profiler ranges"):
-        R.rows_from(calls, [0.0, 0.0])
 
 
-def test_a_recorded_chunk_is_the_chunk_and_every_op_call_has_its_range() -> None:
+def test_a_result_that_views_an_operand_is_not_counted_as_written() -> None:
+    x = torch.randn(1, 8, 4, 5, 5)
+    padded = torch.randn(1, 8, 6, 5, 5)
+    moved, _ = R.call_cost((x, None), {}, (padded, x[:, :, -2:]))  # the next cache cut from x
+    assert moved == 4 * (x.numel() + padded.numel())
+
+
+def test_a_recorded_chunk_is_the_chunk_and_every_op_call_is_timed() -> None:
     vae = build_random_vae("wan2.2-tiny").eval().requires_grad_(False)
     P.prepare_decoder(vae, layout="contiguous", ops=P.REFERENCE_OPS)
     z = torch.randn(1, vae.config.z_dim, 6, 4, 4)
-    rows, _ = R.profile_steady_chunk(vae, z, P.REFERENCE_OPS)
+    rows, total = R.profile_steady_chunk(vae, z, P.REFERENCE_OPS)
+    assert total > 0 and 0 < sum(r.seconds for r in rows) <= total  # the host clock here
     names = {r.key.split(" ")[0] for r in rows}
     assert {"conv3d", "conv2d", "causal_pad", "residual_add", "upsample_interleave", "dupup_add"} <= names
     assert all(r.calls > 0 and r.bytes > 0 for r in rows if "declined" not in r.key)
     assert all(r.flops > 0 for r in rows if r.key.startswith("conv"))
     # the op set as recorded gives the chunk's own bytes
-    recorder = R.Recorder()
+    recorder = R.Recorder(cuda=False)
     traced = recorder.instrument(P.REFERENCE_OPS)
     x = vae.post_quant_conv(z)
     n_convs = sum(1 for m in vae.decoder.modules() if type(m).__name__ == "WanCausalConv3d")
