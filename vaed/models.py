@@ -277,7 +277,7 @@ def _load_pretrained(spec: str) -> Any:
     # low_cpu_mem_usage=False: without `accelerate` diffusers would warn on every
     # load that it cannot use the low-memory path; the VAE is 0.5-2.8 GB, so the
     # plain path costs nothing that matters.
-    options = dict(low_cpu_mem_usage=False)
+    options = dict(low_cpu_mem_usage=False, output_loading_info=True)
     path = pathlib.Path(spec).expanduser()
     # the folder checks come before diffusers' import (~4 s of CPU): a typo fails at once
     if path.exists():
@@ -286,25 +286,44 @@ def _load_pretrained(spec: str) -> Any:
             raise ModelLoadError(
                 f"{spec} holds no diffusers VAE: expected {path}/vae/config.json or {path}/config.json"
             )
-        return autoencoder_class().from_pretrained(str(folder), **options)
+        return _complete(spec, *autoencoder_class().from_pretrained(str(folder), **options))
     if looks_like_path(spec):  # the hub cannot hold it: say so now, without its retries
         raise ModelLoadError(f"--model {spec}: no such folder ({path.absolute()}). {_WAYS_OUT}")
     AutoencoderKLWan = autoencoder_class()
     try:  # the local hub cache first: no network round trips when the weights are there
-        return AutoencoderKLWan.from_pretrained(spec, subfolder="vae", local_files_only=True, **options)
+        loaded = AutoencoderKLWan.from_pretrained(spec, subfolder="vae", local_files_only=True, **options)
     except Exception as exc:  # not cached (hub errors come in many types)
         cached_error = exc
+    else:
+        return _complete(spec, *loaded)
     from huggingface_hub import constants as hub_constants
 
     try:
         if hub_constants.HF_HUB_OFFLINE:  # honoured: no download attempts and their retries
             raise cached_error
-        return AutoencoderKLWan.from_pretrained(spec, subfolder="vae", **options)
+        loaded = AutoencoderKLWan.from_pretrained(spec, subfolder="vae", **options)
     except Exception as exc:
         raise ModelLoadError(
             f"could not load VAE weights for {spec!r}: no such folder here, and the hub failed "
             f"({type(exc).__name__}: {exc}). {_WAYS_OUT}"
         ) from None
+    return _complete(spec, *loaded)
+
+
+def _complete(spec: str, vae: Any, info: dict[str, Any]) -> Any:
+    """The loaded VAE when its weights file held every tensor the model has. diffusers fills a
+    missing one with whatever memory it got and only prints a line, so a damaged file would serve
+    noise, with another weights digest on every replica."""
+    missing = list(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelLoadError(f"{spec}: its weights lack {len(missing)} of the model's tensors ({shown}); "
+                             "the file is damaged or of another model")
+    unexpected = list(info.get("unexpected_keys") or [])
+    if unexpected:
+        log.warning("%s: its weights hold %d tensors the model does not use (%s), left out",
+                    spec, len(unexpected), ", ".join(unexpected[:3]))
+    return vae
 
 
 def _encoder_copy(vae: Any) -> Any:

@@ -65,6 +65,25 @@ def test_local_folder_saved_with_save_pretrained(tmp_path, point_at):
         assert torch.equal(a, b), name
 
 
+def test_a_folder_whose_weights_lack_tensors_is_refused_and_extra_ones_are_named(tmp_path, caplog):
+    """diffusers fills a tensor its weights file lacks with whatever memory it got (and prints a
+    line): a damaged file would serve noise, each replica with its own weights digest."""
+    from safetensors.torch import load_file, save_file
+
+    build_random_vae("wan2.1-tiny").save_pretrained(tmp_path / "vae")
+    weights = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(weights))
+    kept = {k: v for k, v in tensors.items() if not k.startswith("decoder.conv_in.")}
+    save_file(kept, str(weights))
+    with pytest.raises(ModelLoadError, match=r"its weights lack 2 of the model's tensors \(decoder\.conv_in\."):
+        load_model(str(tmp_path), "cpu", torch.float32)
+    save_file({**tensors, "decoder.spare.weight": torch.zeros(2)}, str(weights))
+    with caplog.at_level("WARNING", logger="vaed.models"):
+        loaded = load_model(str(tmp_path), "cpu", torch.float32)
+    assert "1 tensors the model does not use (decoder.spare.weight)" in caplog.text
+    assert torch.equal(loaded.vae.decoder.conv_in.weight, tensors["decoder.conv_in.weight"])
+
+
 def test_weights_digests_name_the_loaded_weights_wherever_they_are_made(tmp_path):
     """A replica's identity starts with these: equal for a save_pretrained folder and the model
     it was saved from, in any compute dtype (taken before the cast), and from the digest thread a
