@@ -16,7 +16,7 @@ from typing import Any
 from vaed_client import wire
 
 from .choices import ComputeDtype, ConvPlans, CudaGraphs, Kernels, Layout, LogLevel, Parallel, Precision, SpatialAxis
-from .flags import coerce_choices, option, positive_int, seconds, shapes
+from .flags import coerce_choices, option, port_number, positive_int, seconds, shapes, whole_number
 
 DEFAULT_MODEL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 DEFAULT_PORT = 50051
@@ -73,7 +73,7 @@ class ServerConfig:
     dtype: ComputeDtype | None = option(None, "compute dtype", choices=ComputeDtype,
                                         no_default="bfloat16 on CUDA, float32 on CPU")
     host: str = option("0.0.0.0", "address to bind")
-    port: int = option(DEFAULT_PORT, "port to bind; 0 picks a free one", parse=int)
+    port: int = option(DEFAULT_PORT, "port to bind; 0 picks a free one", parse=port_number)
     precision: Precision = option(
         Precision.LOSSLESS, "tier of requests that do not ask for one; a request may always ask for lossless",
         choices=Precision)
@@ -90,21 +90,23 @@ class ServerConfig:
         SpatialAxis.AUTO, "axis split by --parallel spatial; auto = the longer one", choices=SpatialAxis)
     spatial_min_pixels: int = option(
         SPATIAL_MIN_PIXELS, "--parallel spatial shards output frames of at least this many pixels; smaller "
-        "ones decode on the first GPU", parse=int, default_note="= 480x832")
-    max_sessions: int = option(16, "concurrent decode calls; more get RESOURCE_EXHAUSTED", parse=int)
+        "ones decode on the first GPU", parse=whole_number, default_note="= 480x832")
+    max_sessions: int = option(16, "concurrent decode calls; more get RESOURCE_EXHAUSTED", parse=positive_int)
     max_concurrent_rpcs: int | None = option(
         None, "concurrent RPCs of any kind but health; more get RESOURCE_EXHAUSTED unread", parse=int,
         no_default="2 x --max-sessions + 8")
-    max_batch: int = option(8, "largest B of one call", parse=int)
+    max_batch: int = option(8, "largest B of one call", parse=positive_int)
     max_latent_frames: int = option(
-        1024, "largest T (latent frames) of one call or session; 0 = no limit", parse=int)
+        1024, "largest T (latent frames) of one call or session; 0 = no limit", parse=whole_number)
     max_pixels: int = option(
-        1280 * 1280, "largest output H*W of one frame; 0 = no limit", parse=int, default_note="= 1280x1280")
+        1280 * 1280, "largest output H*W of one frame; 0 = no limit", parse=whole_number,
+        default_note="= 1280x1280")
     queue_chunks: int = option(
         2, "decoded chunks buffered per call before its decode waits for the client",
-        parse=int)
+        parse=positive_int)
     max_backlog_frames: int = option(
-        4, "latent frames a DecodeStream session buffers before the server stops reading its client", parse=int)
+        4, "latent frames a DecodeStream session buffers before the server stops reading its client",
+        parse=positive_int)
     # How long an admitted call may wait for its client's messages (0 = no limit): past it the
     # call ends DEADLINE_EXCEEDED and frees its slot, so idle calls cannot hold every slot until
     # their connection ages out (300 s + 60 s grace). 10 s before the first message: the client
@@ -134,7 +136,7 @@ class ServerConfig:
     max_message_bytes: int = wire.MAX_MESSAGE_BYTES
     grace: float = option(
         30.0, "seconds SIGTERM lets in-flight calls (gRPC and HTTP) finish; the rest are then cut; a second "
-        "SIGTERM exits at once", parse=float)
+        "SIGTERM exits at once", parse=seconds)
     kernels: Kernels = option(
         Kernels.AUTO, "fused bit-exact Triton data movement: auto (when eligible), triton (required), off",
         choices=Kernels)
@@ -167,21 +169,21 @@ class ServerConfig:
         None, "output sizes decoded up to their steady chunk before SERVING", parse=shapes,
         metavar="HxW[,HxW...]|none",
         no_default="480x832,720x1280 for Wan2.1, 704x1280 for Wan2.2 on CUDA; a small one on CPU")
-    keepalive_time: float = option(60.0, "seconds between server pings on an idle connection", parse=float)
+    keepalive_time: float = option(60.0, "seconds between server pings on an idle connection", parse=seconds)
     keepalive_timeout: float = option(
-        20.0, "seconds a ping may go unanswered before the connection is dropped", parse=float)
+        20.0, "seconds a ping may go unanswered before the connection is dropped", parse=seconds)
     min_ping_interval: float = option(
         30.0, "shortest client ping interval allowed, in seconds",
-        parse=float)
+        parse=seconds)
     max_connection_age: float = option(
         300.0, "seconds after which a connection is closed so clients re-resolve DNS and reach "
-        "new replicas; 0 = never", parse=float)
+        "new replicas; 0 = never", parse=seconds)
     max_connection_age_grace: float = option(
-        60.0, "seconds in-flight calls get after --max-connection-age", parse=float)
+        60.0, "seconds in-flight calls get after --max-connection-age", parse=seconds)
     # Connection and stream limits (gRPC core; see vaed.server.grpc_options for the measurements).
     handshake_timeout: float = option(
         10.0, "seconds a new connection may take to send the HTTP/2 preface (and TLS handshake) "
-        "before it is closed", parse=float, metavar="SECONDS")
+        "before it is closed", parse=seconds, metavar="SECONDS")
     max_connections: int = option(
         1000, "concurrent connections from all peers; more are closed as they are accepted, and "
         "it is lowered to leave 256 fds under RLIMIT_NOFILE", parse=positive_int, metavar="N")
@@ -197,11 +199,12 @@ class ServerConfig:
         None, "threads that encode server-side video (gRPC format MP4, HTTP output_type=mp4) for every "
         "session; a session uses one at a time", parse=positive_int, metavar="N",
         no_default="half the host's cores per served device (--gpu count, 1 on CPU), 1 to 8")
-    metrics_port: int | None = option(None, "serve Prometheus metrics at /metrics on this port", parse=int)
+    metrics_port: int | None = option(None, "serve Prometheus metrics at /metrics on this port",
+                                      parse=port_number)
     metrics_host: str | None = option(None, "address the metrics endpoint binds", no_default="--host")
     http_port: int | None = option(
         None, "serve Hugging Face's remote-VAE protocol (diffusers' remote_decode) and /health over HTTP "
-        "on this port; the same port as --metrics-port shares its listener", parse=int, no_default="off")
+        "on this port; the same port as --metrics-port shares its listener", parse=port_number, no_default="off")
     http_host: str | None = option(None, "address the HTTP front binds", no_default="--host")
     tls_cert: str | None = option(None, "PEM certificate chain; with --tls-key serves TLS")
     tls_key: str | None = option(None, "PEM private key for --tls-cert")

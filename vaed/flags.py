@@ -130,13 +130,28 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def whole_number(text: str) -> int:
+    """A count or a limit where 0 means none (no limit, no batch): 0 or more."""
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0; got {text!r}")
+    return int(text)
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (the system picks a free one) to 65535: a larger one wrapped around in the
+    bind (70000 bound 4464) and a negative one bound 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535 (0 picks a free one); got {text!r}")
+    return int(text)
+
+
 def seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0 = no limit); got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0; got {text!r}")
     return value
 
 

@@ -220,6 +220,16 @@ def bind_problem(host: str, port: int) -> str:
     return "gRPC refused the address (see its message above); check --host and --port"
 
 
+async def _start_http(server: HttpServer, host: str, port: int, flag: str) -> int:
+    """An HTTP listener started, or a StartupError naming the flag whose port it could not bind."""
+    try:
+        return await server.start(host, port)
+    except OSError as exc:
+        why = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        raise StartupError(f"could not bind {host}:{port} for {flag}: {why}; choose another {flag} "
+                           "(not --port's either)") from None
+
+
 def auth_summary(config: ServerConfig, has_token: bool) -> str:
     """The start-up log's words on authentication."""
     if not has_token:
@@ -334,15 +344,20 @@ class VaedServer:
         await server.start()
         self._server = server
         self.port = port
-        if self.http is not None:
-            self.metrics_port = await self.http.start(cfg.metrics_host or cfg.host, cfg.metrics_port or 0)
-            shown = (cfg.metrics_host or cfg.host).strip("[]")
-            log.info("metrics on http://%s:%d%s", f"[{shown}]" if ":" in shown else shown, self.metrics_port,
-                     METRICS_PATH)
-        if self.front_http is not None and self.front_http is not self.http:
-            self.http_port = await self.front_http.start(http_host(cfg), cfg.http_port or 0)
-        elif self.front_http is not None:
-            self.http_port = self.metrics_port
+        try:
+            if self.http is not None:
+                self.metrics_port = await _start_http(self.http, cfg.metrics_host or cfg.host, cfg.metrics_port or 0,
+                                                      "--metrics-port")
+                shown = (cfg.metrics_host or cfg.host).strip("[]")
+                log.info("metrics on http://%s:%d%s", f"[{shown}]" if ":" in shown else shown, self.metrics_port,
+                         METRICS_PATH)
+            if self.front_http is not None and self.front_http is not self.http:
+                self.http_port = await _start_http(self.front_http, http_host(cfg), cfg.http_port or 0, "--http-port")
+            elif self.front_http is not None:
+                self.http_port = self.metrics_port
+        except StartupError:
+            await self.stop(0)  # the gRPC port and any HTTP one already bound
+            raise
         if self.front_http is not None:
             shown = http_host(cfg).strip("[]")
             log.info("HTTP front (Hugging Face remote-VAE protocol) on http://%s:%d/",
@@ -508,8 +523,8 @@ async def serve(config: ServerConfig, startup: StartupTimes | None = None) -> in
         log.info("Triton kernel cache: %s (%d compiled kernels found)", kernel_cache, kernels_found)
     if config.is_cuda and kernel_cache is not None and config.kernels != Kernels.OFF:
         compile_kernels_ahead(config, kernel_cache)
-    server = VaedServer(config, startup=startup)
     try:
+        server = VaedServer(config, startup=startup)  # reads the token file for the HTTP front
         await server.start()
     except (StartupError, ValueError) as exc:
         log.error("%s", exc)

@@ -106,6 +106,35 @@ def test_vaed_serve_on_a_busy_port_exits_naming_the_cause():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["metrics-port busy", "http-port busy", "token unreadable", "port range",
+                                  "no sessions", "negative grace"])
+def test_vaed_serve_refuses_what_it_cannot_serve_with_one_line_and_exit_2(case):
+    """An HTTP port taken (it raised OSError past the start's handling: tracebacks, exit 1, and the
+    gRPC server's loop closed under it), a token file the HTTP front cannot read (read before
+    that handling), and flag values that started a server that could serve nothing (no sessions,
+    a port past 65535 bound another) or misbehaved (a negative grace)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        extra, message = {
+            "metrics-port busy": (["--metrics-port", port],
+                                  f"could not bind 127.0.0.1:{port} for --metrics-port: address already in use"),
+            "http-port busy": (["--http-port", port],
+                               f"could not bind 127.0.0.1:{port} for --http-port: address already in use"),
+            "token unreadable": (["--http-port", "0", "--auth-token-file", "/nonexistent/token"],
+                                 "cannot read auth token file '/nonexistent/token'"),
+            "port range": (["--http-port", "70000"], "argument --http-port: expected a port 0..65535"),
+            "no sessions": (["--max-sessions", "0"], "argument --max-sessions: expected a whole number >= 1"),
+            "negative grace": (["--grace", "-1"], "argument --grace: expected seconds >= 0"),
+        }[case]
+        proc = subprocess.run(_serve_argv("--port", "0", "--no-warmup", *extra), capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("via", ["env", "file"])
 def test_vaed_serve_logs_that_a_token_is_required(tmp_path, via):
     env = {k: v for k, v in os.environ.items() if k != "VAED_AUTH_TOKEN"}
