@@ -120,8 +120,8 @@ class ServerConfig:
         10.0, "seconds a Decode or DecodeStream call may wait for its first message; then it ends "
         "DEADLINE_EXCEEDED and frees its session slot; 0 = no limit", parse=seconds, metavar="SECONDS")
     session_idle_timeout: float = option(
-        30.0, "seconds a DecodeStream session may wait for its next message once everything it "
-        "sent is decoded and sent back; then it ends DEADLINE_EXCEEDED and frees its "
+        30.0, "seconds a DecodeStream or Encode session may wait for its next message once everything it "
+        "sent is done and sent back; then it ends DEADLINE_EXCEEDED and frees its "
         "slot; 0 = no limit", parse=seconds, metavar="SECONDS")
     # How long an answer may wait for its client to take any of it, on both fronts: a client that
     # opens a large decode and reads nothing otherwise holds its session slot, with the server

@@ -95,6 +95,9 @@ class EncodeSession(Session):
         """Video frames accepted so far (`_frames_in` counts encoder calls, as backlog items)."""
         return self.record.shape[2] if self.record.shape is not None else 0
 
+    def received(self) -> str:
+        return f"{self.frames_received} video frames received"
+
     def validate(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Check a frame chunk against the limits and the call's first chunk (before any copy)."""
         self.limits.check_frames(shape, dtype, frames_before=self.frames_received, first=self._first)

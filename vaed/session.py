@@ -371,10 +371,14 @@ class Session:
         every frame of what it sent so far went out: until then the client may be waiting for
         those frames, so the wait is the server's, not its."""
         return await _receive(receive, timeout, late or (lambda: ClientIdle(
-            f"no DecodeStream message arrived for {timeout:g} s after the last frames were sent "
-            f"({self._frames_in} latent frames received; the server's --session-idle-timeout); "
+            f"no {self.record.method} message arrived for {timeout:g} s after the last results were sent "
+            f"({self.received()}; the server's --session-idle-timeout); "
             "send chunks more often, or half-close the stream when the input ends"
         )), clock_starts=self._delivered)
+
+    def received(self) -> str:
+        """What the client sent so far, in the call's own unit (for messages)."""
+        return f"{self._frames_in} latent frames received"
 
     async def next_group(self) -> HostGroup | None:
         return await self.channel.get()

@@ -361,3 +361,29 @@ def test_a_stream_closed_or_dropped_before_its_first_next_frees_its_slot():
             del chunks
             _wait_for(lambda: _slots_free(running), f"the slot of the stream to {how} is free")
         assert torch.equal(client.decode(latents, format="raw", raw_dtype="float32"), want)
+
+
+def test_an_encode_that_stops_sending_is_told_so_in_its_own_words():
+    """The idle limit holds Encode sessions too; its message names Encode and the video frames
+    it sent (it read "no DecodeStream message" and counted encoder calls as latent frames)."""
+    config = make_config(encode=True, session_first_message_timeout=T, session_idle_timeout=T)
+    frames = torch.zeros(1, 3, 5, 16, 16)  # frame 0, then one encoder call of 4: two results
+    first = wire.pb.VideoChunk(frames=wire.to_message(frames))
+    with serve_in_thread(config) as running, grpc.insecure_channel(running.target) as channel:
+        call = _Idle(channel, "Encode", first=first)
+        try:
+            replies = list(_replies_until_status(call))
+            code, details = call.status()
+        finally:
+            call.release()
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+        assert "no Encode message arrived" in details and "5 video frames received" in details, details
+        assert IDLE_FLAG in details and len(replies) == 2
+        _wait_for(lambda: _slots_free(running), "the idle encode's slot is free")
+
+
+def _replies_until_status(idle: _Idle) -> Any:
+    try:
+        yield from idle.call
+    except grpc.RpcError:
+        return

@@ -116,7 +116,8 @@ class WorkerPool:
         healthy = [i for i, w in enumerate(self.workers) if w.healthy] or list(range(len(self.workers)))
         with self._lock:
             if sum(self._slots) >= self.max_sessions:
-                raise CapacityExhausted(f"all {self.max_sessions} decode sessions are in use; retry shortly")
+                raise CapacityExhausted(
+                    f"all {self.max_sessions} sessions are in use (decode and encode calls); retry shortly")
             index = min(healthy, key=lambda i: (self._slots[i], pending[i], i))
             self._slots[index] += 1
         return SessionSlot(index, self._release_slot)
