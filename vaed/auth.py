@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -151,11 +152,25 @@ def _read_bytes(path: str, what: str) -> bytes:
 def server_credentials(
     cert_path: str, key_path: str, client_ca_path: str | None = None
 ) -> grpc.ServerCredentials:
-    """TLS credentials from PEM files; with ``client_ca_path`` clients must present a cert (mTLS)."""
+    """TLS credentials from PEM files; with ``client_ca_path`` clients must present a cert (mTLS).
+    ValueError, naming the files, for ones that are not a PEM certificate and its private key (or
+    a PEM CA): gRPC refuses them only as it binds, which read as an address problem."""
     cert = _read_bytes(cert_path, "certificate")
     key = _read_bytes(key_path, "private key")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # no password: gRPC takes no encrypted key, and OpenSSL would ask for one on the terminal
+        context.load_cert_chain(cert_path, key_path, password=lambda: b"")
+    except ssl.SSLError as exc:
+        raise ValueError(f"--tls-cert {cert_path!r} and --tls-key {key_path!r} are not a PEM certificate and "
+                         f"its unencrypted private key ({exc.reason or exc})") from None
     if client_ca_path:
         ca = _read_bytes(client_ca_path, "client CA")
+        try:
+            context.load_verify_locations(cafile=client_ca_path)
+        except ssl.SSLError as exc:
+            raise ValueError(f"--tls-client-ca {client_ca_path!r} holds no PEM certificate ({exc.reason or exc})"
+                             ) from None
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=ca, require_client_auth=True
         )

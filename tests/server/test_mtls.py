@@ -108,3 +108,28 @@ def test_the_client_refuses_half_a_client_identity(pki: dict[str, harness.Pki]) 
         VaeClient("127.0.0.1:1", tls=str(ca.ca), tls_client_cert=str(ca.client_cert))
     with pytest.raises(ValueError, match="needs a TLS channel"):
         VaeClient("127.0.0.1:1", tls_client_cert=str(ca.client_cert), tls_client_key=str(ca.client_key))
+
+
+@pytest.mark.parametrize("case", ["cert not PEM", "key of another", "ca not PEM"])
+def test_tls_files_that_are_no_pem_pair_fail_startup_naming_them(case: str, pki: dict[str, harness.Pki],
+                                                                   tmp_path) -> None:
+    """Exit 2 naming the files (gRPC refused them only as it bound: "could not bind ... check
+    --host and --port")."""
+    ours, rogue = pki["trusted"], pki["rogue"]
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    flags, message = {
+        "cert not PEM": (["--tls-cert", str(junk), "--tls-key", str(ours.server_key)],
+                         "are not a PEM certificate and its unencrypted private key"),
+        "key of another": (["--tls-cert", str(ours.server_cert), "--tls-key", str(rogue.server_key)],
+                           "are not a PEM certificate and its unencrypted private key"),
+        "ca not PEM": (["--tls-cert", str(ours.server_cert), "--tls-key", str(ours.server_key),
+                        "--tls-client-ca", str(junk)], "holds no PEM certificate"),
+    }[case]
+    proc = subprocess.run(
+        [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+         "--model", "random:wan2.1-tiny", "--no-warmup", *flags],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "could not bind" not in proc.stderr, proc.stderr
