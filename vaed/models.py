@@ -286,7 +286,13 @@ def _load_pretrained(spec: str) -> Any:
             raise ModelLoadError(
                 f"{spec} holds no diffusers VAE: expected {path}/vae/config.json or {path}/config.json"
             )
-        return _complete(spec, *autoencoder_class().from_pretrained(str(folder), **options))
+        try:
+            loaded = autoencoder_class().from_pretrained(str(folder), **options)
+        except Exception as exc:  # diffusers', safetensors' and json's errors come in many types
+            first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ModelLoadError(f"{spec}: diffusers could not load the VAE in {folder} "
+                                 f"({type(exc).__name__}: {first_line})") from None
+        return _complete(spec, *loaded)
     if looks_like_path(spec):  # the hub cannot hold it: say so now, without its retries
         raise ModelLoadError(f"--model {spec}: no such folder ({path.absolute()}). {_WAYS_OUT}")
     AutoencoderKLWan = autoencoder_class()

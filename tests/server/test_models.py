@@ -84,6 +84,23 @@ def test_a_folder_whose_weights_lack_tensors_is_refused_and_extra_ones_are_named
     assert torch.equal(loaded.vae.decoder.conv_in.weight, tensors["decoder.conv_in.weight"])
 
 
+@pytest.mark.parametrize("damage", ["truncated weights", "config not JSON", "no weights"])
+def test_a_damaged_folder_is_one_load_error_naming_it(tmp_path, damage):
+    """What diffusers raises for a damaged folder (many types, long chains) comes out as one
+    ModelLoadError naming the folder and the cause, which the server logs as one line."""
+    build_random_vae("wan2.1-tiny").save_pretrained(tmp_path / "vae")
+    weights = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    if damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "config not JSON":
+        (tmp_path / "vae" / "config.json").write_text("{not json")
+    else:
+        weights.unlink()
+    with pytest.raises(ModelLoadError, match=r"diffusers could not load the VAE in .*vae \(\w+Error: ") as failure:
+        load_model(str(tmp_path), "cpu", torch.float32)
+    assert "\n" not in str(failure.value) and failure.value.__cause__ is None
+
+
 def test_weights_digests_name_the_loaded_weights_wherever_they_are_made(tmp_path):
     """A replica's identity starts with these: equal for a save_pretrained folder and the model
     it was saved from, in any compute dtype (taken before the cast), and from the digest thread a
