@@ -39,6 +39,7 @@ from .engine import WARMUP_ENCODE_FRAMES, WARMUP_LATENT_FRAMES, warm_up, warm_up
 from .engine_protocol import Engine, EngineFactory
 from .errors import CapacityExhausted, NotReady, ShardGroupError, VaedServerError
 from .metrics import DeviceLoad
+from .patches import FastPathError
 from .session import DeviceGroup, HostGroup, Placement, Session
 from .startup import StartupTimes, phase, recording
 
@@ -173,7 +174,7 @@ class DeviceWorker:
             with recording(self.startup, self.device):  # the engine's phases (model load, ...) are this device's
                 self._start()
         except BaseException as exc:  # reported by the pool / server
-            if isinstance(exc, VaedServerError):
+            if isinstance(exc, (VaedServerError, FastPathError)):  # a configuration's failure: its message says it
                 log.error("worker on %s failed to start: %s", self.device, exc)
             else:
                 log.exception("worker on %s failed to start", self.device)

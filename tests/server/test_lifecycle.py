@@ -575,3 +575,15 @@ def test_warm_up_encodes_too_when_the_server_encodes():
     config = make_config()
     with serve_in_thread(config, build_engine=counting(config)) as running:
         assert calls == [] and set(running.server.pool.workers[0].warmup_seconds) == {"64x64"}
+
+
+@pytest.mark.slow
+def test_fused_kernels_required_where_none_can_run_is_one_line_and_exit_3():
+    """`--kernels triton` on a CPU device: the worker's start fails with the reason on one line
+    (it was logged with a traceback, as for a bug), then the server exits 3 as for any device
+    that cannot start."""
+    proc = subprocess.run(_serve_argv("--port", "0", "--no-warmup", "--kernels", "triton"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "failed to start: --kernels triton requested but unavailable: decoder is on cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
