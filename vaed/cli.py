@@ -126,7 +126,13 @@ def run_precompile(args: argparse.Namespace) -> int:
     skipped = False
     for arch in sorted(set(archs)):
         manifest = pathlib.Path(args.manifest) if args.manifest else precompile.manifest_path(arch)
-        records = precompile.load_manifest(manifest)
+        if args.manifest and not manifest.is_file():
+            raise SystemExit(f"vaed precompile: --manifest {manifest}: no such file")
+        try:
+            records = precompile.load_manifest(manifest)
+        except (ValueError, KeyError, TypeError) as exc:  # not JSON, or JSON of another shape
+            raise SystemExit(f"vaed precompile: {manifest} is no kernel manifest ({type(exc).__name__}: {exc})"
+                             ) from None
         if not records:
             raise SystemExit(f"vaed precompile: no kernel records for sm_{arch} ({manifest} holds none)")
         report = precompile.ensure_compiled(arch, cache, args.workers or precompile.default_workers(), records)

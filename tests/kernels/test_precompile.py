@@ -152,9 +152,18 @@ def test_vaed_precompile_fills_the_named_cache_without_a_gpu(
     second = subprocess.run([*command, "--manifest", str(manifest), "--arch", "90"], env=env, capture_output=True,
                             text=True, timeout=300)
     assert second.returncode == 0 and "already holds the kernels for sm_90" in second.stdout
-    empty = subprocess.run([*command, "--manifest", str(tmp_path / "none.json"), "--arch", "90"], env=env,
+    missing = subprocess.run([*command, "--manifest", str(tmp_path / "none.json"), "--arch", "90"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and f"--manifest {tmp_path / 'none.json'}: no such file" in missing.stderr
+    (tmp_path / "empty.json").write_text(json.dumps({"kernels": []}))
+    empty = subprocess.run([*command, "--manifest", str(tmp_path / "empty.json"), "--arch", "90"], env=env,
                            capture_output=True, text=True, timeout=300)
     assert empty.returncode != 0 and "no kernel records for sm_90" in empty.stderr
+    (tmp_path / "junk.json").write_text("not json")
+    junk = subprocess.run([*command, "--manifest", str(tmp_path / "junk.json"), "--arch", "90"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert junk.returncode != 0 and "is no kernel manifest (JSONDecodeError" in junk.stderr
+    assert "Traceback" not in junk.stderr
     stale = tmp_path / "stale.json"
     stale.write_text(json.dumps({"kernels": [*records, json.dumps(
         {**json.loads(records[0]), "name": "vaed.kernels.residual._no_such_kernel"})]}))
