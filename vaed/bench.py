@@ -36,6 +36,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -88,10 +89,18 @@ class Row:
 
 
 def parse_case(text: str) -> Case:
+    from .models import RANDOM_CONFIGS
+
     m = _CASE_RE.match(text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"case must look like [wan2.1:]480x832x81, got {text!r}")
-    return Case(m["arch"] or "wan2.1", int(m["h"]), int(m["w"]), int(m["f"]))
+    case = Case(m["arch"] or "wan2.1", int(m["h"]), int(m["w"]), int(m["f"]))
+    if case.arch not in RANDOM_CONFIGS:
+        raise argparse.ArgumentTypeError(f"unknown architecture {case.arch!r} in {text!r}; "
+                                         f"known: {', '.join(RANDOM_CONFIGS)}")
+    if case.frames % 4 != 1:  # Wan's causal VAE: frame 0, then 4 per latent frame
+        raise argparse.ArgumentTypeError(f"frames must be 1 + 4k (Wan's VAE), got {case.frames} in {text!r}")
+    return case
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -370,7 +379,15 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         log.error("unknown variants %s; choose from %s", bad, VARIANTS)
         return 2
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        log.error("--device %s: %s", args.device, exc)
+        return 2
+    if args.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(args.json_path))):
+        log.error("--json %s: no such folder (checked now: the table comes after every case has run)",
+                  args.json_path)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         log.error("--device %s requested but CUDA is not available. Without a GPU use the CPU, with fp32 and "
                   "a small case: vaed bench %s", args.device, CPU_EXAMPLE)

@@ -16,6 +16,11 @@ def test_parse_case() -> None:
     assert bench.parse_case("480x832x81").arch == "wan2.1"
     with pytest.raises(argparse.ArgumentTypeError):
         bench.parse_case("480x832")
+    # what only failed once the case ran, with a traceback
+    with pytest.raises(argparse.ArgumentTypeError, match="frames must be 1 \\+ 4k"):
+        bench.parse_case("wan2.1-tiny:64x64x18")
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown architecture 'wan2.5'"):
+        bench.parse_case("wan2.5:64x64x17")
 
 
 def test_bench_cpu_tiny(tmp_path, capsys) -> None:
@@ -51,3 +56,16 @@ def test_bench_rejects_unknown_variant() -> None:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     assert bench.run(parser.parse_args(["--device", "cpu", "--variants", "nope"])) == 2
+
+
+def test_bench_refuses_a_device_and_a_json_folder_that_do_not_exist_before_any_case(tmp_path, caplog,
+                                                                                   capsys) -> None:
+    """A torch device name that is none, and --json into no folder (checked first: it failed with
+    a traceback after every case had run)."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    case = ["--case", "wan2.1-tiny:32x32x9", "--dtype", "fp32", "--reps", "1"]
+    assert bench.run(parser.parse_args(["--device", "xyz", *case])) == 2
+    assert "--device xyz" in caplog.text
+    assert bench.run(parser.parse_args(["--device", "cpu", "--json", str(tmp_path / "no" / "b.json"), *case])) == 2
+    assert "no such folder" in caplog.text and "[bench]" not in capsys.readouterr().out  # no case ran
