@@ -138,6 +138,9 @@ class DecodeEngine(Engine):
         if graph_mode != CudaGraphs.OFF and self.device.type == "cuda":
             self.graphs = DecoderGraphs(self.device, max_graphs=max_graphs,
                                         first_chunk_only=graph_mode == CudaGraphs.FIRST)
+        elif graph_mode != CudaGraphs.OFF:  # said, as an unused --precision fast is
+            log.warning("--cuda-graphs %s: CUDA graphs need a CUDA device; %s decodes without them",
+                        graph_mode, self.device)
         self.conv_plans = ConvPlans.parse(conv_plans, "conv_plans")
         # one planner per tier on this device: the fast tier's within a tolerance, the lossless
         # tier's with torch's bits (vaed.patches.conv_plans)

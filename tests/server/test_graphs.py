@@ -9,6 +9,7 @@ replay overwrote, shows up as a difference from the eager decode.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -154,9 +155,11 @@ def test_engine_refuses_an_unknown_graph_mode() -> None:
 
 
 @pytest.mark.parametrize("mode", ["on", "first"])
-def test_graphs_stay_off_on_cpu(mode: str) -> None:
-    engine = DecodeEngine.load("random:wan2.1-tiny", device="cpu", dtype="float32", cuda_graphs=mode)
+def test_graphs_stay_off_on_cpu_and_the_log_says_so(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="vaed.engine"):
+        engine = DecodeEngine.load("random:wan2.1-tiny", device="cpu", dtype="float32", cuda_graphs=mode)
     assert engine.graphs is None
+    assert f"--cuda-graphs {mode}: CUDA graphs need a CUDA device; cpu decodes without them" in caplog.text
 
 
 def test_signatures_seen_once_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
