@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .choices import ConvPlans, CudaGraphs, Kernels, Layout, Precision
+from .models import RANDOM_CONFIGS
 from .startup import conv_plan_file
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,6 @@ class Row:
 
 
 def parse_case(text: str) -> Case:
-    from .models import RANDOM_CONFIGS
-
     m = _CASE_RE.match(text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"case must look like [wan2.1:]480x832x81, got {text!r}")

@@ -159,8 +159,9 @@ class CallInput(Generic[T]):
     # raw -> InputMessage (Decode, DecodeStream) or VideoMessage (Encode); InvalidInput when malformed
     parse: Callable[[T], Any]
     # the call's id where its front knows it before the first message (HTTP's checked X-Request-Id
-    # header): a call refused before that message (busy, a slow or non-finite body) logs it
-    request_id: str = "-"
+    # header, "" without one): a call refused before that message (busy, a slow or non-finite body)
+    # logs it
+    request_id: str = ""
 
 
 # -- what the core hands the front -------------------------------------------------------
@@ -303,9 +304,9 @@ class Call(Generic[T]):
         to_message: Callable[[Any], T],
         deadline_passed: Callable[[], bool],
         linger: float = 0.0,
-        request_id: str = "-",
+        request_id: str = "",
     ) -> None:
-        self.record = CallRecord(method, request_id)
+        self.record = CallRecord(method, request_id or "-")  # "-": not known until the first message
         self._core = core
         self._body = body(self.record)
         self._to_message = to_message
@@ -390,7 +391,7 @@ class CallCore:
         call waits, reading nothing, before its status (a front whose clients are still writing
         would otherwise miss it; see vaed.interceptors)."""
         return Call(self, "DecodeStream", lambda record: self._decode_stream(record, input), to_message,
-                    deadline_passed, linger, input.request_id)
+                    deadline_passed, linger, request_id=input.request_id)
 
     def encode(
         self, input: CallInput[T], to_message: Callable[[Any], Any], deadline_passed: Callable[[], bool],
@@ -399,7 +400,7 @@ class CallCore:
         """Encode: frame chunks in (`VideoMessage`s), latent frames out (`LatentFrameOut`) as each
         encoder call finishes, then the CallEnd; `linger` as for decode_stream."""
         return Call(self, "Encode", lambda record: self._encode(record, input), to_message, deadline_passed, linger,
-                    input.request_id)
+                    request_id=input.request_id)
 
     # -- finishing: the one log line and the metrics ----------------------------------------
 

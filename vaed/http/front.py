@@ -377,7 +377,7 @@ class HfFront:
             return VideoMessage(request_id=request_id, frames=frames,
                                 options=lambda: _requested_encode(query))
 
-        return CallInput(receive=receive, parse=parse, request_id=request_id or "-")
+        return CallInput(receive=receive, parse=parse, request_id=request_id)
 
     def _input(self, request: web.Request, query: DecodeQuery, length: int,
                request_id: str) -> CallInput[memoryview]:
@@ -392,7 +392,7 @@ class HfFront:
             return InputMessage(request_id=request_id,
                                 latents=RawLatents(body, query.shape, query.dtype), options=lambda: _requested(query))
 
-        return CallInput(receive=receive, parse=parse, request_id=request_id or "-")
+        return CallInput(receive=receive, parse=parse, request_id=request_id)
 
     def _body_once(self, request: web.Request, length: int, check: Callable[[memoryview], None] | None = None,
                    ) -> Callable[[], Awaitable[memoryview | None]]:
