@@ -273,6 +273,13 @@ def looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec or spec.endswith("/")
 
 
+def under_a_local_folder(spec: str) -> bool:
+    """`namespace/name` whose namespace is a folder here (`mymodels/wan21` run beside
+    `mymodels/`): a path with a typo in its last part, not a hub id -- taken for one, it cost
+    ~26 s of hub retries before the error."""
+    return "/" in spec and pathlib.Path(spec.split("/", 1)[0]).expanduser().is_dir()
+
+
 def _load_pretrained(spec: str) -> Any:
     # low_cpu_mem_usage=False: without `accelerate` diffusers would warn on every
     # load that it cannot use the low-memory path; the VAE is 0.5-2.8 GB, so the
@@ -293,7 +300,7 @@ def _load_pretrained(spec: str) -> Any:
             raise ModelLoadError(f"{spec}: diffusers could not load the VAE in {folder} "
                                  f"({type(exc).__name__}: {first_line})") from None
         return _complete(spec, *loaded)
-    if looks_like_path(spec):  # the hub cannot hold it: say so now, without its retries
+    if looks_like_path(spec) or under_a_local_folder(spec):  # not the hub's: say so now, without its retries
         raise ModelLoadError(f"--model {spec}: no such folder ({path.absolute()}). {_WAYS_OUT}")
     AutoencoderKLWan = autoencoder_class()
     try:  # the local hub cache first: no network round trips when the weights are there

@@ -195,6 +195,21 @@ def test_serve_with_a_missing_folder_says_so_without_trying_the_hub(spec):
     assert "random:wan2.1-tiny" in proc.stderr and "HF_HUB_OFFLINE" in proc.stderr
 
 
+def test_a_missing_folder_under_a_local_one_is_no_hub_id(tmp_path):
+    """`mymodels/wan21` beside an existing `mymodels/` is a typo'd path: "no such folder" at
+    once, no hub attempts (they took ~26 s), though the spec has a hub id's shape."""
+    (tmp_path / "mymodels").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "vaed.cli", "serve", "--device", "cpu", "--port", "0", "--host", "127.0.0.1",
+         "--model", "mymodels/wan21"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("no such folder") == 1, proc.stderr
+    assert "hub failed" not in proc.stderr and "huggingface.co" not in proc.stderr
+
+
 @pytest.mark.parametrize(("spec", "path_like"), [
     ("/models/wan", True), ("./wan", True), ("../wan", True), ("~/wan", True), ("a/b/c", True), ("wan/", True),
     ("C:\\models\\wan", True), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", False), ("gpt2", False),
