@@ -273,6 +273,19 @@ def looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec or spec.endswith("/")
 
 
+def _check_class(spec: str, config_file: pathlib.Path) -> None:
+    """A folder's config.json that names another model class (an image VAE's `AutoencoderKL`)
+    is refused by name: loaded as a Wan VAE it failed with a state-dict error whose first line
+    named no cause."""
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return  # diffusers' load reports it, naming the folder
+    name = config.get("_class_name") if isinstance(config, dict) else None
+    if name is not None and name != "AutoencoderKLWan":
+        raise ModelLoadError(f"{spec}: {config_file} describes a {name}, not a Wan video VAE (AutoencoderKLWan)")
+
+
 def under_a_local_folder(spec: str) -> bool:
     """`namespace/name` whose namespace is a folder here (`mymodels/wan21` run beside
     `mymodels/`): a path with a typo in its last part, not a hub id -- taken for one, it cost
@@ -293,6 +306,7 @@ def _load_pretrained(spec: str) -> Any:
             raise ModelLoadError(
                 f"{spec} holds no diffusers VAE: expected {path}/vae/config.json or {path}/config.json"
             )
+        _check_class(spec, folder / "config.json")
         try:
             loaded = autoencoder_class().from_pretrained(str(folder), **options)
         except Exception as exc:  # diffusers', safetensors' and json's errors come in many types

@@ -101,6 +101,16 @@ def test_a_damaged_folder_is_one_load_error_naming_it(tmp_path, damage):
     assert "\n" not in str(failure.value) and failure.value.__cause__ is None
 
 
+def test_a_folder_of_another_model_class_is_refused_by_name(tmp_path):
+    """An image VAE's folder (`AutoencoderKL`) is no Wan VAE: one ModelLoadError naming both
+    classes, where loading it anyway failed with a state-dict error naming no cause."""
+    build_random_vae("wan2.1-tiny").save_pretrained(tmp_path / "vae")
+    config = tmp_path / "vae" / "config.json"
+    config.write_text(config.read_text().replace('"AutoencoderKLWan"', '"AutoencoderKL"'))
+    with pytest.raises(ModelLoadError, match=r"describes a AutoencoderKL, not a Wan video VAE \(AutoencoderKLWan\)"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
 def test_weights_digests_name_the_loaded_weights_wherever_they_are_made(tmp_path):
     """A replica's identity starts with these: equal for a save_pretrained folder and the model
     it was saved from, in any compute dtype (taken before the cast), and from the digest thread a
