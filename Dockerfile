@@ -16,8 +16,9 @@
 # default target, last) each install the dependencies (cached while
 # pyproject.toml is unchanged) and then that wheel.
 
-# torch 2.11 + CUDA 12.8 + cuDNN 9: the stack the performance numbers in the
-# design notes were measured on (H200). Pinned tag, never "latest".
+# torch 2.11 + cuDNN 9, the torch and cuDNN line the README's figures were
+# measured on (those with torch 2.11.0+cu130 and cuDNN 9.19; this image's CUDA
+# 12.8 build reports its own versions in the identity). Pinned tag, never "latest".
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 # The CPU image's base and torch: the torch the README's CPU setup installs.
 ARG CPU_BASE_IMAGE=python:3.12.8-slim-bookworm
