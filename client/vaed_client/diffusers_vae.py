@@ -250,6 +250,10 @@ class RemoteAutoencoderKLWan(_ModuleBase):
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        if x.dim() == 5 and x.shape[2] > 1:
+            # AutoencoderKLWan encodes frame 0, then whole groups of 4, and leaves trailing frames
+            # out (10 frames: 9 encoded, 3 latent frames); the server takes 1 + 4k frames only
+            x = x[:, :, : 1 + 4 * ((x.shape[2] - 1) // 4)]
         moments = self._client.encode(x.to(dtype), output_type="moments", out_dtype=dtype)
         posterior = DiagonalGaussianDistribution(moments.to(device=x.device, dtype=dtype))
         if not return_dict:

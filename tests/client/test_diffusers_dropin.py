@@ -434,3 +434,19 @@ def test_video_to_video_with_served_encode_equals_local_vae(encoding_served: Any
         assert np.array_equal(got, local) and local.std() > 0.01
     else:
         assert got.dtype == local.dtype and torch.equal(got, local)
+
+
+@pytest.mark.parametrize("frames", [2, 4, 10])
+def test_encode_leaves_trailing_frames_out_as_the_local_vae(encoding_served: Any, frames: int) -> None:
+    """AutoencoderKLWan encodes frame 0 and whole groups of 4 of any frame count and leaves the
+    rest out (WanVideoToVideoPipeline passes the user's video as it is); the served encode,
+    which takes 1 + 4k frames, gets the same frames and gives the same moments."""
+    remote = RemoteAutoencoderKLWan(encoding_served.target)
+    size = 6 * remote.config.scale_factor_spatial  # the image-to-video tests' size (CPU convs of 2x2 latents
+    # differed from the server's by an ulp at any frame count)
+    x = torch.rand(1, 3, frames, size, size, generator=torch.Generator().manual_seed(frames)) * 2 - 1
+    want = encoding_served.reference_vae().encode(x).latent_dist
+    got = remote.encode(x).latent_dist
+    remote.close()
+    assert got.mean.shape[2] == 1 + (frames - 1) // 4
+    assert torch.equal(got.mean, want.mean) and torch.equal(got.logvar, want.logvar)
