@@ -236,6 +236,7 @@ class ModelFacts:
     max_message_bytes: int
     max_latent_frames: int
     max_pixels: int
+    max_batch: int
     kernels: str
     layout: str
     fast_paths_note: str
@@ -488,6 +489,7 @@ class CallCore:
             max_message_bytes=cfg.max_message_bytes,
             max_latent_frames=cfg.max_latent_frames,
             max_pixels=cfg.max_pixels,
+            max_batch=cfg.max_batch,
             kernels=info.kernels,
             layout=info.layout,
             fast_paths_note=info.fast_paths_note,

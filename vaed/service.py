@@ -263,6 +263,7 @@ def model_info(facts: ModelFacts) -> Any:
         max_message_bytes=facts.max_message_bytes,
         max_latent_frames=facts.max_latent_frames,
         max_pixels=facts.max_pixels,
+        max_batch=facts.max_batch,
         kernels=facts.kernels,
         layout=facts.layout,
         fast_paths_note=facts.fast_paths_note,

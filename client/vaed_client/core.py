@@ -68,6 +68,7 @@ class ModelInfo:
     max_message_bytes: int = 0
     max_latent_frames: int = 0
     max_pixels: int = 0
+    max_batch: int = 0                                          # largest B of one call (0: not said)
     kernels: str = ""
     layout: str = ""
     fast_paths_note: str = ""                                   # why the stock decoder serves, if it does
@@ -97,6 +98,7 @@ class ModelInfo:
             max_message_bytes=message.max_message_bytes,
             max_latent_frames=message.max_latent_frames,
             max_pixels=message.max_pixels,
+            max_batch=message.max_batch,
             kernels=message.kernels,
             layout=message.layout,
             fast_paths_note=message.fast_paths_note,

@@ -213,11 +213,14 @@ class RemoteAutoencoderKLWan(_ModuleBase):
         if not isinstance(z, torch.Tensor):
             raise TypeError(f"decode expects a torch.Tensor, got {type(z).__name__}")
         raw_dtype = z.dtype if z.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-        if self.wire_format == "rgb8":
-            frames = self._client.decode(z.to(raw_dtype), output_type="uint8", raw_latents=True)  # [B, T, H, W, 3]
-            sample = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # back to the decoder's [-1, 1]
-        else:
-            sample = self._client.decode(z.to(raw_dtype), output_type="raw", raw_dtype=raw_dtype, raw_latents=True)
+
+        def served(part: torch.Tensor) -> torch.Tensor:
+            if self.wire_format == "rgb8":
+                frames = self._client.decode(part, output_type="uint8", raw_latents=True)  # [B, T, H, W, 3]
+                return frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # back to the decoder's [-1, 1]
+            return self._client.decode(part, output_type="raw", raw_dtype=raw_dtype, raw_latents=True)
+
+        sample = self._by_batch(served, z.to(raw_dtype))
         sample = sample.to(device=z.device, dtype=z.dtype if z.dtype.is_floating_point else raw_dtype)
         if not return_dict:
             return (sample,)
@@ -254,11 +257,20 @@ class RemoteAutoencoderKLWan(_ModuleBase):
             # AutoencoderKLWan encodes frame 0, then whole groups of 4, and leaves trailing frames
             # out (10 frames: 9 encoded, 3 latent frames); the server takes 1 + 4k frames only
             x = x[:, :, : 1 + 4 * ((x.shape[2] - 1) // 4)]
-        moments = self._client.encode(x.to(dtype), output_type="moments", out_dtype=dtype)
+        moments = self._by_batch(lambda part: self._client.encode(part, output_type="moments", out_dtype=dtype),
+                                 x.to(dtype))
         posterior = DiagonalGaussianDistribution(moments.to(device=x.device, dtype=dtype))
         if not return_dict:
             return (posterior,)
         return AutoencoderKLOutput(latent_dist=posterior)
+
+    def _by_batch(self, call: Any, x: torch.Tensor) -> torch.Tensor:
+        """`call(x)`, in slices of the server's largest batch when x's is larger (a pipeline's
+        prompts x videos per prompt may be; a local VAE takes any), joined along the batch."""
+        limit = self.info.max_batch
+        if x.dim() != 5 or not limit or x.shape[0] <= limit:
+            return call(x)
+        return torch.cat([call(part) for part in x.split(limit)])
 
     # -- no-ops pipelines or users may call on a local VAE ---------------------
     def enable_slicing(self) -> None:

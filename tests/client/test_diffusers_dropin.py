@@ -450,3 +450,22 @@ def test_encode_leaves_trailing_frames_out_as_the_local_vae(encoding_served: Any
     remote.close()
     assert got.mean.shape[2] == 1 + (frames - 1) // 4
     assert torch.equal(got.mean, want.mean) and torch.equal(got.logvar, want.logvar)
+
+
+def test_batches_over_the_server_limit_go_in_slices() -> None:
+    """A pipeline's batch (prompts x videos per prompt) may exceed the server's --max-batch,
+    which a local VAE does not have: the drop-in sends slices of at most that many and joins
+    them in order (the local VAE's decode and encode of the same slices: a CPU conv's bits may
+    depend on the batch it runs in)."""
+    with serve_in_thread(make_config("random:wan2.1-tiny", encode=True, max_batch=2)) as running:
+        remote = RemoteAutoencoderKLWan(running.target)
+        assert remote.info.max_batch == 2
+        local = running.reference_vae()
+        z = torch.randn(5, remote.config.z_dim, 2, 6, 6, generator=torch.Generator().manual_seed(0))
+        x = torch.rand(3, 3, 5, 48, 48, generator=torch.Generator().manual_seed(1)) * 2 - 1
+        with torch.no_grad():
+            want = torch.cat([local.decode(part).sample for part in z.split(2)])
+            want_mean = torch.cat([local.encode(part).latent_dist.mean for part in x.split(2)])
+        assert torch.equal(remote.decode(z).sample, want)
+        assert torch.equal(remote.encode(x).latent_dist.mean, want_mean)
+        remote.close()

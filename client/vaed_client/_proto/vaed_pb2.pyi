@@ -153,7 +153,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel", "encodes", "encode_precisions", "encode_dtypes", "video_formats", "video_fps", "decoder_identity", "encoder_identity")
+    __slots__ = ("model", "z_dim", "scale_factor_temporal", "scale_factor_spatial", "latents_mean", "latents_std", "compute_dtype", "device", "random_weights", "max_message_bytes", "max_latent_frames", "max_pixels", "kernels", "layout", "fast_paths_note", "precisions", "devices", "parallel", "encodes", "encode_precisions", "encode_dtypes", "video_formats", "video_fps", "decoder_identity", "encoder_identity", "max_batch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     Z_DIM_FIELD_NUMBER: _ClassVar[int]
     SCALE_FACTOR_TEMPORAL_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ModelInfo(_message.Message):
     VIDEO_FPS_FIELD_NUMBER: _ClassVar[int]
     DECODER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     ENCODER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     z_dim: int
     scale_factor_temporal: int
@@ -204,4 +205,5 @@ class ModelInfo(_message.Message):
     video_fps: int
     decoder_identity: str
     encoder_identity: str
-    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ..., encodes: bool = ..., encode_precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., encode_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., video_formats: _Optional[_Iterable[_Union[OutputFormat, str]]] = ..., video_fps: _Optional[int] = ..., decoder_identity: _Optional[str] = ..., encoder_identity: _Optional[str] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, model: _Optional[str] = ..., z_dim: _Optional[int] = ..., scale_factor_temporal: _Optional[int] = ..., scale_factor_spatial: _Optional[int] = ..., latents_mean: _Optional[_Iterable[float]] = ..., latents_std: _Optional[_Iterable[float]] = ..., compute_dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[str] = ..., random_weights: bool = ..., max_message_bytes: _Optional[int] = ..., max_latent_frames: _Optional[int] = ..., max_pixels: _Optional[int] = ..., kernels: _Optional[str] = ..., layout: _Optional[str] = ..., fast_paths_note: _Optional[str] = ..., precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., devices: _Optional[_Iterable[str]] = ..., parallel: _Optional[str] = ..., encodes: bool = ..., encode_precisions: _Optional[_Iterable[_Union[Precision, str]]] = ..., encode_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., video_formats: _Optional[_Iterable[_Union[OutputFormat, str]]] = ..., video_fps: _Optional[int] = ..., decoder_identity: _Optional[str] = ..., encoder_identity: _Optional[str] = ..., max_batch: _Optional[int] = ...) -> None: ...
