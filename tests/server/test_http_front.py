@@ -6,6 +6,7 @@ admission matrices; fMP4 bytes that reach the client while the call still decode
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import logging
@@ -829,3 +830,24 @@ def test_a_client_that_leaves_frees_its_session_before_the_decode_would_end() ->
         finally:
             release.set()
         assert requests.get(url(running, "/health"), timeout=10).status_code == 200
+
+
+def test_a_compressed_body_is_415_before_it_is_read(tiny_http: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Bodies are read into a buffer of exactly Content-Length bytes: one in a content coding, valid
+    gzip or not (a broken one was a 500 from aiohttp's decoder, and its traceback logged), is
+    refused from the head, on the decode route and the .pt converter, with nothing logged at
+    ERROR, and the server serves on."""
+    x = latents("random:wan2.1-tiny")
+    sent = prepare_decode(x, output_type="pt")
+    front = tiny_http.server.front
+    before = front.bodies_read
+    for coding, body in (("gzip", gzip.compress(sent["data"])), ("gzip", b"A" * 64), ("deflate", b"A" * 64),
+                         ("br", b"A" * 64)):
+        answer = _post(tiny_http, sent["params"], body, **{"Content-Encoding": coding})
+        _assert_json_error(answer, 415, f"Content-Encoding '{coding}' is not supported")
+        converted = requests.post(url(tiny_http, "/v1/convert/pt"), data=body,
+                                  headers={"Content-Encoding": coding}, timeout=30)
+        _assert_json_error(converted, 415, f"Content-Encoding '{coding}' is not supported")
+    assert front.bodies_read == before
+    assert _post(tiny_http, sent["params"], sent["data"], **{"Content-Encoding": "identity"}).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -11,6 +11,7 @@ Order of work for a POST, and what each refusal costs (nothing of the body is re
 call is authorised and admitted, so a refused request spends no memory on its body):
 
     bearer token (when the server has one)          -> 401, body unread
+    no Content-Encoding but identity                 -> 415, body unread
     Content-Length present, <= the message limit     -> 411 / 413, body unread
     query parsed (an unknown or repeated parameter refused);
             Content-Length = prod(shape) * dtype size -> 400, body unread
@@ -165,6 +166,16 @@ async def _echo_request_id(request: web.BaseRequest, response: web.StreamRespons
         pass  # not echoed: the answer is the 400 that refuses it
 
 
+def encoded_body(request: web.Request) -> str | None:
+    """Why a body in a content coding is refused, or None: the body is read into a buffer of
+    exactly Content-Length bytes, the size of what it declares (a gzip body whose inflation failed
+    was a 500 from aiohttp's decoder, a valid one a length mismatch)."""
+    coding = request.headers.get(hdrs.CONTENT_ENCODING, "identity").strip().lower()
+    if coding in ("", "identity"):
+        return None
+    return f"Content-Encoding {coding!r} is not supported: send the body uncompressed"
+
+
 def _expects_continue(request: web.BaseRequest) -> bool:
     return request.version == HttpVersion11 and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue"
 
@@ -215,9 +226,12 @@ class HfFront:
         return json_error(status, message, headers)
 
     def _refused_head(self, request: web.Request, method: str) -> web.Response | None:
-        """The checks of a POST's head that need no query: the token, then Content-Length."""
+        """The checks of a POST's head that need no query: the token, the content coding, then
+        Content-Length."""
         if (problem := self.unauthorised(request)) is not None:
             return self._refuse("UNAUTHENTICATED", 401, problem, method, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+        if (problem := encoded_body(request)) is not None:
+            return self._refuse(Status.INVALID_ARGUMENT.name, 415, problem, method)
         length = request.content_length
         what, verb = ("latents'", "decode") if method == METHOD else ("frames'", "encode")
         if length is None:

@@ -47,7 +47,7 @@ from aiohttp import hdrs, web
 from ..calls import CallCore
 from ..errors import InvalidInput, NotReady
 from ..metrics import cuda_memory
-from .front import HfFront, defer_continue
+from .front import HfFront, defer_continue, encoded_body
 from .hf_protocol import LATENT_DTYPE_NAMES, tensor_bytes, tensor_headers
 from .server import json_error
 
@@ -228,6 +228,8 @@ class PageRoutes:
     async def convert_pt(self, request: web.Request) -> web.Response:
         if (problem := self.front.unauthorised(request)) is not None:
             return json_error(401, problem, {hdrs.WWW_AUTHENTICATE: "Bearer"})
+        if (problem := encoded_body(request)) is not None:
+            return json_error(415, problem)
         length = request.content_length
         limit = self.core.config.max_message_bytes
         if length is None:

@@ -12,7 +12,8 @@ routes to ``HttpServer.app`` before ``start`` (``vaed.metrics`` adds
 
 * a request head: ``max_line_size`` (request line), ``max_field_size`` (one
   header), ``max_headers``; past them aiohttp answers 400 before any handler
-  runs. ``client_max_size`` bounds a body read through ``request.read()``.
+  runs. ``client_max_size`` bounds a body read through ``request.read()``. A body's content
+  coding is never decoded (the routes that take bodies refuse one, 415).
 * time: a connection must send a complete head within ``head_timeout``
   seconds of opening (and of its last answer, when kept alive), else it is
   closed -- aiohttp's keep-alive timer, armed at connection start since
@@ -235,6 +236,10 @@ class HttpServer:
                 server, made, limits.send_timeout, loop=loop, access_log=None, logger=_protocol_log,
                 keepalive_timeout=limits.head_timeout, max_line_size=limits.max_line_size,
                 max_field_size=limits.max_field_size, max_headers=limits.max_headers,
+                # a body in a content coding is not inflated as it arrives: the routes refuse one
+                # from its head (415), and a broken gzip body a client sends on regardless made
+                # aiohttp's decoder log an ERROR traceback per request
+                auto_decompress=False,
             )
 
         return connection
