@@ -25,6 +25,7 @@ import requests
 import torch
 from diffusers.utils.remote_utils import prepare_decode, remote_decode
 from diffusers.video_processor import VideoProcessor
+from PIL import Image
 
 from harness import RunningServer, diffusers_decode, engine_calling_at, make_config, serve_in_thread, start_cli_server
 from vaed.errors import CapacityExhausted
@@ -127,6 +128,13 @@ def test_pil_without_a_processor_answers_one_frame_as_an_image(server: RunningSe
     assert jpg.format == "jpeg" and jpg.size == png.size
     with pytest.raises(RuntimeError, match="pass processor=VideoProcessor"):
         remote_decode(endpoint=url(server), tensor=latents(server.config.model, t=2), output_type="pil")
+    # a hand-written client's Accept: media types are case-insensitive, and it may list several
+    sent = prepare_decode(x, output_type="pil", image_format="png")
+    for accept in ("Image/PNG", "text/html, image/png;q=0.9"):
+        answer = requests.post(url(server), params=sent["params"], data=sent["data"],
+                               headers={**sent["headers"], "Accept": accept}, timeout=60)
+        assert answer.status_code == 200 and answer.headers["Content-Type"] == "image/png", (accept, answer.headers)
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(answer.content))), rgb8)
 
 
 def test_mp4_decodes_back_to_the_frames(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -237,6 +237,13 @@ def _single_values(params: MultiMapping[str], accepted: Sequence[str]) -> dict[s
     return {name: params[name] for name in names if name != "shape"}
 
 
+def _accepts_an_image(accept: str) -> bool:
+    """Whether an Accept header names an image type (remote_decode sends `image/jpeg` or
+    `image/png` for output_type pil without a processor); media types are case-insensitive and
+    the header may list several."""
+    return any(part.strip().lower().startswith("image/") for part in accept.split(","))
+
+
 def parse_query(params: MultiMapping[str], accept: str, default_fps: int) -> DecodeQuery:
     """The request's parameters (each once, `shape` once per dimension), checked; InvalidInput says
     what is wrong."""
@@ -268,7 +275,7 @@ def parse_query(params: MultiMapping[str], accept: str, default_fps: int) -> Dec
     if output_type is OutputType.PT:
         answer = Answer.FRAMES if partial else Answer.RAW
     elif output_type is OutputType.PIL:
-        answer = Answer.IMAGE if accept.startswith("image/") else Answer.UNIT
+        answer = Answer.IMAGE if _accepts_an_image(accept) else Answer.UNIT
     else:
         answer = Answer.MP4
     if shape[0] != 1 and answer is not Answer.RAW:
