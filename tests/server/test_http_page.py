@@ -531,3 +531,22 @@ def test_the_page_decodes_wan22_at_its_own_scale_and_rate(browser: webdriver.Chr
         with av.open(io.BytesIO(page_mp4(browser))) as container:
             assert container.streams.video[0].average_rate == 24
         assert browser.execute_script("return window.vaedPage.input.shape")[1] == status["z_dim"]
+
+
+def test_a_stalled_pt_upload_is_cut_and_frees_the_converter() -> None:
+    """A client that sends part of its .pt file and stalls is answered 504 after the server's
+    --session-first-message-timeout, as a stalled decode body is, and the converter takes the
+    next file (it stayed held, every other file refused 429, until the client closed its socket)."""
+    x = torch.randn(1, Z, 2, 4, 6, generator=torch.Generator().manual_seed(5))
+    data = _pt_bytes(x)
+    with serve_in_thread(make_config(MODEL, http_port=0, session_first_message_timeout=1.0)) as running:
+        url = _url(running, "/v1/convert/pt")
+        head = (f"POST /v1/convert/pt HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", running.server.http_port), timeout=30) as stalled:
+            stalled.sendall(head + data[:2])
+            answer = b""
+            while b"first-message-timeout" not in answer and (chunk := stalled.recv(65536)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 504") and b"did not arrive within 1 s" in answer, answer
+        done = requests.post(url, data=data, timeout=30)
+        assert done.status_code == 200, done.text

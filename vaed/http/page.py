@@ -241,7 +241,14 @@ class PageRoutes:
             return json_error(429, "another .pt file is being read; retry shortly", {hdrs.RETRY_AFTER: "1"})
         async with self._converting:
             try:
-                body = await self.front.read_body(request, length)
+                # within the timeout a decode's body has: a client that stalls mid-body would
+                # otherwise hold the one converter from every other user until it closed its socket
+                timeout = self.core.config.session_first_message_timeout or None
+                try:
+                    body = await asyncio.wait_for(self.front.read_body(request, length), timeout)
+                except TimeoutError:
+                    return json_error(504, f"the file did not arrive within {timeout:g} s (the server's "
+                                           "--session-first-message-timeout)")
                 # torch.load unzips and copies: off the loop, which serves every other call
                 loading = asyncio.get_running_loop().run_in_executor(None, _load_pt, body, limit)
                 try:
