@@ -550,3 +550,86 @@ def test_a_stalled_pt_upload_is_cut_and_frees_the_converter() -> None:
             assert answer.startswith(b"HTTP/1.1 504") and b"did not arrive within 1 s" in answer, answer
         done = requests.post(url, data=data, timeout=30)
         assert done.status_code == 200, done.text
+
+
+def test_a_page_that_fails_mid_answer_ends_its_call(browser: webdriver.Chrome) -> None:
+    """The page fails on the stream (here its codec parser, made to throw) while the server decodes:
+    it aborts its request, so the call ends CANCELLED instead of decoding on for nobody and holding
+    its session slot; the next decode from the page then plays."""
+    port = _free_port()
+    config = make_config(MODEL, http_port=port, metrics_port=port, warmup=False)
+    release = threading.Event()
+
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_at_frame_3(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 3:
+                assert release.wait(WAIT_S), "the page never failed"
+            return group
+
+        engine.decode_frame = held_at_frame_3
+        return engine
+
+    with serve_in_thread(config, build_engine=build) as running:
+        try:
+            open_page(browser, port)
+            browser.execute_script("window.mimeOfInit = () => { throw new Error('a parser that fails'); };")
+            set_random_shape(browser, 6, 8, 8)
+            browser.find_element(By.ID, "decode").click()
+            WebDriverWait(browser, WAIT_S, poll_frequency=0.05).until(lambda _: player(browser)["state"] == "error")
+            assert player(browser)["error"] == "a parser that fails"
+        finally:
+            release.set()
+
+        def ended() -> str | None:
+            scrape = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return next((line for line in scrape.splitlines()
+                         if line.startswith('vaed_requests_total{') and 'method="Decode"' in line), None)
+
+        line = WebDriverWait(browser, WAIT_S, poll_frequency=0.1).until(lambda _: ended())
+        assert line.startswith('vaed_requests_total{code="CANCELLED",method="Decode"} 1.0'), line
+        browser.get(f"http://127.0.0.1:{port}/")  # a fresh page, its parser its own again
+        open_page(browser, port)
+        set_random_shape(browser, 2, 8, 8)
+        browser.find_element(By.ID, "decode").click()
+        assert played_to_the_end(browser)["decodedFrames"] == 1 + SCALE_T
+
+
+def test_a_browser_that_cannot_play_the_stream_still_saves_it(browser: webdriver.Chrome, served: int) -> None:
+    """Media Source Extensions without H.264 (some builds): the page says so, reads the stream to
+    its end and offers the whole mp4; a second decode's stats are its own (the first's frame
+    callbacks had timed frames from the old click)."""
+    t, h, w = 2, 8, 8
+    open_page(browser, served)
+    set_random_shape(browser, t, h, w)
+    browser.find_element(By.ID, "decode").click()
+    played_to_the_end(browser)
+    threading.Event().wait(2)  # the first decode's frame callbacks would time from its click, 2 s older
+    clicked = browser.execute_script("return performance.now()")
+    browser.find_element(By.ID, "decode").click()
+    second = played_to_the_end(browser)
+    since_click = browser.execute_script("return performance.now()") - clicked
+    assert second["firstFrameMs"] is not None and 0 < second["firstFrameMs"] <= since_click, (second, since_click)
+    browser.execute_script("MediaSource.isTypeSupported = () => false;")
+    browser.find_element(By.ID, "decode").click()
+    wait_for(browser, lambda: player(browser)["state"] == "done", "the stream read to its end")
+    assert "cannot play the stream; save the mp4" in browser.find_element(By.ID, "state").text
+    assert browser.find_element(By.ID, "download").is_displayed()
+    assert frames_of_mp4(page_mp4(browser)).shape == (1 + SCALE_T * (t - 1), h * SCALE_S, w * SCALE_S, 3)
+    browser.get("about:blank")  # the patched MediaSource goes with the page
+
+
+def test_a_narrow_window_keeps_the_controls_in_view(browser: webdriver.Chrome, served: int) -> None:
+    """A phone-wide window: one column, the decode button within the page's width."""
+    browser.set_window_size(420, 900)
+    try:
+        open_page(browser, served)
+        width = browser.execute_script("return document.documentElement.clientWidth")
+        overflow = browser.execute_script("return document.documentElement.scrollWidth")
+        button = browser.find_element(By.ID, "decode").rect
+        assert overflow <= width and button["x"] + button["width"] <= width, (overflow, width, button)
+    finally:
+        browser.set_window_size(1200, 1000)

@@ -13,6 +13,7 @@ const STATUS_EVERY_MS = 1000;
 
 const $ = (id) => document.getElementById(id);
 let model = null;  // /v1/status's "model" once known
+let messageLimit = null;  // /v1/status's "max_message_bytes": the largest body the server takes
 
 const page = {
   state: "idle",       // idle | reading | decoding | done | error
@@ -25,14 +26,23 @@ const page = {
   doneMs: null,        // from the click to the end of the answer
   bytes: 0,
   framesShown: 0,
+  playing: true,       // false where the browser's Media Source Extensions cannot play the stream
   mp4: null,           // the whole answer, once done (a Blob)
+  run: 0,              // which decode the stats are of: a newer one stops an older one
 };
 window.vaedPage = page;
 
 // -- the token ------------------------------------------------------------------------------
 
+// A header carries visible ASCII only: fetch refuses anything else with a TypeError of its own.
+function tokenProblem() {
+  const token = $("token").value.trim();
+  return token && !/^[\x21-\x7e]+$/.test(token) ? "the token holds characters a bearer token cannot carry" : null;
+}
+
 function authHeaders() {
   const token = $("token").value.trim();
+  if (tokenProblem()) throw new Error(tokenProblem());
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
 
@@ -49,11 +59,13 @@ function showStatus(status) {
   const problems = [];
   if (status.error) problems.push(status.error);
   if (status.auth_required && !status.authorised) {
-    problems.push("this server requires a bearer token: enter it above to see the model and to decode");
+    problems.push($("token").value.trim() ? "the token entered is not this server's"
+      : "this server requires a bearer token: enter it above to see the model and to decode");
   }
   $("status-error").hidden = problems.length === 0;
   $("status-error").textContent = problems.join("\n");
   model = status.model || null;
+  messageLimit = status.max_message_bytes || null;
   const m = model;
   $("model-name").textContent = m ? m.name + (m.random_weights ? " (random weights)" : "") : "–";
   $("model-device").textContent = m ? m.devices.join(", ") : "–";
@@ -80,12 +92,23 @@ function showStatus(status) {
 }
 
 async function pollStatus() {
+  const problem = tokenProblem();
   try {
-    const response = await fetch(STATUS_PATH, { headers: authHeaders(), cache: "no-store" });
-    showStatus(await response.json());
+    const headers = problem ? {} : authHeaders();  // the load needs no token: read it without one
+    const response = await fetch(STATUS_PATH, { headers, cache: "no-store" });
+    const status = await response.json();
+    showStatus(status);
+    if (problem) {
+      $("status-error").hidden = false;
+      $("status-error").textContent = problem;
+    }
   } catch (err) {
     $("serving").textContent = "unreachable";
     $("serving").className = "badge not-serving";
+    // what the last answer said is no longer so
+    $("load").tBodies[0].replaceChildren();
+    for (const id of ["sessions-total", "sessions-max"]) setText(id, "–");
+    $("status-error").hidden = true;
   }
   setTimeout(pollStatus, STATUS_EVERY_MS);
 }
@@ -173,6 +196,9 @@ async function convertPt(buffer) {  // torch.save's zip + pickle: read by the se
 }
 
 async function fileLatents(file) {
+  if (messageLimit !== null && file.size > messageLimit) {
+    throw new Error(`${file.name} is ${file.size} bytes and this server takes at most ${messageLimit} bytes`);
+  }
   const buffer = await file.arrayBuffer();
   const name = file.name.toLowerCase();
   if (name.endsWith(".npy")) return parseNpy(buffer);
@@ -300,15 +326,16 @@ function openMediaSource(video, mime) {
     throw new Error(`this browser's Media Source Extensions cannot play ${mime}; save the mp4 instead`);
   }
   const mediaSource = new MediaSource();
-  video.src = URL.createObjectURL(mediaSource);
+  video.src = objectUrl(mediaSource);
   return new Promise((resolve) => {
     mediaSource.addEventListener("sourceopen", () => resolve([mediaSource, mediaSource.addSourceBuffer(mime)]),
       { once: true });
   });
 }
 
-function watchFrames(video, started) {
+function watchFrames(video, started, run) {
   const onFrame = (now, metadata) => {
+    if (run !== page.run) return;  // a later decode's frames: its own callback counts them
     if (page.firstFrameMs === null) {
       page.firstFrameMs = now - started;
       setText("first-frame", `${page.firstFrameMs.toFixed(0)} ms`);
@@ -341,19 +368,36 @@ async function readLatents() {
   }
   if (!model) throw new Error("the model is not known yet (see the status above)");
   const shape = [1, model.z_dim, Number($("lat-t").value), Number($("lat-h").value), Number($("lat-w").value)];
+  if (!shape.every((d) => Number.isInteger(d) && d >= 1)) throw new Error("T, h and w must be whole numbers from 1");
   return { ...randomLatents(shape, Number($("seed").value)), source: `random, seed ${$("seed").value}` };
 }
 
+// The object URLs of the last decode (its MediaSource, its mp4): released by the next one, or the
+// browser keeps every decoded video in memory.
+let objectUrls = [];
+
+function objectUrl(object) {
+  const url = URL.createObjectURL(object);
+  objectUrls.push(url);
+  return url;
+}
+
 async function decodeAndPlay() {
+  const run = page.run + 1;
   Object.assign(page, { state: "reading", error: null, input: null, expected: null, mime: null, firstByteMs: null,
-    firstFrameMs: null, doneMs: null, bytes: 0, framesShown: 0, mp4: null });
-  for (const id of ["codec", "first-byte", "first-frame", "done", "bytes", "frames-shown", "output-desc"]) {
+    firstFrameMs: null, doneMs: null, bytes: 0, framesShown: 0, playing: true, mp4: null, run });
+  for (const id of ["codec", "first-byte", "first-frame", "done", "bytes", "frames-shown", "input-desc",
+    "output-desc"]) {
     setText(id, "–");
   }
   $("player-error").hidden = true;
   $("download").hidden = true;
   setText("state", "reading latents");
   const video = $("video");
+  video.removeAttribute("src");
+  video.load();
+  for (const url of objectUrls) URL.revokeObjectURL(url);
+  objectUrls = [];
   const started = performance.now();
   const latents = await readLatents();
   page.input = { shape: latents.shape, dtype: latents.dtype, source: latents.source };
@@ -366,8 +410,19 @@ async function decodeAndPlay() {
   }
   page.state = "decoding";
   setText("state", "decoding");
+  // aborted when the page fails mid-answer: the server then ends the call and frees its session
+  const stop = new AbortController();
+  try {
+    await receive(latents, video, started, run, stop.signal);
+  } catch (err) {
+    stop.abort();
+    throw err;
+  }
+}
+
+async function receive(latents, video, started, run, signal) {
   const response = await fetch(decodeUrl(latents), {
-    method: "POST", body: latents.bytes, headers: { "Content-Type": "tensor/binary", ...authHeaders() },
+    method: "POST", body: latents.bytes, headers: { "Content-Type": "tensor/binary", ...authHeaders() }, signal,
   });
   if (!response.ok) throw new Error(await errorOf(response));
   const reader = response.body.getReader();
@@ -385,7 +440,7 @@ async function decodeAndPlay() {
     parts.push(value);
     page.bytes += value.length;
     setText("bytes", `${page.bytes} bytes`);
-    if (appender === null) {
+    if (appender === null && page.playing) {
       const joined = new Uint8Array(pending.length + value.length);
       joined.set(pending);
       joined.set(value, pending.length);
@@ -393,21 +448,34 @@ async function decodeAndPlay() {
       if (initSegmentEnd(pending) < 0) continue;
       page.mime = mimeOfInit(pending);
       setText("codec", page.mime);
+      if (!window.MediaSource || !MediaSource.isTypeSupported(page.mime)) {
+        // no playback here, but the video still comes: the link below saves it once it is whole
+        page.playing = false;
+        setText("state", `decoding (this browser's Media Source Extensions cannot play ${page.mime}; `
+          + "save the mp4 when it is done)");
+        pending = null;
+        continue;
+      }
       let sourceBuffer;
       [mediaSource, sourceBuffer] = await openMediaSource(video, page.mime);
       appender = new Appender(sourceBuffer);
-      watchFrames(video, started);
+      watchFrames(video, started, run);
       appender.append(pending).then(() => video.play()).catch((err) => showError(String(err)));
       pending = null;
-    } else {
+    } else if (appender !== null) {
       appender.append(value).catch((err) => showError(String(err)));
     }
   }
   page.doneMs = performance.now() - started;
   setText("done", `${page.doneMs.toFixed(0)} ms`);
   page.mp4 = new Blob(parts, { type: "video/mp4" });
-  $("download").href = URL.createObjectURL(page.mp4);
+  $("download").href = objectUrl(page.mp4);
   $("download").hidden = false;
+  if (!page.playing) {
+    page.state = "done";
+    setText("state", "done: this browser cannot play the stream; save the mp4");
+    return;
+  }
   if (appender === null) throw new Error("the answer ended before its init segment");
   await appender.idle;
   mediaSource.endOfStream();
