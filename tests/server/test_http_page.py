@@ -251,6 +251,20 @@ def test_a_bad_file_is_reported_on_the_page(browser: webdriver.Chrome, served: i
     _upload(browser, matrix)
     WebDriverWait(browser, WAIT_S).until(lambda d: "latents are [B, z, T, h, w]" in
                                          d.find_element(By.ID, "player-error").text)
+    # truncated files are said to be so, not a JavaScript error of the parser's
+    truncated = tmp_path / "truncated.npy"
+    np.save(truncated, np.zeros((1, Z, 2, 4, 6)))
+    truncated.write_bytes(truncated.read_bytes()[:-5])
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    cut = tmp_path / "cut.safetensors"
+    save_file({"latents": torch.zeros(1, Z, 2, 4, 6)}, str(cut))
+    cut.write_bytes(cut.read_bytes()[:-8])
+    for path, message in ((truncated, "(a truncated file?)"), (empty, "not a .safetensors file"),
+                          (cut, "(a truncated .safetensors?)")):
+        _upload(browser, path)
+        WebDriverWait(browser, WAIT_S).until(lambda d, message=message: message in
+                                             d.find_element(By.ID, "player-error").text)
 
 
 # -- playing while the decode runs -------------------------------------------------------------------

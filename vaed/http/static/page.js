@@ -161,11 +161,16 @@ function parseNpy(buffer) {
   const dtypes = { "<f4": "float32", "<f2": "float16", "<f8": "float64" };
   const dtype = dtypes[descr[1]];
   if (!dtype) throw new Error(`.npy dtype ${descr[1]}: latents are little-endian float16 / float32 / float64`);
+  const size = { float16: 2, float32: 4, float64: 8 }[dtype];
+  if (data.byteLength !== dims.reduce((a, b) => a * b, 1) * size) {
+    throw new Error(`.npy of shape (${dims}) holds ${data.byteLength} bytes of ${dtype} (a truncated file?)`);
+  }
   return dtype === "float64" ? { shape: dims, dtype: "float32", bytes: toFloat32(data) }
     : { shape: dims, dtype, bytes: data };
 }
 
 function parseSafetensors(buffer) {
+  if (buffer.byteLength < 8) throw new Error("not a .safetensors file (shorter than its header's length)");
   const view = new DataView(buffer);
   const headerLength = Number(view.getBigUint64(0, true));
   if (headerLength > buffer.byteLength - 8) throw new Error("not a .safetensors file (header past the end)");
@@ -180,6 +185,9 @@ function parseSafetensors(buffer) {
   const dtype = dtypes[entry.dtype];
   if (!dtype) throw new Error(`tensor ${name} is ${entry.dtype}: latents are F16 / BF16 / F32 / F64`);
   const [begin, end] = entry.data_offsets;
+  if (!(begin <= end && 8 + headerLength + end <= buffer.byteLength)) {
+    throw new Error(`tensor ${name}'s bytes end past the file's (a truncated .safetensors?)`);
+  }
   const data = buffer.slice(8 + headerLength + begin, 8 + headerLength + end);
   return dtype === "float64" ? { shape: entry.shape, dtype: "float32", bytes: toFloat32(data) }
     : { shape: entry.shape, dtype, bytes: data };
