@@ -341,9 +341,12 @@ class Call(Generic[T]):
             raise
         except Exception as exc:
             await self._body.aclose()  # frees the session and stops its reader before the status
+            # logged and counted before the linger: a client that leaves meanwhile cancels the
+            # sleep, and its call (refused all the same) was neither logged nor counted
+            failure = self._core.failed(self.record, exc)
             if self._linger > 0:
                 await asyncio.sleep(self._linger)
-            raise self._core.failed(self.record, exc) from None
+            raise failure from None
         else:
             self._core.finish(self.record, Status.OK)
         finally:

@@ -13,7 +13,9 @@ import grpc
 import pytest
 import torch
 
-from vaed_client import VaeClient, wire
+from vaed_client import VaeClient, tensors, wire
+from vaed_client import channel as vchannel
+from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
 from vaed_client.errors import DeadlineExceededError, InvalidArgumentError
 
 from harness import make_config, proc_rss_bytes, serve_in_thread, start_cli_server
@@ -365,3 +367,37 @@ def test_refused_calls_keep_none_of_their_messages() -> None:
     finally:
         proc.kill()
         proc.wait(30)
+
+
+def test_a_refused_call_whose_client_leaves_during_the_linger_is_still_counted(caplog):
+    """DecodeStream's refusals linger ~0.25 s before their status; a client that gives up
+    meanwhile (a 0.1 s deadline) cancelled that wait, and its refused call was neither logged
+    nor counted. Each of the 10 calls is counted once, by the status the server gave it (or as
+    cut, where the deadline came before the server judged it)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    caplog.set_level(logging.INFO, logger="vaed")
+    bad = torch.randn(1, Z + 1, 1, 4, 4)  # a z_dim the model does not have: INVALID_ARGUMENT
+    with serve_in_thread(make_config(metrics_port=0)) as running:
+        with grpc.insecure_channel(running.target, options=vchannel.channel_options()) as channel:
+            stub = vaed_pb2_grpc.VaeDecoderStub(channel)
+            for _ in range(10):
+                chunks = iter([vaed_pb2.LatentChunk(latents=tensors.to_message(bad))])
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.DecodeStream(chunks, timeout=0.1))
+                assert info.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT)
+        port = running.server.metrics_port
+
+        def counted() -> dict[str, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            return {s.labels["code"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "vaed_requests_total" and s.labels.get("method") == "DecodeStream"}
+
+        deadline = time.monotonic() + 30  # a bound on a hang: the lingering calls end within ~0.25 s
+        while sum(counted().values()) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(counted().values()) == 10, counted()
+        assert counted().get("INVALID_ARGUMENT", 0) >= 1, counted()  # the linger was reached
+        assert caplog.text.count("DecodeStream id=") == 10, caplog.text
