@@ -401,3 +401,57 @@ def test_a_refused_call_whose_client_leaves_during_the_linger_is_still_counted(c
         assert sum(counted().values()) == 10, counted()
         assert counted().get("INVALID_ARGUMENT", 0) >= 1, counted()  # the linger was reached
         assert caplog.text.count("DecodeStream id=") == 10, caplog.text
+
+
+def _half_a_message_then_gone(port: int, method: str, message: bytes) -> None:
+    """A raw HTTP/2 gRPC call that sends half of its one message, then closes its socket."""
+    import socket
+    import struct
+
+    import h2.config
+    import h2.connection
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        conn.initiate_connection()
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":path", f"/vaed.v1.VaeDecoder/{method}"),
+                                   (":authority", f"127.0.0.1:{port}"), ("content-type", "application/grpc"),
+                                   ("te", "trailers")])
+        framed = b"\0" + struct.pack(">I", len(message)) + message
+        conn.send_data(stream, framed[: len(framed) // 2])  # within the default 64 KiB window
+        s.sendall(conn.data_to_send())
+        time.sleep(0.05)  # the server has the call's head and part of its message
+
+
+@pytest.mark.parametrize("method", ["Decode", "Encode"])
+def test_a_client_gone_before_its_first_message_is_counted_cancelled(method):
+    """A client whose connection closes halfway through its first message sent nothing whole:
+    the call is CANCELLED (it was INVALID_ARGUMENT "needs one message", for about half of the
+    calls, whose end of input the server read before grpc marked the call cancelled)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if method == "Decode":
+        request = vaed_pb2.DecodeRequest(latents=tensors.to_message(torch.randn(1, Z, 2, 8, 8)))
+    else:
+        request = vaed_pb2.VideoChunk(frames=tensors.to_message(torch.zeros(1, 5, 32, 32, 3, dtype=torch.uint8)))
+    message = request.SerializeToString()
+    assert len(message) < 60_000
+    calls = 10
+    with serve_in_thread(make_config(metrics_port=0, encode=method == "Encode")) as running:
+        port = int(running.target.rsplit(":", 1)[1])
+        for _ in range(calls):
+            _half_a_message_then_gone(port, method, message)
+
+        def counted() -> dict[str, float]:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{running.server.metrics_port}/metrics",
+                                          timeout=10).read().decode()
+            return {s.labels["code"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "vaed_requests_total" and s.labels.get("method") == method}
+
+        deadline = time.monotonic() + 30  # a bound on a hang: each call ends as its socket closes
+        while sum(counted().values()) < calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert counted() == {"CANCELLED": calls}, counted()
