@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from vaed import kernels as K
+from vaed.patches.conv_plans import gpu_ms
 from vaed.kernels import _runtime as rt
 
 if TYPE_CHECKING:  # what the kernels' `tl.constexpr` annotations name (triton has no hints: Any)
@@ -193,20 +194,7 @@ SITES: dict[str, list[tuple[int, int, int, int, int]]] = {
 }
 
 
-def gpu_ms(fn: Callable[[], Any], batch: int) -> float:
-    """GPU time per call over a batch of calls between two CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(batch):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / batch
-
-
-def time_site(c: int, t: int, h: int, w: int, batch: int) -> tuple[float, float, float, bool]:
+def time_site(c: int, t: int, h: int, w: int) -> tuple[float, float, float, bool]:
     """(ms of conv1's in-place bias add, of aten's reduction of the biased activation, of the
     ordered op from the unbiased one; whether the op gave aten's bits) at one norm site."""
     x = (torch.randn(1, c, t, h, w, device="cuda") * 3).to(torch.bfloat16).contiguous(
@@ -215,16 +203,15 @@ def time_site(c: int, t: int, h: int, w: int, batch: int) -> tuple[float, float,
     biased = x + bias.view(1, -1, 1, 1, 1)
     got = norm_denominator_ordered(x, bias)
     exact = got is not None and torch.equal(got, K.norm_denominator(biased))
-    add = gpu_ms(lambda: biased.add_(bias.view(1, -1, 1, 1, 1)), batch)
-    reduce = gpu_ms(lambda: K.norm_denominator(biased), batch)
-    ordered = gpu_ms(lambda: norm_denominator_ordered(x, bias), batch)
+    add = gpu_ms(lambda: biased.add_(bias.view(1, -1, 1, 1, 1)))
+    reduce = gpu_ms(lambda: K.norm_denominator(biased))
+    ordered = gpu_ms(lambda: norm_denominator_ordered(x, bias))
     return add, reduce, ordered, exact
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(SITES), choices=list(SITES))
-    parser.add_argument("--batch", type=int, default=10)
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
@@ -232,7 +219,7 @@ def main() -> int:
         print(f"--- {case}: ms a call; the chain = conv1's in-place bias add + aten's reduction")
         totals = {"chain": 0.0, "ordered": 0.0}
         for c, t, h, w, calls in SITES[case]:
-            add, reduce, ordered, exact = time_site(c, t, h, w, args.batch)
+            add, reduce, ordered, exact = time_site(c, t, h, w)
             totals["chain"] += (add + reduce) * calls
             totals["ordered"] += ordered * calls
             print(f"C{c} {t}x{h}x{w} (x{calls}): bias add {add:.3f} + reduction {reduce:.3f} | ordered {ordered:.3f}"

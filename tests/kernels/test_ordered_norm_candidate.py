@@ -117,5 +117,5 @@ def test_inputs_outside_the_order_are_declined(backend: Backend, case: str) -> N
 
 @kernel_cases("", cuda=[()])
 def test_the_benchmark_times_a_site_and_checks_its_bits(backend: Backend) -> None:
-    add, reduce, ordered, exact = N.time_site(256, 2, 16, 24, batch=2)
+    add, reduce, ordered, exact = N.time_site(256, 2, 16, 24)
     assert exact and min(add, reduce, ordered) > 0

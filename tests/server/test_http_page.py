@@ -270,6 +270,25 @@ def test_a_bad_file_is_reported_on_the_page(browser: webdriver.Chrome, served: i
 # -- playing while the decode runs -------------------------------------------------------------------
 
 
+def held_at_frame_3(config: Any, held: threading.Event, release: threading.Event) -> Callable[[str], Any]:
+    """An engine factory whose decode of latent frame 3 sets `held` and waits for `release`."""
+    def build(device: str) -> Any:
+        engine = engine_factory(config)(device)
+        decode_frame = engine.decode_frame
+
+        def held_decode(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
+            group = decode_frame(state, latent_frame, output)
+            if group.chunk_index == 3:
+                held.set()
+                assert release.wait(WAIT_S), "latent frame 3 was never released"
+            return group
+
+        engine.decode_frame = held_decode
+        return engine
+
+    return build
+
+
 def test_the_page_plays_while_the_decode_runs(browser: webdriver.Chrome) -> None:
     """The server's decode of latent frame 3 is held until the page has played past its first frame
     and shows the held call's session and pending latent frames: the playback can only have started
@@ -277,22 +296,7 @@ def test_the_page_plays_while_the_decode_runs(browser: webdriver.Chrome) -> None
     config = make_config(MODEL, http_port=0, warmup=False)
     release = threading.Event()
     held = threading.Event()
-
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
-
-        def held_at_frame_3(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 3:
-                held.set()
-                assert release.wait(WAIT_S), "the page never played the first frames"
-            return group
-
-        engine.decode_frame = held_at_frame_3
-        return engine
-
-    with serve_in_thread(config, build_engine=build) as running:
+    with serve_in_thread(config, build_engine=held_at_frame_3(config, held, release)) as running:
         try:
             open_page(browser, running.server.http_port)
             set_random_shape(browser, 6, 8, 8)
@@ -573,21 +577,7 @@ def test_a_page_that_fails_mid_answer_ends_its_call(browser: webdriver.Chrome) -
     port = _free_port()
     config = make_config(MODEL, http_port=port, metrics_port=port, warmup=False)
     release = threading.Event()
-
-    def build(device: str) -> Any:
-        engine = engine_factory(config)(device)
-        decode_frame = engine.decode_frame
-
-        def held_at_frame_3(state: Any, latent_frame: torch.Tensor, output: Any) -> Any:
-            group = decode_frame(state, latent_frame, output)
-            if group.chunk_index == 3:
-                assert release.wait(WAIT_S), "the page never failed"
-            return group
-
-        engine.decode_frame = held_at_frame_3
-        return engine
-
-    with serve_in_thread(config, build_engine=build) as running:
+    with serve_in_thread(config, build_engine=held_at_frame_3(config, threading.Event(), release)):
         try:
             open_page(browser, port)
             browser.execute_script("window.mimeOfInit = () => { throw new Error('a parser that fails'); };")
