@@ -329,10 +329,11 @@ class Appender {
   }
 }
 
-function openMediaSource(video, mime) {
-  if (!window.MediaSource || !MediaSource.isTypeSupported(mime)) {
-    throw new Error(`this browser's Media Source Extensions cannot play ${mime}; save the mp4 instead`);
-  }
+function canPlay(mime) {
+  return Boolean(window.MediaSource) && MediaSource.isTypeSupported(mime);
+}
+
+function openMediaSource(video, mime) {  // for a type the browser can play (canPlay)
   const mediaSource = new MediaSource();
   video.src = objectUrl(mediaSource);
   return new Promise((resolve) => {
@@ -456,7 +457,7 @@ async function receive(latents, video, started, run, signal) {
       if (initSegmentEnd(pending) < 0) continue;
       page.mime = mimeOfInit(pending);
       setText("codec", page.mime);
-      if (!window.MediaSource || !MediaSource.isTypeSupported(page.mime)) {
+      if (!canPlay(page.mime)) {
         // no playback here, but the video still comes: the link below saves it once it is whole
         page.playing = false;
         setText("state", `decoding (this browser's Media Source Extensions cannot play ${page.mime}; `
