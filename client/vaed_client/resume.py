@@ -14,8 +14,9 @@ frame exactly once and the result equals an undisturbed call bit for bit.
   timeout, a server warming up or draining, a device failure on the server),
   RESOURCE_EXHAUSTED (sessions full or out of memory: another replica may
   have room; so only with several targets or a `dns:` name, never on the
-  one server that said it), and CANCELLED that this client did not ask for (a server
-  stopping past its drain grace). Never: INVALID_ARGUMENT, UNAUTHENTICATED,
+  one server that said it), CANCELLED that this client did not ask for (a server
+  stopping past its drain grace), and grpc.aio's INTERNAL "Internal error from Core" for a
+  call that ended while the client still wrote, whose status gRPC lost (as UNAVAILABLE). Never: INVALID_ARGUMENT, UNAUTHENTICATED,
   DEADLINE_EXCEEDED (the call's own timeout covers all its attempts),
   INTERNAL and the rest: retrying a request the server refused gives the
   same answer.
@@ -77,6 +78,7 @@ from .errors import (
     DeadlineExceededError,
     InternalError,
     ReplicaMismatchError,
+    UnavailableError,
     VaedError,
     from_rpc_error,
 )
@@ -86,6 +88,9 @@ from .video import TIME_AXIS, check_layout
 log = logging.getLogger("vaed_client.resume")
 pb = wire.pb
 
+# What grpc.aio's INTERNAL says when a request message was written into a call that had ended: the
+# status that ended it (the server's) is lost (`Progress.error_of`).
+LOST_STATUS_DETAILS = "Internal error from Core"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 # What ends an attempt for `Progress.retry_delay` to judge: the call's failure, or its server refused
 # before any of its replies was taken (`Progress.check_server`).
@@ -334,20 +339,26 @@ class Progress:
     # -- after a failure --------------------------------------------------------------
     def error_of(self, failure: grpc.RpcError | ReplicaMismatchError) -> VaedError:
         """The VaedError an attempt's failure (`ATTEMPT_FAILURES`) stands for: a refused replica's
-        ReplicaMismatchError is its own. An INTERNAL seen once the call's own
-        timeout has run out is that timeout: grpc.aio reports a message written into a call that
-        its deadline has just ended as INTERNAL ("Internal error from Core"), and a deadline's
-        status is best effort in grpc (a server-side cancel can arrive first as a bare stream
-        reset), so the caller gets the DEADLINE_EXCEEDED its timeout asked for."""
+        ReplicaMismatchError is its own. grpc.aio reports a message written into a call that has
+        just ended as INTERNAL ("Internal error from Core", `LOST_STATUS_DETAILS`) in place of the
+        status that ended it. Seen once the call's own timeout has run out, that is the timeout (a
+        deadline's status is best effort in grpc: a server-side cancel can arrive first as a bare
+        stream reset), so the caller gets the DEADLINE_EXCEEDED its timeout asked for. Before it, it
+        is a server that ended the call while the client still wrote (an overloaded server's
+        refusal, 6 of 60 calls flooding one with a session), so UNAVAILABLE: the attempt is
+        retried like a lost connection, and the next one gets the server's own answer."""
         if isinstance(failure, ReplicaMismatchError):
             return failure
         error = from_rpc_error(failure)
-        if (isinstance(error, InternalError) and self.deadline is not None
-                and time.monotonic() >= self.deadline):
-            late = DeadlineExceededError(f"the call's timeout ran out (gRPC reported: {error.details})")
-            late.__cause__ = error
-            return late
-        return error
+        if not (isinstance(error, InternalError) and error.details == LOST_STATUS_DETAILS):
+            return error
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            late: VaedError = DeadlineExceededError(f"the call's timeout ran out (gRPC reported: {error.details})")
+        else:
+            late = UnavailableError(f"the server ended the call while this client was still sending, and gRPC "
+                                    f"lost the status it sent (gRPC reported: {error.details})")
+        late.__cause__ = error
+        return late
 
     def closed_error(self, details: str) -> ClientClosedError | None:
         """What ends an attempt that failed because the application closed the client (`details`:

@@ -197,7 +197,8 @@ def test_an_internal_error_past_the_calls_timeout_is_its_deadline() -> None:
     # grpc.aio reports a request message written into a call its deadline just ended as INTERNAL
     progress = _progress("a:1", timeout=3600.0)
     core = _aio_error(grpc.StatusCode.INTERNAL, "Internal error from Core")
-    assert type(progress.error_of(core)) is InternalError  # the timeout has not run out
+    lost = progress.error_of(core)  # the timeout has not run out: a status gRPC lost (below)
+    assert type(lost) is UnavailableError and isinstance(lost.__cause__, InternalError)
     progress.deadline = time.monotonic() - 0.001
     late = progress.error_of(core)
     assert type(late) is DeadlineExceededError and late.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -207,7 +208,25 @@ def test_an_internal_error_past_the_calls_timeout_is_its_deadline() -> None:
     # only INTERNAL stands for the timeout: a server's own answer keeps its status
     refused = progress.error_of(_aio_error(grpc.StatusCode.INVALID_ARGUMENT, "bad latents"))
     assert type(refused) is InvalidArgumentError
-    assert type(_progress("a:1").error_of(core)) is InternalError  # no timeout at all
+    assert type(_progress("a:1").error_of(core)) is UnavailableError  # no timeout at all
+
+
+def test_an_internal_error_from_core_is_a_lost_status_and_retried() -> None:
+    # grpc.aio's INTERNAL for a message written into a call the server had ended (its refusal's
+    # status lost): retried as UNAVAILABLE, on the same server too, so the next attempt gets the
+    # server's own answer; a server's own INTERNAL is never retried
+    progress = _progress("a:1")
+    lost = progress.error_of(_aio_error(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert type(lost) is UnavailableError and lost.code == grpc.StatusCode.UNAVAILABLE
+    assert "still sending" in str(lost) and "Internal error from Core" in str(lost)
+    assert progress.retry_delay(lost) >= 0 and progress.report.resumes == 1
+    own = progress.error_of(_aio_error(grpc.StatusCode.INTERNAL, "decoder failed: CUDA error"))
+    assert type(own) is InternalError
+    with pytest.raises(InternalError, match="decoder failed"):
+        progress.retry_delay(own)
+    no_resume = _progress("a:1", policy=ResumePolicy(max_resumes=0))
+    with pytest.raises(UnavailableError, match="still sending"):
+        no_resume.retry_delay(no_resume.error_of(_aio_error(grpc.StatusCode.INTERNAL, "Internal error from Core")))
 
 
 # -- one decoder per call: each attempt's identity header (`Progress.check_server`) -----------------
