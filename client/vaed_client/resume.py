@@ -16,10 +16,10 @@ frame exactly once and the result equals an undisturbed call bit for bit.
   have room; so only with several targets or a `dns:` name, never on the
   one server that said it), CANCELLED that this client did not ask for (a server
   stopping past its drain grace), and grpc.aio's INTERNAL "Internal error from Core" for a
-  call that ended while the client still wrote, whose status gRPC lost (as UNAVAILABLE). Never: INVALID_ARGUMENT, UNAUTHENTICATED,
-  DEADLINE_EXCEEDED (the call's own timeout covers all its attempts),
-  INTERNAL and the rest: retrying a request the server refused gives the
-  same answer.
+  call that ended while the client still wrote, whose status gRPC lost (as UNAVAILABLE).
+  Never: INVALID_ARGUMENT, UNAUTHENTICATED, DEADLINE_EXCEEDED (the call's own
+  timeout covers all its attempts), INTERNAL and the rest: retrying a request
+  the server refused gives the same answer.
 * Bounded: `ResumePolicy.max_resumes` attempts after the first, with
   exponential backoff (none when the next target has not failed in this call).
 * Exactly once: `Progress.accept` passes on only frames past those delivered
