@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -88,6 +89,9 @@ class AsyncVaeClient:
         self._stub_objs: list[Any] = []
         self._closed_in: asyncio.AbstractEventLoop | None = None  # the loop whose close() ended the channel
         self._info: ModelInfo | None = None
+        # one model-info fetch per event loop at a time (`_cached_info`); weak: a loop that ends goes
+        self._info_locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary())
 
     @property
     def _stub(self) -> Any:
@@ -156,8 +160,15 @@ class AsyncVaeClient:
         return self._info
 
     async def _cached_info(self) -> ModelInfo:
-        # Once per client (two racing first calls both fetch; harmless).
-        return self._info if self._info is not None else await self.model_info()
+        # Once per client: racing first calls wait for one fetch. Each would take one of the server's
+        # RPC slots (2 x sessions + 8): 60 first calls at once sent 35 GetModelInfo, some refused.
+        if self._info is None:
+            lock = self._info_locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+            async with lock:
+                if self._info is None:
+                    return await self.model_info()
+        assert self._info is not None
+        return self._info
 
     async def decode(
         self,

@@ -403,6 +403,33 @@ def test_a_refused_call_whose_client_leaves_during_the_linger_is_still_counted(c
         assert caplog.text.count("DecodeStream id=") == 10, caplog.text
 
 
+def test_racing_first_calls_of_an_asyncio_client_fetch_the_model_once():
+    """Each call of a fresh AsyncVaeClient needs the model's info first. 12 first calls at once
+    sent a GetModelInfo each, every one taking an RPC slot (60 at once sent 35, some refused);
+    racing first calls now wait for one fetch, and every video is the same."""
+    import asyncio
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vaed_client import AsyncVaeClient
+
+    latents = torch.randn(1, Z, 2, 4, 4, generator=torch.Generator().manual_seed(3))
+    with serve_in_thread(make_config(metrics_port=0)) as running:
+        async def first_calls() -> list[torch.Tensor]:
+            async with AsyncVaeClient(running.target) as client:
+                return list(await asyncio.gather(*(client.decode(latents, output_type="pt") for _ in range(12))))
+
+        videos = asyncio.run(first_calls())
+        text = urllib.request.urlopen(f"http://127.0.0.1:{running.server.metrics_port}/metrics", timeout=10).read()
+        counted = {(s.labels["method"], s.labels["code"]): s.value
+                   for f in text_string_to_metric_families(text.decode()) for s in f.samples
+                   if s.name == "vaed_requests_total"}
+    assert all(torch.equal(v, videos[0]) for v in videos[1:])
+    assert counted.get(("DecodeStream", "OK")) == 12, counted
+    assert counted.get(("GetModelInfo", "OK")) == 1, counted
+
+
 def _half_a_message_then_gone(port: int, method: str, message: bytes) -> None:
     """A raw HTTP/2 gRPC call that sends half of its one message, then closes its socket."""
     import socket
