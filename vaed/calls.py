@@ -92,6 +92,9 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.draining = False
+        # the drain's grace is over: a call that ends cancelled now was cut by the server, and its
+        # client saw UNAVAILABLE (gRPC) or a closed connection (HTTP), not a cancel of its own
+        self.cutting = False
 
 
 # -- what a front hands the core -------------------------------------------------------
@@ -336,7 +339,10 @@ class Call(Generic[T]):
             async for item in self._body:
                 yield self._to_message(item)
         except (asyncio.CancelledError, GeneratorExit):
-            ended = Status.DEADLINE_EXCEEDED if self._deadline_passed() else Status.CANCELLED
+            if self._deadline_passed():
+                ended = Status.DEADLINE_EXCEEDED
+            else:
+                ended = Status.UNAVAILABLE if self._core.lifecycle.cutting else Status.CANCELLED
             self._core.finish(self.record, self._refused or ended)
             raise
         except Exception as exc:

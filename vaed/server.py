@@ -452,8 +452,16 @@ class VaedServer:
         deadline = loop.time() + grace
         while self.pool.admitted and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        # What still runs at the end of the grace is cut, and counted as its client sees it
+        # (UNAVAILABLE), not as a cancel of its own: gRPC's stop cuts at the deadline, this first.
+        remaining = max(0.0, deadline - loop.time())
+        mark_cut = loop.call_at(deadline, setattr, self.lifecycle, "cutting", True)
+        if remaining == 0:
+            self.lifecycle.cutting = True
         if self._server is not None:
-            await self._server.stop(max(0.0, deadline - loop.time()))
+            await self._server.stop(remaining)
+        mark_cut.cancel()
+        self.lifecycle.cutting = True  # the HTTP calls left are cut next
         # The grace is over for HTTP calls too: cut them as gRPC's were just cancelled, before the
         # workers stop (an HTTP call would otherwise wait on its stopped worker until aiohttp's
         # shutdown gave up on it, minutes later).

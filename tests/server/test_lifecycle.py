@@ -20,7 +20,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from vaed.server import VaedServer, engine_factory
-from vaed_client import AsyncVaeClient, VaeClient, wire
+from vaed_client import AsyncVaeClient, VaeClient, tensors, wire
+from vaed_client import channel as vchannel
+from vaed_client._proto import vaed_pb2, vaed_pb2_grpc
 from vaed_client.errors import UnavailableError
 
 from harness import engine_calling_at, make_config, serve_in_thread, start_cli_server
@@ -326,7 +328,8 @@ def _decode_query(shape: tuple[int, ...], **extra: str) -> str:
 def test_sigterm_cuts_an_http_decode_still_running_at_the_end_of_the_grace(stream: bool):
     """An HTTP mp4 decode far longer than the test (1024 latent frames: minutes of CPU) is running
     when SIGTERM comes: after --grace its connection is closed (no answer, or a streamed body cut
-    short), its call ends CANCELLED as a gRPC call's does, and the process exits 0 within a bound
+    short), its call is logged UNAVAILABLE (the server cut it; not a cancel of its client's) as a
+    gRPC call's is, and the process exits 0 within a bound
     far under the ~130 s that aiohttp's shutdown held such a call."""
     port = _free_port()
     proc, _ = start_cli_server("--grace", str(DRAIN_GRACE_S), "--http-port", str(port), "--metrics-port", str(port))
@@ -362,7 +365,7 @@ def test_sigterm_cuts_an_http_decode_still_running_at_the_end_of_the_grace(strea
         thread.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], requests.exceptions.RequestException), outcome
         (line,) = [line for line in output if " Decode id=" in line]
-        assert "status=CANCELLED" in line and "shape=[1, 4, 1024, 32, 32]" in line, line
+        assert "status=UNAVAILABLE" in line and "shape=[1, 4, 1024, 32, 32]" in line, line
         print(f"\nHTTP {'stream ' if stream else ''}mp4 cut by the drain: exited {exited:.1f} s after SIGTERM "
               f"(--grace {DRAIN_GRACE_S:g}); the client saw {type(outcome[0]).__name__}")
     finally:
@@ -419,7 +422,8 @@ def test_an_http_call_admitted_before_sigterm_still_completes_within_the_grace()
 def test_the_drain_cut_frees_the_slot_of_an_http_call_whose_decode_is_held(caplog: pytest.LogCaptureFixture):
     """In process: an HTTP call's decode is held at latent frame 1 on the worker, so nothing but
     the end of the grace can end it. Stopping with a 0.5 s grace closes its connection, ends the
-    call CANCELLED and frees its slot while the decode is still held."""
+    call UNAVAILABLE (cut by the server, not cancelled by its client) and frees its slot while the
+    decode is still held."""
     config = make_config(http_port=0, warmup=False)
     reached, release = threading.Event(), threading.Event()
 
@@ -451,7 +455,50 @@ def test_the_drain_cut_frees_the_slot_of_an_http_call_whose_decode_is_held(caplo
         finally:
             release.set()
         stopping.result(60)
-    assert re.search(r"Decode id=\w+ status=CANCELLED shape=\[1, 4, 3, 4, 4\]", caplog.text), caplog.text
+    assert re.search(r"Decode id=\w+ status=UNAVAILABLE shape=\[1, 4, 3, 4, 4\]", caplog.text), caplog.text
+
+
+def test_a_grpc_call_cut_at_the_end_of_the_grace_is_counted_as_its_client_sees_it(caplog: pytest.LogCaptureFixture):
+    """A gRPC Decode held at latent frame 1 when the drain's 0.5 s grace ends is cut: its client
+    gets UNAVAILABLE, and the server logs and counts it UNAVAILABLE too (it had counted CANCELLED,
+    a client's own cancel)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    config = make_config(warmup=False, metrics_port=0)
+    reached, release = threading.Event(), threading.Event()
+
+    def held_at_frame_1() -> None:
+        reached.set()
+        release.wait(120)
+
+    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(4))
+    seen: list[grpc.StatusCode] = []
+    with serve_in_thread(config, build_engine=engine_calling_at(config, 1, held_at_frame_1)) as running:
+        def client() -> None:
+            with grpc.insecure_channel(running.target, options=vchannel.channel_options()) as channel:
+                request = vaed_pb2.DecodeRequest(latents=tensors.to_message(latents))
+                try:
+                    list(vaed_pb2_grpc.VaeDecoderStub(channel).Decode(request, timeout=120))
+                except grpc.RpcError as exc:
+                    seen.append(exc.code())
+
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        try:
+            assert reached.wait(60)
+            stopping = asyncio.run_coroutine_threadsafe(running.server.stop(grace=0.5), running.loop)
+            thread.join(60)
+            assert seen == [grpc.StatusCode.UNAVAILABLE]
+        finally:
+            release.set()
+        stopping.result(60)
+        text = generate_latest(running.server.metrics.registry)  # its scrape port closed with it
+    counted = {(s.labels["method"], s.labels["code"]): s.value
+               for f in text_string_to_metric_families(text.decode()) for s in f.samples
+               if s.name == "vaed_requests_total" and s.labels.get("method") == "Decode"}
+    assert counted == {("Decode", "UNAVAILABLE"): 1.0}, counted
+    assert re.search(r"Decode id=\w+ status=UNAVAILABLE shape=\[1, 4, 3, 4, 4\]", caplog.text), caplog.text
 
 
 def test_explicit_triton_kernels_that_cannot_run_fail_startup():
