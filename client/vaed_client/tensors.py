@@ -30,8 +30,12 @@ from .dtypes import (  # re-exported: the old public names of this module
 __all__ = [
     "DTYPE_NAMES", "NUMPY_STORAGE", "WIRE_DTYPE_BY_NAME", "TensorFormatError", "dtype_name", "is_torch", "itemsize",
     "torch_dtype", "wire_dtype", "validate", "payload", "to_message", "to_numpy", "to_torch", "storage_view",
-    "widen_bf16_bits", "storage_to_torch", "to_bf16_message", "torch_data_problem",
+    "widen_bf16_bits", "storage_to_torch", "to_bf16_message", "torch_data_problem", "MAX_RANK",
 ]
+
+
+# Most dimensions a wire tensor may have (latents [B, z, T, h, w] and frames [B, T, H, W, 3] have 5).
+MAX_RANK = 8
 
 
 def validate(message: vaed_pb2.Tensor, data: bytes | None = None) -> tuple[int, ...]:
@@ -42,6 +46,10 @@ def validate(message: vaed_pb2.Tensor, data: bytes | None = None) -> tuple[int, 
     product wraps (shape [1,16,1,2**32,2**32] is 2**68 elements, 0 mod 2**64),
     which would let an absurd shape with a small payload through.
     """
+    if len(message.shape) > MAX_RANK:
+        # before any arithmetic or message on the shape: a product of 600 000 dimensions took the
+        # server's event loop 9 s, and a message echoing it passed gRPC's 16 KiB metadata limit
+        raise TensorFormatError(f"the shape has {len(message.shape)} dimensions; a vaed tensor has at most {MAX_RANK}")
     shape = tuple(int(d) for d in message.shape)
     if any(d < 0 for d in shape):
         raise TensorFormatError(f"negative dimension in shape {list(shape)}")

@@ -240,3 +240,32 @@ def test_rapid_reset_cancels_no_other_call_and_leaks_no_slot(server: tuple[int, 
             except grpc.RpcError as exc:
                 after[exc.code().name] += 1
     assert after == {"OK": 50}, dict(after)
+
+
+# -- a shape of many dimensions, from a client with the token ---------------------------------
+
+def test_a_shape_of_many_dimensions_is_refused_before_any_arithmetic_on_it(server: tuple[int, str]) -> None:
+    """A 300 KB message whose tensor lists 300 000 dimensions: the byte count's product of them
+    had held the event loop ~2 s (~9 s at 600 000) and then failed on the message echoing it,
+    INTERNAL; 6 000 ones in a message passed gRPC's 16 KiB metadata limit and reached the client
+    as RESOURCE_EXHAUSTED. Each is now INVALID_ARGUMENT with a short message, on both methods."""
+    from vaed_client import tensors
+    from vaed_client._proto import vaed_pb2
+
+    _, target = server
+    with grpc.insecure_channel(target) as channel:
+        for dims, size in ((300_000, 3), (6_000, 1)):
+            tensor = vaed_pb2.Tensor(shape=[size] * dims, dtype=vaed_pb2.FLOAT32, data=b"\0" * 4)
+            calls = (
+                ("Decode", vaed_pb2.DecodeRequest(latents=tensor)),
+                ("DecodeStream", vaed_pb2.LatentChunk(latents=tensor)),
+            )
+            for method, request in calls:
+                stream = channel.stream_stream(f"/vaed.v1.VaeDecoder/{method}")
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stream(iter([request.SerializeToString()]), metadata=AUTH, timeout=60))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, dims, info.value)
+                details = info.value.details() or ""
+                assert f"{dims} dimensions" in details and len(details) < 300, (method, dims, details[:200])
+                assert f"at most {tensors.MAX_RANK}" in details
+    assert _serving(target)
