@@ -335,6 +335,7 @@ class Call(Generic[T]):
         await self._messages.aclose()
 
     async def _run(self) -> AsyncGenerator[T, None]:
+        failure: CallFailed | None = None
         try:
             async for item in self._body:
                 yield self._to_message(item)
@@ -350,13 +351,22 @@ class Call(Generic[T]):
             # logged and counted before the linger: a client that leaves meanwhile cancels the
             # sleep, and its call (refused all the same) was neither logged nor counted
             failure = self._core.failed(self.record, exc)
-            if self._linger > 0:
-                await asyncio.sleep(self._linger)
-            raise failure from None
         else:
             self._core.finish(self.record, Status.OK)
         finally:
             await self._body.aclose()
+        if failure is None:
+            return
+        # Raised outside the except clause, so that it carries no __context__: the failure's
+        # traceback holds this frame, which holds the failure (a cycle), and through the context
+        # the body's frames held the refused message until a garbage collection (~200 MB of RSS
+        # per refused 64 MiB Decode, 2 GB after seven).
+        if self._linger > 0:
+            await asyncio.sleep(self._linger)
+        try:
+            raise failure
+        finally:
+            del failure
 
 
 class CallCore:
