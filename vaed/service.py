@@ -305,26 +305,42 @@ def _timed_out(context: grpc.aio.ServicerContext, writer: TimedWriter) -> Callab
     return lambda: writer.stalled or deadline_passed()
 
 
-def _stream_input(
-    requests: AsyncIterator[bytes], parse_one: Callable[[bytes], Any], context: grpc.aio.ServicerContext
-) -> CallInput[bytes]:
-    # `anext` on grpc.aio's receiver itself: its `__aiter__` makes the generator, which a call
-    # refused before its first read (an Encode to a decode-only server, say) would leave never
-    # awaited, and Python warns "coroutine ... was never awaited" at garbage collection.
-    reads = 0
+class _RequestStream:
+    """A streaming call's request messages, read from grpc.aio's receiver, for CallInput.
 
-    async def receive() -> bytes | None:
-        nonlocal reads
-        reads += 1
-        message = await anext(requests, None)
-        if message is None and reads == 1 and await _cancelled_soon(context):
+    Its async generator is made at the first read (a call refused before that, an Encode to a
+    decode-only server say, would leave one never awaited, and Python warns at garbage collection)
+    and closed by `close` when the call ends: left suspended it holds the last message it yielded,
+    and in a reference cycle with the receiver that the garbage collector does not free (grpcio
+    1.85: every Decode refused after its one message kept its payload, 64 MB a call)."""
+
+    def __init__(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        self._requests = requests
+        self._context = context
+        self._messages: AsyncIterator[bytes] | None = None
+        self._reads = 0
+
+    async def receive(self) -> bytes | None:
+        self._reads += 1
+        if self._messages is None:
+            self._messages = aiter(self._requests)
+        message = await anext(self._messages, None)
+        if message is None and self._reads == 1 and await _cancelled_soon(self._context):
             # no first message because the client's connection went, not because it half-closed:
             # the call is cancelled (it was an INVALID_ARGUMENT "needs one message"). Only the
             # first read waits: a later end of input is every call's own, on its latency path.
             raise asyncio.CancelledError
         return message
 
-    return CallInput(receive, parse_one)
+    async def close(self) -> None:
+        messages, self._messages = self._messages, None
+        aclose = getattr(messages, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            await aclose()
+        except RuntimeError:  # a read still under way ("already running"): it ends with the call
+            log.debug("a request stream was still being read when its call ended")
 
 
 # A lost connection ends a call's input before grpc marks the call cancelled: half of 30 Decodes
@@ -408,8 +424,9 @@ class VaeDecoderService:
         parse_one = functools.partial(decode_request, default_fps=self.core.default_fps)
         writer = self._writer(context)
         _identify(writer, wire.DECODER_IDENTITY_HEADER, self.core.identities()[0])
-        call = self.core.decode(_stream_input(requests, parse_one, context), frame_chunk, _timed_out(context, writer))
-        await self._answer(context, call, writer)
+        stream = _RequestStream(requests, context)
+        call = self.core.decode(CallInput(stream.receive, parse_one), frame_chunk, _timed_out(context, writer))
+        await self._answer(context, call, writer, stream)
 
     async def DecodeStream(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         # A failing client-streaming call lingers briefly, reading nothing, before its status: a
@@ -417,23 +434,28 @@ class VaeDecoderService:
         parse_one = functools.partial(latent_chunk, default_fps=self.core.default_fps)
         writer = self._writer(context)
         _identify(writer, wire.DECODER_IDENTITY_HEADER, self.core.identities()[0])
+        stream = _RequestStream(requests, context)
         call = self.core.decode_stream(
-            _stream_input(requests, parse_one, context), frame_chunk, _timed_out(context, writer),
+            CallInput(stream.receive, parse_one), frame_chunk, _timed_out(context, writer),
             linger=REFUSAL_LINGER_SECONDS)
-        await self._answer(context, call, writer)
+        await self._answer(context, call, writer, stream)
 
     async def Encode(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         writer = self._writer(context)
         _identify(writer, wire.ENCODER_IDENTITY_HEADER, self.core.identities()[1])
+        stream = _RequestStream(requests, context)
         call = self.core.encode(
-            _stream_input(requests, video_chunk, context), latent_frame_chunk, _timed_out(context, writer),
+            CallInput(stream.receive, video_chunk), latent_frame_chunk, _timed_out(context, writer),
             linger=REFUSAL_LINGER_SECONDS)
-        await self._answer(context, call, writer)
+        await self._answer(context, call, writer, stream)
 
     @staticmethod
-    async def _answer(context: grpc.aio.ServicerContext, call: Call[Any], writer: TimedWriter) -> None:
+    async def _answer(
+        context: grpc.aio.ServicerContext, call: Call[Any], writer: TimedWriter, stream: _RequestStream
+    ) -> None:
         """Write a call's messages; its failure becomes the call's status, and a client that takes
-        none of them for --send-timeout has the call ended DEADLINE_EXCEEDED."""
+        none of them for --send-timeout has the call ended DEADLINE_EXCEEDED. `stream`, the call's
+        request messages, is closed when it ends."""
         try:
             async for message in call:
                 await writer.write(message)
@@ -450,3 +472,4 @@ class VaeDecoderService:
         finally:
             writer.abandon()  # a call cancelled before its first message: its header send ends on its own
             await call.aclose()  # runs the call's own cleanup now, not at garbage collection
+            await stream.close()

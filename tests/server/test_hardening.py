@@ -369,6 +369,37 @@ def test_refused_calls_keep_none_of_their_messages() -> None:
         proc.wait(30)
 
 
+def test_a_call_refused_after_its_whole_message_keeps_none_of_it() -> None:
+    """Decodes of 64 MiB refused once their message is whole (the frames are over --max-pixels)
+    leave the server's memory where it was. grpc.aio's request generator, left suspended after
+    the one message it yielded, held that message in a reference cycle the garbage collector
+    does not free: +64 MiB a call for good (and, while the failure carried the refusal as its
+    context, +200 MiB until a collection)."""
+    from harness import start_serve
+
+    calls, shape = 5, (1, Z, 1, 2048, 2048)  # 64 MiB of fp32 latents; 16384 x 16384 frames
+    proc, target, _ = start_serve("--max-pixels", str(256 * 256), fresh_interpreter=True,
+                                  environ={"MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
+    try:
+        options = [("grpc.max_send_message_length", 256 << 20)]
+        with grpc.insecure_channel(target, options=options) as channel:
+            stub = wire.pb_grpc.VaeDecoderStub(channel)
+            request = pb.DecodeRequest(latents=wire.to_message(torch.zeros(shape)))
+            # the first such call's imports and gRPC's buffers for a message of this size
+            assert _status(stub.Decode(request, timeout=120))[0] == grpc.StatusCode.INVALID_ARGUMENT
+            before = proc_rss_bytes(proc.pid)
+            for _ in range(calls):
+                code, details = _status(stub.Decode(request, timeout=120))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "pixels" in details, details
+            growth = proc_rss_bytes(proc.pid) - before
+        sent = calls * request.latents.ByteSize()
+        print(f"\n{calls} refused Decodes of {sent // calls >> 20} MiB: RSS {growth / (1 << 20):+.1f} MiB")
+        assert growth < sent // calls, f"the server kept {growth >> 20} MiB after refusing {sent >> 20} MiB of calls"
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 def test_a_refused_call_whose_client_leaves_during_the_linger_is_still_counted(caplog):
     """DecodeStream's refusals linger ~0.25 s before their status; a client that gives up
     meanwhile (a 0.1 s deadline) cancelled that wait, and its refused call was neither logged
