@@ -249,6 +249,11 @@ class RemoteAutoencoderKLWan(_ModuleBase):
             )
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"encode expects a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            # AutoencoderKLWan refuses them too (its conv's input and bias types differ); served, a
+            # uint8 video's 0..255 went out as values in [-1, 1] and came back as wrong latents
+            raise TypeError(f"encode expects frames as a floating-point tensor in [-1, 1], as AutoencoderKLWan "
+                            f"does, got {x.dtype} (uint8 frames: x.float() / 127.5 - 1)")
         from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 

@@ -452,6 +452,23 @@ def test_encode_leaves_trailing_frames_out_as_the_local_vae(encoding_served: Any
     assert torch.equal(got.mean, want.mean) and torch.equal(got.logvar, want.logvar)
 
 
+def test_encode_refuses_integer_frames_as_the_local_vae_does(encoding_served: Any) -> None:
+    """AutoencoderKLWan refuses a uint8 video (its conv's input and bias types differ); the served
+    encode sent its 0..255 as frames in [-1, 1] and returned wrong latents without a word."""
+    remote = RemoteAutoencoderKLWan(encoding_served.target)
+    size = 6 * remote.config.scale_factor_spatial
+    frames = torch.randint(0, 256, (1, 3, 5, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError):
+        encoding_served.reference_vae().encode(frames)
+    for dtype in (torch.uint8, torch.int64):
+        with pytest.raises(TypeError, match=r"floating-point tensor in \[-1, 1\]"):
+            remote.encode(frames.to(dtype))
+    scaled = frames.float() / 127.5 - 1
+    want = encoding_served.reference_vae().encode(scaled).latent_dist.mean
+    assert torch.equal(remote.encode(scaled).latent_dist.mean, want)
+    remote.close()
+
+
 def test_batches_over_the_server_limit_go_in_slices() -> None:
     """A pipeline's batch (prompts x videos per prompt) may exceed the server's --max-batch,
     which a local VAE does not have: the drop-in sends slices of at most that many and joins
