@@ -809,7 +809,9 @@ class CallCore:
                                f"it encodes in {', '.join(str(d) for d in offered)}")
         cfg = self.config
         limits = self._limits()
-        limits.check_frame_count(requested.trailing_zero_frames)
+        # checked before any frame came: the zero frames alone, the call's own frames to come on top
+        limits.check_frame_count(requested.trailing_zero_frames,
+                                 "trailing zero frames (before the call's own frames, on top of them)")
         spec = EncodeSpec(latents=requested.latents, out_dtype=requested.out_dtype, precision=precision,
                           allow_non_finite=requested.allow_non_finite, dtype=requested.encode_dtype or offered[0])
         return EncodeSession(

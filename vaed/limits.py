@@ -107,11 +107,12 @@ class Limits:
         self.check_frame_count(frames_before + t)
         self._check_same(first, (b, h, w), dtype, "B, H, W", "call", "B, H and W")
 
-    def check_frame_count(self, total: int) -> None:
-        """Raise InvalidInput when an encode of `total` frames would pass max_latent_frames."""
+    def check_frame_count(self, total: int, what: str = "frames in this call") -> None:
+        """Raise InvalidInput when an encode of `total` frames (`what` they are) would pass
+        max_latent_frames."""
         if self.max_frames and total > self.max_frames:
             raise InvalidInput(
-                f"{total} frames in this call are over the server limit of {self.max_frames} "
+                f"{total} {what} are over the server limit of {self.max_frames} "
                 f"({self.max_latent_frames} latent frames)"
             )
 

@@ -296,7 +296,9 @@ BAD = {
     "over max_pixels": ([_video(1, 1, h=96, w=96)], "pixels"),
     "over max_batch": ([_video(3, 1)], "batch"),
     "over max_latent_frames": ([_video(1, 33)], "limit of 29"),
-    "zeros over the limit": ([_video(1, 1)], "limit of 29", _options(trailing_zero_frames=10**6)),
+    # judged before the image comes: the zeros alone, named as such (it said "1000000 frames")
+    "zeros over the limit": ([_video(1, 1)], "1000000 trailing zero frames (before the call's own frames, on top "
+                             "of them) are over the server limit of 29", _options(trailing_zero_frames=10**6)),
     # the limit counts every frame of the call, whatever the chunking, its trailing zeros too
     "over max_latent_frames in chunks": ([_video(1, 1)] + [_video(1, 4, seed=i) for i in range(8)], "limit of 29"),
     "frames and zeros over the limit": ([_video(1, 25)], "limit of 29", _options(trailing_zero_frames=8)),

@@ -186,6 +186,30 @@ def test_what_the_query_says_is_refused_before_the_body_is_read(served: tuple[Ru
     assert front.bodies_read == before
 
 
+def test_a_body_over_the_message_limit_gets_a_way_out_that_keeps_the_video_whole(
+        served: tuple[RunningServer, Any]) -> None:
+    """413 from the head, before the body: its advice was to encode the video in parts, which
+    gives other latents (the encoder is causal); it now names a narrower dtype or gRPC's Encode."""
+    import http.client
+
+    running, _ = served
+    port = running.server.http_port
+    assert port is not None
+    length = running.server.config.max_message_bytes + 1
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.putrequest("POST", f"/encode?shape=1&shape=3&shape=81&shape={H}&shape={W}&dtype=float32")
+        connection.putheader("Content-Length", str(length))
+        connection.endheaders()
+        answer = connection.getresponse()
+        error = json.loads(answer.read())["error"]
+    finally:
+        connection.close()
+    assert answer.status == 413 and f"the body is {length} bytes" in error, error
+    assert "send it as uint8 frames (a quarter of float32's bytes) or bfloat16, or encode it with gRPC's Encode" in error
+    assert "in parts" not in error
+
+
 def _png_head(width: int, height: int) -> bytes:
     """A PNG file of width x height RGB that stops before its pixels: the size is all its header says."""
     def chunk(kind: bytes, data: bytes = b"") -> bytes:

@@ -243,6 +243,9 @@ def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
     status, error = raw_request(tiny_http.server.http_port,
                                 f"POST /decode?shape=1&dtype=float32 HTTP/1.1\r\nHost: x\r\nContent-Length: {2 << 20}\r\n")
     assert status == 413 and "at most 1048576 bytes (its message limit)" in error["error"]
+    # the way out keeps the video whole: parts decoded apart are not the video's (the VAE is causal)
+    assert "send it as bfloat16 or float16 latents, or decode it with gRPC's DecodeStream" in error["error"]
+    assert "in parts" not in error["error"]
     # admitted, then the body does not come: 504 once --session-first-message-timeout ran out
     status, error = raw_request(tiny_http.server.http_port,
                                 _head((1, 4, 3, 4, 6), 1152).replace("do_scaling=true", "do_scaling=false"))

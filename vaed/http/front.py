@@ -233,15 +233,21 @@ class HfFront:
         if (problem := encoded_body(request)) is not None:
             return self._refuse(Status.INVALID_ARGUMENT.name, 415, problem, method)
         length = request.content_length
-        what, verb = ("latents'", "decode") if method == METHOD else ("frames'", "encode")
+        what = "latents'" if method == METHOD else "frames'"
         if length is None:
             return self._refuse(Status.INVALID_ARGUMENT.name, 411,
                                 f"Content-Length is required: send the {what} bytes as one body of known size", method)
         limit = self.core.config.max_message_bytes
         if length > limit:
+            # Not "in parts": the VAE is causal, so parts decoded or encoded apart are not the video's
+            # (an encoded second part's latents differed from the whole's by up to 0.42).
+            smaller = ("as bfloat16 or float16 latents, or decode it with gRPC's DecodeStream, which takes a "
+                       "video in chunks" if method == METHOD else
+                       "as uint8 frames (a quarter of float32's bytes) or bfloat16, or encode it with gRPC's "
+                       "Encode, which takes a video in chunks")
             return self._refuse(Status.INVALID_ARGUMENT.name, 413,
                                 f"the body is {length} bytes and this server takes at most {limit} "
-                                f"bytes (its message limit); {verb} a long video in parts", method)
+                                f"bytes (its message limit); send it {smaller}", method)
         return None
 
     def unauthorised(self, request: web.Request) -> str | None:
