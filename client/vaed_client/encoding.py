@@ -128,6 +128,10 @@ def prepare_video(frames: Any, *, send_zeros: bool = False) -> Video:
     if frames.ndim != 5 or frames.shape[-1 if uint8 else 1] != 3:
         raise LocalInputError(f"{FRAMES_HELP}; got shape {list(frames.shape)} ({name})")
     time_dim = 1 if uint8 else 2
+    if 0 in frames.shape:
+        # here, in the caller's shape: an empty float video is "exactly uint8" to _rgb8_frames, and the
+        # server then named the repacked [B, T, H, W, 3] shape the caller never sent
+        raise LocalInputError(f"frames shape {list(frames.shape)} ({name}) is empty: B, T, H and W must be at least 1")
     t = frames.shape[time_dim]
     try:
         wire.encoded_latent_frames(t)

@@ -6,6 +6,7 @@ name override and keepalive."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import grpc
@@ -175,6 +176,19 @@ def test_big_endian_latents_and_frames_are_their_numbers(fake: tuple[FakeDecoder
     # torch float64 frames are cast as decode's latents are (they were refused by name)
     video = prepare_video(torch.from_numpy(frames).double())
     assert video.frames.dtype == torch.float32 and torch.equal(video.frames, torch.from_numpy(frames))
+
+
+def test_an_empty_video_is_a_local_error_in_the_callers_shape(fake: tuple[FakeDecoder, str]) -> None:
+    """Frames with no batch, height or width are refused before any call, naming the shape the
+    caller sent (an empty float32 video was repacked as uint8 [B, T, H, W, 3] and the server named
+    that); T = 0 was refused locally already."""
+    servicer, target = fake
+    with vaed_client.VaeClient(target) as client:
+        for shape in ((0, 3, 1, 64, 64), (1, 3, 1, 0, 64), (1, 3, 1, 64, 0), (1, 3, 0, 64, 64)):
+            for frames in (torch.zeros(shape), torch.zeros(shape).numpy(), torch.zeros(shape, dtype=torch.bfloat16)):
+                with pytest.raises(errors.LocalInputError, match=re.escape(f"frames shape {list(shape)}")):
+                    client.encode(frames)
+    assert servicer.attempts == 0
 
 
 def test_tensors_without_dense_data_are_local_errors(fake: tuple[FakeDecoder, str]) -> None:
