@@ -202,6 +202,33 @@ def tiny_http() -> Iterator[RunningServer]:
         yield running
 
 
+def test_a_request_refused_from_its_head_is_logged_as_a_failed_call_is(
+        tiny_http: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    """Requests refused from their head (a query or byte count the body cannot meet, a body too
+    big) were counted but never logged, where the same refusal over gRPC logs the call's line:
+    each now logs its method, X-Request-Id, status, HTTP status and error; an id the server does
+    not take is logged as "-", not as its text."""
+    caplog.set_level(logging.INFO, logger="vaed")
+    sent = prepare_decode(latents("random:wan2.1-tiny"), output_type="pt")
+    params, body = sent["params"], sent["data"]
+    cases = [
+        ("head-unknown", {**params, "colour": "red"}, body, 400, "unknown query parameter 'colour'"),
+        ("head-bytes", params, body[:-4], 400, "the body is"),
+    ]
+    for request_id, case_params, data, status, error in cases:
+        answer = _post(tiny_http, case_params, data, **{"X-Request-Id": request_id})
+        assert answer.status_code == status, answer.text
+        line = re.search(rf"Decode id={request_id} status=INVALID_ARGUMENT refused from its head "
+                         rf"\(HTTP {status}\) error=(.*)", caplog.text)
+        assert line is not None and error in json.loads(line.group(1)), caplog.text
+    status, _ = raw_request(tiny_http.server.http_port, "POST /decode?shape=1&dtype=float32 HTTP/1.1\r\nHost: x\r\n"
+                            f"X-Request-Id: head-too-big\r\nContent-Length: {2 << 20}\r\n")
+    assert status == 413 and "Decode id=head-too-big status=INVALID_ARGUMENT refused from its head (HTTP 413)" in caplog.text
+    answer = _post(tiny_http, {**params, "colour": "red"}, body, **{"X-Request-Id": "bad id with spaces"})
+    assert answer.status_code == 400 and "bad id with spaces" not in caplog.text
+    assert "Decode id=- status=INVALID_ARGUMENT refused from its head (HTTP 400)" in caplog.text
+
+
 def test_the_bad_input_matrix(tiny_http: RunningServer) -> None:
     good = latents("random:wan2.1-tiny")
     sent = prepare_decode(good, output_type="pt")

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -152,6 +153,16 @@ def request_id_of(request: web.BaseRequest) -> str:
     return ids[0] if ids else ""
 
 
+def _logged_request_id(request: web.BaseRequest) -> str:
+    """The request's X-Request-Id for a log line: "-" when it has none or one that is not valid
+    (its text stays out of the log)."""
+    try:
+        sent = request_id_of(request)
+        return checked_request_id(sent) if sent else "-"
+    except InvalidInput:
+        return "-"
+
+
 async def _echo_request_id(request: web.BaseRequest, response: web.StreamResponse) -> None:
     """Every answer of the app carries the request's X-Request-Id when it is valid (aiohttp's own
     404, 405 and 417 too; a streamed answer names it already): run as the answer's headers are
@@ -219,23 +230,27 @@ class HfFront:
 
     # -- POST / and /decode ------------------------------------------------------------------
 
-    def _refuse(self, code: str, status: int, message: str, method: str = METHOD, **headers: str) -> web.Response:
+    def _refuse(self, request: web.Request, code: str, status: int, message: str, method: str = METHOD,
+                **headers: str) -> web.Response:
         """A request refused before the core saw it, counted as a refused call (`code`: a gRPC
-        status name, as the metrics take it)."""
+        status name, as the metrics take it) and logged as the core logs a failed call, under the
+        request's X-Request-Id ("-" without a valid one)."""
         self._on_refused(method, code)
+        log.warning("%s id=%s status=%s refused from its head (HTTP %d) error=%s",
+                    method, _logged_request_id(request), code, status, json.dumps(message))
         return json_error(status, message, headers)
 
     def _refused_head(self, request: web.Request, method: str) -> web.Response | None:
         """The checks of a POST's head that need no query: the token, the content coding, then
         Content-Length."""
         if (problem := self.unauthorised(request)) is not None:
-            return self._refuse("UNAUTHENTICATED", 401, problem, method, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
+            return self._refuse(request, "UNAUTHENTICATED", 401, problem, method, **{hdrs.WWW_AUTHENTICATE: "Bearer"})
         if (problem := encoded_body(request)) is not None:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 415, problem, method)
+            return self._refuse(request, Status.INVALID_ARGUMENT.name, 415, problem, method)
         length = request.content_length
         what = "latents'" if method == METHOD else "frames'"
         if length is None:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 411,
+            return self._refuse(request, Status.INVALID_ARGUMENT.name, 411,
                                 f"Content-Length is required: send the {what} bytes as one body of known size", method)
         limit = self.core.config.max_message_bytes
         if length > limit:
@@ -245,7 +260,7 @@ class HfFront:
                        "video in chunks" if method == METHOD else
                        "as uint8 frames (a quarter of float32's bytes) or bfloat16, or encode it with gRPC's "
                        "Encode, which takes a video in chunks")
-            return self._refuse(Status.INVALID_ARGUMENT.name, 413,
+            return self._refuse(request, Status.INVALID_ARGUMENT.name, 413,
                                 f"the body is {length} bytes and this server takes at most {limit} "
                                 f"bytes (its message limit); send it {smaller}", method)
         return None
@@ -288,13 +303,13 @@ class HfFront:
             request_id = request_id_of(request)
             self._check_decode_head(request_id, query)
         except InvalidInput as exc:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc))
+            return self._refuse(request, Status.INVALID_ARGUMENT.name, 400, str(exc))
         if (answer_bytes := self._whole_answer_bytes(query)) > MAX_WHOLE_ANSWER_BYTES:
             # the streamed answers take one video a call
             other = ("decode one video per call (partial_postprocess=true and output_type mp4, which "
                      "stream, take batch 1)" if query.shape[0] > 1 else
                      "ask partial_postprocess=true (uint8 frames, streamed) or output_type mp4")
-            return self._refuse(Status.INVALID_ARGUMENT.name, 413,
+            return self._refuse(request, Status.INVALID_ARGUMENT.name, 413,
                                 f"the answer would be {answer_bytes} bytes, and output_type pt without "
                                 f"partial_postprocess is sent whole: this server holds at most "
                                 f"{MAX_WHOLE_ANSWER_BYTES} bytes for one; decode fewer frames per call, or {other}")
@@ -339,7 +354,7 @@ class HfFront:
             sent_id = request_id_of(request)
             self._check_encode_head(sent_id, query)
         except InvalidInput as exc:
-            return self._refuse(Status.INVALID_ARGUMENT.name, 400, str(exc), ENCODE_METHOD)
+            return self._refuse(request, Status.INVALID_ARGUMENT.name, 400, str(exc), ENCODE_METHOD)
         call = self.core.encode(self._encode_input(request, query, length, sent_id), lambda item: item,
                                 lambda: False)
         pieces: list[torch.Tensor] = []
