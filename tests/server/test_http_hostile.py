@@ -241,3 +241,35 @@ def test_a_reader_that_stops_reading_stalls_only_its_session_until_the_send_time
         # an eighth of the answer: over four times the measured +7.8 MiB, and far under the answer
         assert growth < answer_bytes // 8, f"the slow reader's call peaked {growth / MIB:.0f} MiB higher"
         assert requests.get(f"{served.endpoint}health", timeout=10).status_code == 200
+
+
+def test_a_slow_reader_that_keeps_reading_gets_its_whole_answer() -> None:
+    """A client that reads a 7 MB whole answer (raw pt frames) at most 32 KiB every 0.1 s takes
+    over 20 s, far past --http-send-timeout (3 s): it keeps taking its answer, so it is not cut.
+    The timer checked only that the send buffer fell under its low-water mark, which a whole
+    answer's buffer does only near its end: such readers were cut after 3-4 MB."""
+    shape = (1, 4, 3, 32, 32)  # 9 frames of 256 x 256 x 3 float32: 7 077 888 bytes
+    body = torch.randn(shape, generator=torch.Generator().manual_seed(5)).numpy().tobytes()
+    head = (f"POST /decode?{'&'.join(f'shape={d}' for d in shape)}&dtype=float32&output_type=pt HTTP/1.1\r\n"
+            f"Host: x\r\nX-Request-Id: slow-but-reading\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with serve("--http-send-timeout", str(SEND_TIMEOUT_S)) as served:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            client.settimeout(60)
+            client.connect(("127.0.0.1", served.port))
+            client.sendall(head + body)
+            received = bytearray()
+            while b"\r\n\r\n" not in received:
+                received += client.recv(4096)
+            answer_head, _, received = bytes(received).partition(b"\r\n\r\n")
+            assert answer_head.startswith(b"HTTP/1.1 200"), answer_head
+            length = int(re.search(rb"(?i)content-length: (\d+)", answer_head).group(1))  # type: ignore[union-attr]
+            assert length == 9 * 256 * 256 * 3 * 4
+            received = bytearray(received)
+            while len(received) < length:
+                piece = client.recv(32768)
+                assert piece, f"cut after {len(received)} of {length} bytes: {served.lines[-3:]}"
+                received += piece
+                time.sleep(0.1)
+        _wait(lambda: any("slow-but-reading" in line and "status=OK" in line for line in served.lines), timeout=60)
+        assert not any("connection aborted" in line for line in served.lines)
