@@ -99,6 +99,12 @@ def parse_case(text: str) -> Case:
                                          f"known: {', '.join(RANDOM_CONFIGS)}")
     if case.frames % 4 != 1:  # Wan's causal VAE: frame 0, then 4 per latent frame
         raise argparse.ArgumentTypeError(f"frames must be 1 + 4k (Wan's VAE), got {case.frames} in {text!r}")
+    # the architecture's pixels per latent (8; Wan2.2's 2x2 patches make 16): checked here, not
+    # with a traceback once the case's model has loaded
+    spatial = int(RANDOM_CONFIGS[case.arch].get("scale_factor_spatial", 8))
+    if case.height % spatial or case.width % spatial or not case.height or not case.width:
+        raise argparse.ArgumentTypeError(f"height and width must be multiples of {spatial} for {case.arch}, "
+                                         f"got {case.height}x{case.width} in {text!r}")
     return case
 
 
@@ -134,12 +140,17 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
     return load_model(spec, device, dtype).vae
 
 
+class CaseError(ValueError):
+    """A case the loaded model cannot run (a --model whose scale factors differ from the case's
+    architecture's, which `parse_case` checked)."""
+
+
 def _latent_shape(vae: Any, case: Case) -> tuple[int, int, int, int, int]:
     cfg = vae.config
     st = int(cfg.scale_factor_temporal or 4)
     ss = int(cfg.scale_factor_spatial or 8)
     if (case.frames - 1) % st or case.height % ss or case.width % ss:
-        raise ValueError(f"{case.name}: frames must be 1 + {st}k and sides multiples of {ss}")
+        raise CaseError(f"{case.name}: frames must be 1 + {st}k and sides multiples of {ss} for this model")
     return (1, int(cfg.z_dim), (case.frames - 1) // st + 1, case.height // ss, case.width // ss)
 
 
@@ -395,7 +406,11 @@ def run(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     run_one = run_encode_case if args.op == "encode" else run_case
     for case in cases:
-        rows.extend(run_one(case, args, variants))
+        try:
+            rows.extend(run_one(case, args, variants))
+        except CaseError as exc:
+            log.error("--case: %s", exc)
+            return 2
     print(format_table(rows), flush=True)
     if args.json_path:
         meta = {"torch": torch.__version__, "dtype": args.dtype, "reps": args.reps,

@@ -98,7 +98,8 @@ def with_default_port(target: str, port: int = DEFAULT_PORT) -> str:
     """`target` with vaed's port when it names none: `127.0.0.1` -> `127.0.0.1:50051`,
     `[::1]` or `::1` -> `[::1]:50051`, `dns:///vaed-headless` -> `dns:///vaed-headless:50051`.
     Targets with a port, and the schemes `unix:`, `ipv4:`, `ipv6:`, `xds:`, ..., are
-    returned unchanged."""
+    returned unchanged. ValueError for an empty target, host or port (`""`, `"localhost:"`):
+    gRPC would dial its 443 for an empty port, or fail on no host with an unclear error."""
     if target.startswith(_OTHER_SCHEMES):
         return target
     prefix, host = "", target
@@ -110,19 +111,30 @@ def with_default_port(target: str, port: int = DEFAULT_PORT) -> str:
                 return target
             prefix, host = prefix + host[: slash + 1], host[slash + 1 :]
     if not host:
-        return target
+        raise ValueError(f"target {target!r} names no host")
     if host.startswith("["):  # [v6] or [v6]:port
-        return target if "]:" in host else f"{prefix}{host}:{port}"
+        if "]:" not in host:
+            return f"{prefix}{host}:{port}"
+        _check_port(target, host.rpartition("]:")[2])
+        return target
     colons = host.count(":")
     if colons == 0:
         return f"{prefix}{host}:{port}"
     if colons == 1:  # host:port
+        _check_port(target, host.partition(":")[2])
         return target
     try:
         ipaddress.IPv6Address(host)
     except ValueError:
         return target
     return f"{prefix}[{host}]:{port}"
+
+
+def _check_port(target: str, port: str) -> None:
+    # "host:" parses in gRPC as the default port 443: a typo that silently reaches another service
+    if not port:
+        raise ValueError(f"target {target!r} has an empty port; name one (host:port) or leave out "
+                         f"the ':' for vaed's {DEFAULT_PORT}")
 
 
 def channel_options(
@@ -200,7 +212,8 @@ def read_token(path: str | None, env_var: str | None = None) -> str | None:
     environment variable `env_var` (e.g. `wire.AUTH_TOKEN_ENV`); None when
     neither is configured. Surrounding whitespace (echo's newline, a Secret
     file's) is stripped; an empty file or an empty-but-set variable raises
-    ValueError: whoever asked for auth must not silently get none.
+    ValueError: whoever asked for auth must not silently get none. So does a
+    token gRPC cannot send (`check_token`), naming the file or variable.
     Read when called, never at import."""
     if path:
         try:
@@ -208,8 +221,11 @@ def read_token(path: str | None, env_var: str | None = None) -> str | None:
                 token = f.read().strip()
         except OSError as exc:
             raise ValueError(f"cannot read auth token file {path!r}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:  # a ValueError that named no file
+            raise ValueError(f"auth token file {path!r} is not text (byte {exc.start} is not UTF-8)") from None
         if not token:
             raise ValueError(f"auth token file {path!r} is empty")
+        check_token(token, f"auth token file {path!r}")
         return token
     if env_var:
         raw = os.environ.get(env_var)
@@ -218,8 +234,21 @@ def read_token(path: str | None, env_var: str | None = None) -> str | None:
         token = raw.strip()
         if not token:
             raise ValueError(f"environment variable {env_var} is set but empty")
+        check_token(token, f"environment variable {env_var}")
         return token
     return None
+
+
+def check_token(token: str, source: str = "token") -> None:
+    """ValueError, naming `source`, for a token that cannot travel in an `authorization` header:
+    gRPC metadata values are printable ASCII, and it refused others only at the call, as
+    UNAVAILABLE "Illegal metadata" (which the client retried as a server failure)."""
+    for i, char in enumerate(token):
+        if not " " <= char <= "~":
+            what = "a line break" if char in "\r\n" else "a control character" if char.isascii() else \
+                f"the non-ASCII character {char!r}"
+            raise ValueError(f"{source} holds {what} at character {i + 1}; a bearer token is one line of "
+                             "printable ASCII")
 
 
 def bearer_metadata(token: str | None) -> Metadata:
@@ -242,6 +271,8 @@ def prepare_channel(
     tls_client_cert: PemSpec = None,
     tls_client_key: PemSpec = None,
 ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    if token:
+        check_token(token)  # here, not as a retried UNAVAILABLE at the first call
     credentials = channel_credentials(tls, client_cert=tls_client_cert, client_key=tls_client_key)
     if tls_server_name and credentials is None:
         raise ValueError("tls_server_name needs a TLS channel: pass tls=True or a CA certificate")

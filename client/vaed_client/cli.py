@@ -32,18 +32,27 @@ and the client's CPU encodes nothing. Both use H.264 yuv420p at `--crf` 18
 (or `--lossless`), so the file's quality does not depend on where it was
 encoded (x264's presets differ: the server's is veryfast).
 An output that exists already (a file, or a folder holding frame PNGs) is
-refused unless `--force` is given. Sizes print as H x W. `--server` without a
-port dials vaed's 50051.
+refused unless `--force` is given; missing folders of `-o` are made (a file in
+the way is refused before the call). Sizes print as H x W. `--server` without a
+port dials vaed's 50051 (an empty host or port is refused). Ctrl-C, SIGTERM and
+SIGHUP end `decode` and `encode` alike: what was written of the output is
+removed, one line says "interrupted", and the exit code is 128 + the signal's
+(130, 143, 129). A stdout closed early (`| head`) ends a command quietly (141).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import math
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -64,6 +73,7 @@ from .export import (
     remove_png_frames,
 )
 from .heap import keep_freed_memory
+from .mp4 import Mp4Progress
 from .resume import CallReport
 from .tensors import widen_bf16_bits
 
@@ -82,6 +92,57 @@ FALLBACK_FPS = 16
 
 class CommandError(Exception):
     """A problem the user can fix (bad file, bad flag); printed as one line."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a command: handled as Ctrl-C is (a KeyboardInterrupt, so every
+    `except BaseException` clean-up on the way runs), and the exit code is 128 + the signal's."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# What a timeout, `kill`, a CI cancel (SIGTERM) or a closed terminal (SIGHUP) sends.
+TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise `Terminated` in the main thread, as SIGINT raises
+    KeyboardInterrupt, so an interrupted decode removes its partial output; their default action
+    killed the process with the part of the video written so far. Only signals left at their
+    default are taken (a host process's own handler, or nohup's ignored SIGHUP, stay), only in
+    the main thread (where Python runs handlers), and the previous handlers come back after the
+    block, or at the first signal: a second one then ends the process at once, mid clean-up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+
+    def restore() -> None:
+        while previous:
+            signum, handler = previous.popitem()
+            signal.signal(signum, handler)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        restore()
+        raise Terminated(signum)
+
+    for signum in TERMINATING_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, interrupt)
+    try:
+        yield
+    finally:
+        restore()
+
+
+def interrupted_exit(command: str, exc: KeyboardInterrupt) -> int:
+    """The one line and the shell's exit code (128 + signal) of an interrupted command."""
+    signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+    name = signal.Signals(signum).name
+    return _fail(command, "interrupted" + ("" if signum == signal.SIGINT else f" ({name})"), 128 + int(signum))
 
 
 # -- reading latents -----------------------------------------------------------
@@ -159,9 +220,30 @@ def load_latents(path: str | os.PathLike[str]) -> Any:
 
 
 # -- connecting ----------------------------------------------------------------
+def server_target(text: str) -> str:
+    """--server's type: HOST:PORT with vaed's port when none is given; an empty target or port is
+    a usage error (gRPC dialled 443 for "host:", and "" failed with a traceback)."""
+    try:
+        return with_default_port(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_seconds(text: str) -> float:
+    """--timeout's type: a finite number of seconds > 0 (0 ran out before the call could start,
+    and was reported as a timeout while resuming it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | None, *, token: bool = True) -> None:
     # type= runs on the default too: every command sees HOST:PORT, with vaed's port when none was given.
-    parser.add_argument("--server", default=DEFAULT_SERVER, type=with_default_port, metavar="HOST:PORT",
+    parser.add_argument("--server", default=DEFAULT_SERVER, type=server_target, metavar="HOST:PORT",
                         help="server address, or dns:///name:port for several replicas; a HOST without :PORT "
                              f"gets {wire.DEFAULT_PORT} (default {DEFAULT_SERVER})")
     if token:
@@ -179,7 +261,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser, timeout: float | N
                         help="PEM client certificate chain for a server run with --tls-client-ca (mutual TLS; "
                              "needs --tls or --ca-cert, and --tls-client-key; default: none, no client certificate)")
     parser.add_argument("--tls-client-key", metavar="PATH", help="PEM private key of --tls-client-cert (default: none)")
-    parser.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_seconds, default=timeout, metavar="SECONDS",
                         help="deadline of the call" + (f" (default {timeout:g})" if timeout else " (default: none)"))
 
 
@@ -227,10 +309,26 @@ def _prog() -> str:
     return "vaed-client" if sys.argv and os.path.basename(sys.argv[0]) == "vaed-client" else "vaed"
 
 
-def _print_rows(rows: list[tuple[str, str]]) -> None:
+def _print_rows(rows: list[tuple[str, str]]) -> int:
     width = max(len(key) for key, _ in rows)
-    for key, value in rows:
-        print(f"{key + ':':<{width + 1}} {value}")
+    return print_lines([f"{key + ':':<{width + 1}} {value}" for key, value in rows])
+
+
+def print_lines(lines: list[str]) -> int:
+    """Print to stdout; 0, or 128 + SIGPIPE when the reader went away (`vaed-client info | head -3`):
+    quietly, as Unix tools end then, not with a BrokenPipeError traceback."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null, or that flush fails too
+        with contextlib.suppress(OSError, ValueError):  # a stdout with no file descriptor (io.StringIO)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return 128 + signal.SIGPIPE
+    return 0
 
 
 # -- decode --------------------------------------------------------------------
@@ -268,31 +366,31 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_decode(args: argparse.Namespace) -> int:
     try:
-        latents = load_latents(args.latents)
-        check_output(args.output)
-        if args.fps is not None and not 1 <= args.fps <= 240:
-            raise CommandError(f"--fps must be in 1..240, got {args.fps}")
-        args.crf = _checked_crf(args)
-        batch = int(latents.shape[0])
-        _check_outputs(args.output, batch, getattr(args, "force", False))
-        with connect(args) as client:
-            info = client.model_info()
-            fps = args.fps or info.video_fps or FALLBACK_FPS
-            if _server_side(args, info, batch):
-                stats = _decode_server_side(client, info, latents, fps, args)
-            else:
-                writer = make_writer(args.output, fps, lossless=getattr(args, "lossless", False), crf=args.crf)
-                stats = _decode(client, info, latents, writer, args)
+        with terminate_as_interrupt():
+            latents = load_latents(args.latents)
+            check_output(args.output)
+            if args.fps is not None and not 1 <= args.fps <= 240:
+                raise CommandError(f"--fps must be in 1..240, got {args.fps}")
+            args.crf = _checked_crf(args)
+            batch = int(latents.shape[0])
+            _check_outputs(args.output, batch, getattr(args, "force", False))
+            with connect(args) as client:
+                info = client.model_info()
+                fps = args.fps or info.video_fps or FALLBACK_FPS
+                if _server_side(args, info, batch):
+                    stats = _decode_server_side(client, info, latents, fps, args)
+                else:
+                    writer = make_writer(args.output, fps, lossless=getattr(args, "lossless", False), crf=args.crf)
+                    stats = _decode(client, info, latents, writer, args)
     except (CommandError, ExportError, LocalInputError) as e:
         return _fail("decode", str(e), 2)
     except VaedError as e:
         return _fail("decode", f"{args.server}: {e}", 1)
     except OSError as e:  # unwritable output and the like
         return _fail("decode", str(e), 1)
-    except KeyboardInterrupt:
-        return _fail("decode", "interrupted", 130)
-    _print_summary(stats)
-    return 0
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (`terminate_as_interrupt`)
+        return interrupted_exit("decode", e)
+    return _print_summary(stats)
 
 
 def _checked_crf(args: argparse.Namespace) -> int:
@@ -334,6 +432,11 @@ def _progress(total: int, quiet: bool) -> Any:
     return tqdm(total=total, unit="frame", desc="decode", file=sys.stderr)
 
 
+def _progress_to(bar: Any, done: int) -> None:
+    if bar is not None and done != bar.n:
+        bar.update(done - bar.n)  # backwards too: a resumed MP4 call starts its file over
+
+
 def _server_side(args: argparse.Namespace, info: Any, batch: int) -> bool:
     """Where the .mp4 is encoded (see the module docstring); CommandError when --server-side
     cannot be honoured."""
@@ -352,11 +455,20 @@ def _decode_server_side(client: Any, info: Any, latents: Any, fps: int, args: ar
     lossless = getattr(args, "lossless", False)
     start = time.perf_counter()
     report = CallReport()
-    path = client.decode(latents, output_type="mp4", raw_latents=args.raw_latents, fps=fps, lossless=lossless,
-                         crf=None if lossless else args.crf, mp4_path=args.output, report=report)
+    total = info.output_frames(latent_frames)
+    bar = _progress(total, args.quiet)
+    # the bar follows the frames the server has encoded, as its MP4 bytes arrive
+    out = Mp4Progress(args.output, lambda done: _progress_to(bar, done)) if bar is not None else args.output
+    try:
+        path = client.decode(latents, output_type="mp4", raw_latents=args.raw_latents, fps=fps, lossless=lossless,
+                             crf=None if lossless else args.crf, mp4_path=out, report=report)
+        _progress_to(bar, total)
+    finally:
+        if bar is not None:
+            bar.close()
     scale = info.scale_factor_spatial
     return {
-        "batch": 1, "frames": info.output_frames(latent_frames), "height": h * scale, "width": w * scale,
+        "batch": 1, "frames": total, "height": h * scale, "width": w * scale,
         "first_bytes_s": report.first_data_seconds or 0.0, "total_s": time.perf_counter() - start,
         "bytes": path.stat().st_size,
         "paths": [path], "encoded": "on the server, " + ("lossless" if lossless else f"CRF {args.crf}"),
@@ -397,7 +509,7 @@ def _decode(client: Any, info: Any, latents: Any, writer: FrameWriter, args: arg
     }
 
 
-def _print_summary(stats: dict[str, Any]) -> None:
+def _print_summary(stats: dict[str, Any]) -> int:
     total_s = stats["total_s"]
     rows = [
         ("video", f"{stats['frames']} frames, batch {stats['batch']}, {stats['height']}x{stats['width']} (H x W)"),
@@ -409,7 +521,7 @@ def _print_summary(stats: dict[str, Any]) -> None:
         ("encoded", stats["encoded"]),
         ("wrote", ", ".join(str(p) for p in stats["paths"])),
     ]
-    _print_rows(rows)
+    return _print_rows(rows)
 
 
 # -- info ----------------------------------------------------------------------
@@ -436,8 +548,7 @@ def run_info(args: argparse.Namespace) -> int:
     except VaedError as e:
         return _fail("info", f"{args.server}: {e}", 1)
     rows = [("server", args.server)] + [(k, _format_value(v)) for k, v in info.to_dict().items()]
-    _print_rows(rows)
-    return 0
+    return _print_rows(rows)
 
 
 # -- health --------------------------------------------------------------------
@@ -485,8 +596,7 @@ def check_health(args: argparse.Namespace) -> tuple[bool, str]:
 
 def run_health(args: argparse.Namespace) -> int:
     serving, text = check_health(args)
-    print(text)
-    return 0 if serving else 1
+    return print_lines([text]) or (0 if serving else 1)
 
 
 # -- entry point ---------------------------------------------------------------

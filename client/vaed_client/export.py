@@ -7,7 +7,10 @@ Containers (PyAV, the `video` extra; Pillow for PNG):
   cropped). With `lossless=True`: `libx264rgb` at CRF 0 in rgb24, bit-exact
   RGB (yuv444p at CRF 0 is not: the RGB->YUV conversion itself rounds).
 - `.mkv`: FFV1 in bgr0, always lossless, any size.
-- a folder (no suffix, or a trailing `/`): one PNG per frame, lossless.
+- a folder (no suffix, or a trailing `/`): one PNG per frame, lossless;
+  `export_video` removes the folder's earlier frame_NNNNN.png first (it
+  overwrites, as for a file), and nothing else there.
+Missing folders are made.
 
 Scaling rule: uint8 frames are written as they are, never multiplied by 255
 again (the bug of feeding vaed's uint8 frames to diffusers' `export_to_video`);
@@ -20,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 from typing import Any, Protocol
 
 import numpy as np
@@ -238,7 +242,10 @@ class PngWriter:
             remove_png_frames(folder)
 
 
-PNG_FRAME_GLOB = "frame_[0-9][0-9][0-9][0-9][0-9].png"
+PNG_FRAME_GLOB = "frame_[0-9][0-9][0-9][0-9][0-9]*.png"
+# The names PngWriter gives (frame_{i:05d}.png: 5 digits, more from frame 100000 on); the glob
+# above only finds candidates, this decides, so no other file in the folder is ever touched.
+_PNG_FRAME_NAME = re.compile(r"frame_[0-9]{5,}\.png")
 
 
 def _is_png_folder(text: str) -> bool:
@@ -258,21 +265,48 @@ def existing_outputs(out: str | os.PathLike[str], batch: int) -> list[pathlib.Pa
     text = os.fspath(out)
     paths = output_paths(pathlib.Path(text), batch)
     if _is_png_folder(text):
-        return [p for p in paths if p.is_dir() and any(p.glob(PNG_FRAME_GLOB))]
+        return [p for p in paths if p.is_dir() and any(png_frames(p))]
     return [p for p in paths if p.exists()]
+
+
+def png_frames(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The frame_NNNNN.png files a PngWriter writes in `folder` (nothing else)."""
+    return [p for p in folder.glob(PNG_FRAME_GLOB) if _PNG_FRAME_NAME.fullmatch(p.name)]
 
 
 def remove_png_frames(folder: pathlib.Path) -> None:
     """Delete the frame_NNNNN.png files a PngWriter writes (nothing else)."""
-    for frame in folder.glob(PNG_FRAME_GLOB):
-        frame.unlink()
+    for frame in png_frames(folder):
+        frame.unlink(missing_ok=True)
+
+
+def folder_problem(path: pathlib.Path) -> str | None:
+    """Why the folder of `path` can neither be used nor made (its nearest existing ancestor is a
+    file, or not writable), else None: the writers make missing folders, and this lets a command
+    refuse before its call instead of after the server's work."""
+    folder = path.parent.absolute()
+    while not folder.exists():
+        if folder.parent == folder:
+            return None
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is a file, not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {folder}"
+    return None
 
 
 def check_output(out: str | os.PathLike[str]) -> None:
-    """ExportError, listing what is supported, unless `out` is .mp4, .mkv or a PNG folder."""
+    """ExportError, listing what is supported, unless `out` is .mp4, .mkv or a PNG folder, and
+    ExportError when its folder cannot be made (`folder_problem`)."""
     text = os.fspath(out)
     if not _is_png_folder(text) and pathlib.Path(text).suffix.lower() not in (".mp4", ".mkv"):
         raise ExportError(f"{text}: unsupported output {pathlib.Path(text).suffix!r}; use {SUPPORTED_OUTPUTS}")
+    # a PNG folder is made itself (its own name may be new), a video file in its parent
+    target = pathlib.Path(text, "frame") if _is_png_folder(text) else pathlib.Path(text)
+    problem = folder_problem(target)
+    if problem:
+        raise ExportError(f"cannot write {text}: {problem}")
 
 
 def make_writer(out: str | os.PathLike[str], fps: int, *, lossless: bool = False,
@@ -295,6 +329,8 @@ def export_video(frames: Any, path: str | os.PathLike[str], fps: int = 16, lossl
     see `to_uint8_video`) to `.mp4`, lossless `.mkv`, or a PNG folder. Returns the path."""
     video = to_uint8_video(frames)
     writer = make_writer(path, fps, lossless=lossless)
+    if isinstance(writer, PngWriter):  # overwrite: a shorter video must not keep an older one's last frames
+        remove_png_frames(pathlib.Path(path))
     writer.write(0, video[None])
     (written,) = writer.close()
     return written

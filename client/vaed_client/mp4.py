@@ -9,7 +9,10 @@ x264's 23 by default), `preset` (x264's, "veryfast" by default), `lossless=True`
 CRF 0: exactly the RGB8 frames, for files; browsers do not play it).
 
 `mp4_path=` writes the bytes to that file as they arrive (and returns the path) instead of
-holding the whole file in memory.
+holding the whole file in memory; its folder is made when missing, as `export_video` makes
+its own (a file in the way is refused before the call). An `Mp4Progress` path also reports
+how many frames the server has encoded as the bytes arrive (the progress bar of
+`vaed-client decode`).
 
 Resuming (`vaed_client.resume`): a frame call resumes where it stopped (`skip_frames`), but MP4
 bytes cannot be spliced: x264's output depends on the host's thread count, so a second server's
@@ -24,6 +27,7 @@ from __future__ import annotations
 import numbers
 import os
 import pathlib
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from . import wire
@@ -78,19 +82,40 @@ def mp4_output(output_type: str, mp4_path: str | os.PathLike[str] | None) -> Mp4
     if output_type == MP4:
         if mp4_path is not None and pathlib.Path(mp4_path).is_dir():  # before the call, not after its first bytes
             raise LocalInputError(f"mp4_path {os.fspath(mp4_path)} is a directory; name the .mp4 file to write")
-        return Mp4Output(mp4_path)
+        if mp4_path is not None:
+            from .export import folder_problem
+
+            problem = folder_problem(pathlib.Path(mp4_path))
+            if problem:
+                raise LocalInputError(f"mp4_path {os.fspath(mp4_path)}: {problem}")
+        on_frames = mp4_path.on_frames if isinstance(mp4_path, Mp4Progress) else None
+        return Mp4Output(mp4_path, on_frames)
     if mp4_path is not None:
         raise LocalInputError("mp4_path is for output_type='mp4'")
     return None
 
 
+class Mp4Progress(os.PathLike[str]):
+    """An `mp4_path` that also reports progress: `on_frames(n)` as bytes arrive, n being the
+    frames the server had encoded when it sent them (0 again when a resumed call starts over)."""
+
+    def __init__(self, path: str | os.PathLike[str], on_frames: Callable[[int], None]) -> None:
+        self.path = os.fspath(path)
+        self.on_frames = on_frames
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
 class Mp4Output:
     """One MP4 call's bytes: held in memory, or written to `path` as they arrive."""
 
-    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None,
+                 on_frames: Callable[[int], None] | None = None) -> None:
         self.path = pathlib.Path(path) if path is not None else None
         self._parts: list[bytes] = []
         self._file: BinaryIO | None = None
+        self._on_frames = on_frames
         self.bytes = 0
 
     def restart(self) -> None:
@@ -100,6 +125,8 @@ class Mp4Output:
         if self._file is not None:
             self._file.seek(0)
             self._file.truncate()
+        if self._on_frames is not None:
+            self._on_frames(0)
 
     def add(self, reply: Any) -> None:
         data = reply.video
@@ -108,10 +135,18 @@ class Mp4Output:
         self.bytes += len(data)
         if self.path is None:
             self._parts.append(data)
-            return
-        if self._file is None:
-            self._file = open(self.path, "wb")  # closed by result or discard
-        self._file.write(data)
+        else:
+            if self._file is None:
+                self._file = self._open()
+            self._file.write(data)
+        if self._on_frames is not None:
+            # the bytes came from encoding the piece that starts at first_frame: frames before it are in
+            self._on_frames(int(reply.first_frame))
+
+    def _open(self) -> BinaryIO:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # as export's writers do
+        return open(self.path, "wb")  # closed by result or discard
 
     def result(self) -> bytes | pathlib.Path:
         if self.path is None:
@@ -119,7 +154,7 @@ class Mp4Output:
             self._parts.clear()
             return data
         if self._file is None:
-            self._file = open(self.path, "wb")  # an empty file: a video with no bytes yet
+            self._file = self._open()  # an empty file: a video with no bytes yet
         self._file.close()
         return self.path
 
@@ -133,4 +168,4 @@ class Mp4Output:
                 self.path.unlink(missing_ok=True)
 
 
-__all__ = ["MP4", "X264_PRESETS", "Mp4Output", "mp4_output", "video_fields", "check_no_video_options"]
+__all__ = ["MP4", "X264_PRESETS", "Mp4Output", "Mp4Progress", "mp4_output", "video_fields", "check_no_video_options"]

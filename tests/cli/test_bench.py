@@ -69,3 +69,23 @@ def test_bench_refuses_a_device_and_a_json_folder_that_do_not_exist_before_any_c
     assert "--device xyz" in caplog.text
     assert bench.run(parser.parse_args(["--device", "cpu", "--json", str(tmp_path / "no" / "b.json"), *case])) == 2
     assert "no such folder" in caplog.text and "[bench]" not in capsys.readouterr().out  # no case ran
+
+
+def test_sides_that_are_no_multiple_of_the_scale_are_a_usage_error(tmp_path, caplog) -> None:
+    """A side that no latent grid gives failed with a ValueError traceback after the model loaded;
+    now argparse refuses it, with the architecture's factor (8, Wan2.2's 16)."""
+    with pytest.raises(argparse.ArgumentTypeError, match="multiples of 8 for wan2.1-tiny, got 64x60"):
+        bench.parse_case("wan2.1-tiny:64x60x17")
+    with pytest.raises(argparse.ArgumentTypeError, match="multiples of 16 for wan2.2-tiny, got 64x72"):
+        bench.parse_case("wan2.2-tiny:64x72x17")
+    assert bench.parse_case("wan2.2-tiny:64x96x17").width == 96
+    parser = argparse.ArgumentParser(prog="vaed bench")
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--device", "cpu", "--case", "wan2.1-tiny:64x60x17"])
+    assert exited.value.code == 2
+    # a --model whose factor differs from the case's architecture's is known only once it loaded
+    args = parser.parse_args(["--device", "cpu", "--dtype", "fp32", "--model", "random:wan2.2-tiny",
+                              "--case", "wan2.1-tiny:32x40x9", "--reps", "1"])
+    assert bench.run(args) == 2
+    assert "multiples of 16 for this model" in caplog.text

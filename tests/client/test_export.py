@@ -60,3 +60,30 @@ def test_containers(tmp_path: pathlib.Path) -> None:
     assert np.array_equal(np.asarray(Image.open(folder / "frame_00004.png")), VIDEO[4])
     with pytest.raises(ExportError, match=".mkv"):
         export_video(VIDEO, tmp_path / "x.webm")
+
+
+def test_a_shorter_export_into_a_png_folder_leaves_only_its_own_frames(tmp_path: pathlib.Path) -> None:
+    """export_video overwrites, as for a file: 17 frames then 5 left 17 files, 12 of them from
+    the first video. Only the writer's own frame_NNNNN.png names go; other files stay."""
+    folder = tmp_path / "png"
+    long = fake_video(1, 17, 16, 24)[0]
+    export_video(long, folder)
+    (folder / "notes.txt").write_text("mine")
+    (folder / "frame_x.png").write_bytes(b"not one of ours")
+    (folder / "frame_0001.png").write_bytes(b"four digits: not one of ours")
+    export_video(VIDEO, str(folder) + "/")
+    assert sorted(p.name for p in folder.glob("frame_?????.png")) == [f"frame_{i:05d}.png" for i in range(5)]
+    assert np.array_equal(np.asarray(Image.open(folder / "frame_00004.png")), VIDEO[4])
+    assert (folder / "notes.txt").read_text() == "mine" and (folder / "frame_x.png").exists()
+    assert (folder / "frame_0001.png").exists()
+    with pytest.raises(ExportError, match="one"):  # a refused call removes nothing
+        export_video(np.zeros((2, 3, 8, 8, 3), np.uint8), folder)
+    assert len(list(folder.glob("frame_?????.png"))) == 5
+
+
+def test_export_makes_missing_folders_and_refuses_a_file_in_the_way(tmp_path: pathlib.Path) -> None:
+    assert np.array_equal(_frames(export_video(VIDEO, tmp_path / "a" / "b" / "v.mkv")), VIDEO)
+    (tmp_path / "file").write_text("x")
+    for out in ("v.mkv", "v.mp4", "png/"):
+        with pytest.raises(ExportError, match="is a file, not a folder"):
+            export_video(VIDEO, str(tmp_path / "file" / "deeper" / out))
