@@ -123,9 +123,10 @@ class VaeClient:
         self._stub  # noqa: B018  (raises ClientClosedError once closed)
         return self._stub_objs[index]
 
-    def _progress(self, report: CallReport | None, request_id: str, encoder: bool = False) -> Progress:
+    def _progress(self, report: CallReport | None, request_id: str, encoder: bool = False,
+                  joins_attempts: bool = True) -> Progress:
         return Progress(self.resume, self._targets, report, self.timeout, request_id, encoder=encoder,
-                        client_closed=lambda: self.closed)
+                        client_closed=lambda: self.closed, joins_attempts=joins_attempts)
 
     @property
     def closed(self) -> bool:
@@ -204,7 +205,8 @@ class VaeClient:
         info = self._cached_info()
         streamed = stream_latents(spec, latents, info.compute_dtype)
         assembly = mp4 or Assembly(spec, streamed.as_torch, info.output_frames(streamed.latent_frames))
-        progress = self._progress(report, spec.options.request_id)
+        # an MP4's attempts each start the file over: nothing of two decoders is joined
+        progress = self._progress(report, spec.options.request_id, joins_attempts=mp4 is None)
         try:
             while True:
                 gate = self._open_stream(streamed, spec, progress)

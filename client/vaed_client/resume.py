@@ -55,7 +55,9 @@ frame exactly once and the result equals an undisturbed call bit for bit.
   two decoders' frames. A server that sends no identity (older than the
   header) is never refused, and an attempt is compared only when it and an
   earlier one both sent one: there is nothing to compare otherwise, so a target
-  list that mixes such servers is as unchecked as before the header.
+  list that mixes such servers is as unchecked as before the header. An MP4
+  call's attempts are not compared: each starts its file over, so it joins
+  nothing of two decoders (a rolling update to other weights had failed it).
 * The error that ends a resumed call names the call's request id, its resumes,
   the targets tried and the frames delivered, after the last failure's message.
 """
@@ -203,8 +205,11 @@ class Progress:
 
     def __init__(self, policy: ResumePolicy, targets: Targets, report: CallReport | None,
                  timeout: float | None, request_id: str, takes_turn: bool = True, encoder: bool = False,
-                 client_closed: Callable[[], bool] = lambda: False) -> None:
+                 client_closed: Callable[[], bool] = lambda: False, joins_attempts: bool = True) -> None:
         self.policy = policy
+        # False: each attempt's answer starts over (an MP4 call's file), so nothing of two decoders
+        # is ever joined and its attempts' identities are not compared (`check_server`)
+        self.joins_attempts = joins_attempts
         # whether the application closed the client: an attempt that fails then is not resumed
         self._client_closed = client_closed
         self.targets = targets
@@ -234,12 +239,14 @@ class Progress:
         return self.report.resumes > 0
 
     def options(self, base: Any) -> Any:
-        """The call's DecodeOptions for this attempt: skip what was delivered, under the call's id."""
-        if not self.delivered:
+        """The call's DecodeOptions for this attempt: skip what was delivered, under the call's id
+        (a resumed MP4 call delivers no frames, yet keeps the id its first server gave it)."""
+        if not self.delivered and (base.request_id or not self.request_id):
             return base
         options = pb.DecodeOptions()
         options.CopyFrom(base)
-        options.skip_frames = self.delivered
+        if self.delivered:
+            options.skip_frames = self.delivered
         options.request_id = options.request_id or self.request_id
         return options
 
@@ -275,7 +282,7 @@ class Progress:
         if got is None:
             return
         here = self.targets.names[self.target]
-        if self.identity is None:
+        if self.identity is None or not self.joins_attempts:
             self.identity, self._identity_from = got, here
             return
         if got == self.identity:
@@ -431,8 +438,8 @@ class Progress:
                 f"{why or 'the call cannot resume'}{last} [{self._context()}]")
         elif not self.report.resumes:
             return error
-        else:
-            final = type(error)(f"{error.details} [{self._context()}]", error.code)
+        else:  # why it stops here (resumes or time run out, ...), where that is not the error itself
+            final = type(error)(f"{error.details}{f'; {why}' if why else ''} [{self._context()}]", error.code)
         final.__cause__ = error.__cause__  # the message holds `error`'s: its own cause, if any, stays
         final.__suppress_context__ = True
         return final

@@ -13,6 +13,7 @@ compares each resumed attempt's with the call's before taking any of its replies
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -108,6 +109,53 @@ class KillAfter:
 
 
 # -- a replica of another decoder is refused --------------------------------------------------------
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def test_an_mp4_decode_resumed_on_other_weights_is_that_decoders_whole_video(
+        mixed_pair: list[Replica], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        front: str) -> None:
+    """An MP4 call's attempts each start its file over, so nothing of two decoders is joined:
+    kill -9 of the seed-0 replica once its first MP4 bytes came, and the call finishes on the
+    seed-1 replica (a rolling update to other weights) with that decoder's whole video, under
+    the id the first server gave it. It raised ReplicaMismatchError, and the resumed attempt went
+    out without that id."""
+    import av
+
+    from vaed_client import mp4 as client_mp4
+
+    first, other = mixed_pair
+    x = latents(16)
+    replicas = {r.target: r for r in mixed_pair}
+    report = CallReport()
+    killed: list[str] = []
+    add = client_mp4.Mp4Output.add
+
+    def add_then_kill(output: Any, reply: Any) -> None:
+        add(output, reply)
+        if reply.video and not killed:
+            killed.append(report.targets[0])
+            replicas[report.targets[0]].kill()
+
+    monkeypatch.setattr(client_mp4.Mp4Output, "add", add_then_kill)
+    caplog.set_level("WARNING", logger="vaed_client.resume")
+    targets = [first.target, other.target]
+    if front == "sync":
+        with VaeClient(targets) as client:
+            data = client.decode(x, output_type="mp4", report=report)
+    else:
+        async def decode() -> Any:
+            async with AsyncVaeClient(targets) as client:
+                return await client.decode(x, output_type="mp4", report=report)
+
+        data = asyncio.run(decode())
+    assert killed == [first.target] and report.targets[-1] == other.target and report.resumes >= 1
+    with av.open(io.BytesIO(data)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == frames_of(16)
+    # the id the first server gave the call (its resume warning names it) is the one the other logs
+    named = re.search(rf"request (\w+): {re.escape(first.target)} failed", caplog.text)
+    assert named is not None, caplog.text
+    assert other.wait_for_line(f" id={named.group(1)} status=OK", timeout=30), other.log()
 
 
 @pytest.mark.parametrize("front", ["sync", "asyncio"])

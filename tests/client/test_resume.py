@@ -211,6 +211,22 @@ def test_an_internal_error_past_the_calls_timeout_is_its_deadline() -> None:
     assert type(_progress("a:1").error_of(core)) is UnavailableError  # no timeout at all
 
 
+def test_a_resumed_call_that_delivered_no_frames_keeps_the_id_its_first_server_gave() -> None:
+    """An MP4 call counts no frames (its file restarts on a resume), so its resumed attempt went
+    out without the id the first server made up, and the second server logged another."""
+    progress = Progress(ResumePolicy(), Targets(["a:1", "b:1"]), CallReport(), None, "")
+    base = wire.pb.DecodeOptions(fps=16, crf=18)
+    assert progress.options(base) is base  # nothing known yet
+    progress.accept(wire.pb.FrameChunk(request_id="given-by-a", video=b"\0" * 64), "rgb8")
+    assert progress.delivered == 0
+    progress.retry_delay(UnavailableError(LOST))
+    resumed = progress.options(base)
+    assert resumed.request_id == "given-by-a" and resumed.skip_frames == 0
+    assert (resumed.fps, resumed.crf) == (16, 18) and base.request_id == ""  # a copy: the caller's stay
+    own = wire.pb.DecodeOptions(request_id="mine")
+    assert progress.options(own) is own  # the caller's own id is the call's
+
+
 def test_an_internal_error_from_core_is_a_lost_status_and_retried() -> None:
     # grpc.aio's INTERNAL for a message written into a call the server had ended (its refusal's
     # status lost): retried as UNAVAILABLE, on the same server too, so the next attempt gets the
@@ -336,8 +352,15 @@ def test_the_error_that_ends_a_resumed_call_says_what_it_went_through():
     with pytest.raises(UnavailableError) as ended:
         progress.retry_delay(UnavailableError("connection refused"))
     assert type(ended.value) is UnavailableError and ended.value.code == grpc.StatusCode.UNAVAILABLE
-    assert str(ended.value) == ("UNAVAILABLE: connection refused "
+    assert str(ended.value) == ("UNAVAILABLE: connection refused; the call's resumes ran out (max_resumes 2) "
                                 "[request rid: 2 resumes over a:1, b:1; 21 frames delivered]")
+    # the call's timeout ending the resumes says so too (it read as any other failure)
+    timed = _progress("a:1", timeout=3600.0)
+    timed.delivered = 5
+    timed.retry_delay(UnavailableError(LOST))
+    timed.deadline = time.monotonic() - 0.001
+    with pytest.raises(UnavailableError, match=r"; the call's timeout ran out \[request rid: 1 resume over a:1"):
+        timed.retry_delay(UnavailableError("connection refused"))
     never = _progress("a:1", "b:1", policy=policy_of(False))
     with pytest.raises(UnavailableError) as alone:
         never.retry_delay(UnavailableError(LOST))
