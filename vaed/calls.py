@@ -683,8 +683,9 @@ class CallCore:
             record.groups_out += 1
             record.frames_out += frames
             record.device_seconds += group.device_seconds
-            if self.metrics is not None:
-                self.metrics.frames_decoded(frames, 1)
+            if self.metrics is not None:  # every video of the batch: a B = 2 group is twice the work
+                batch = group.frames.shape[0]
+                self.metrics.frames_decoded(batch * frames, batch)
         yield CallEnd(record.request_id, groups, frames_total)
 
     def _unsent_part(self, group: HostGroup, record: CallRecord, time_dim: int, skip_frames: int) -> HostGroup | None:

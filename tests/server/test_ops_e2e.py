@@ -102,6 +102,12 @@ def test_metrics_move_during_real_decode(metrics_server: harness.RunningServer) 
     latent = (after[("vaed_latent_frames_decoded_total", ())]
               - before[("vaed_latent_frames_decoded_total", ())])
     assert latent == t + 2
+    # a batch counts each of its videos' frames (B = 2 had counted as one video)
+    with VaeClient(metrics_server.target, timeout=60) as client:
+        client.decode(np.concatenate([latents(2, seed=3), latents(2, seed=4)]))
+    batched = scrape(port)
+    assert batched[("vaed_frames_decoded_total", ())] - after[("vaed_frames_decoded_total", ())] == 2 * (1 + 4)
+    assert batched[("vaed_latent_frames_decoded_total", ())] - after[("vaed_latent_frames_decoded_total", ())] == 2 * 2
     dur = ("vaed_request_duration_seconds_count", (("method", "Decode"),))
     assert after[dur] - before.get(dur, 0) == 1
     ttff = ("vaed_time_to_first_frame_seconds_count", (("method", "Decode"),))
