@@ -93,7 +93,7 @@ class ServerConfig:
         "ones decode on the first GPU", parse=whole_number, default_note="= 480x832")
     max_sessions: int = option(16, "concurrent decode calls; more get RESOURCE_EXHAUSTED", parse=positive_int)
     max_concurrent_rpcs: int | None = option(
-        None, "concurrent RPCs of any kind but health; more get RESOURCE_EXHAUSTED unread", parse=int,
+        None, "concurrent RPCs of any kind but health; more get RESOURCE_EXHAUSTED unread", parse=positive_int,
         no_default="2 x --max-sessions + 8")
     max_batch: int = option(8, "largest B of one call", parse=positive_int)
     max_latent_frames: int = option(

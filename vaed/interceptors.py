@@ -146,7 +146,11 @@ class RpcLimitInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
+        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED, counted here as `other`
+            if self._on_refused is not None:
+                self._on_refused(method_name(details.method), grpc.StatusCode.UNIMPLEMENTED.name)
+            return None
+        if details.method.startswith(HEALTH_PREFIX):
             return handler
         with self._lock:
             admitted = self._in_flight < self.limit

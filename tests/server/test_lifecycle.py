@@ -109,7 +109,7 @@ def test_vaed_serve_on_a_busy_port_exits_naming_the_cause():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["metrics-port busy", "http-port busy", "token unreadable", "port range",
-                                  "no sessions", "negative grace"])
+                                  "no sessions", "no RPCs", "negative grace"])
 def test_vaed_serve_refuses_what_it_cannot_serve_with_one_line_and_exit_2(case):
     """An HTTP port taken (it raised OSError past the start's handling: tracebacks, exit 1, and the
     gRPC server's loop closed under it), a token file the HTTP front cannot read (read before
@@ -128,6 +128,8 @@ def test_vaed_serve_refuses_what_it_cannot_serve_with_one_line_and_exit_2(case):
                                  "cannot read auth token file '/nonexistent/token'"),
             "port range": (["--http-port", "70000"], "argument --http-port: expected a port 0..65535"),
             "no sessions": (["--max-sessions", "0"], "argument --max-sessions: expected a whole number >= 1"),
+            # it said "the RPC limit must be >= 1", naming no flag
+            "no RPCs": (["--max-concurrent-rpcs", "0"], "argument --max-concurrent-rpcs: expected a whole number >= 1"),
             "negative grace": (["--grace", "-1"], "argument --grace: expected seconds >= 0"),
         }[case]
         proc = subprocess.run(_serve_argv("--port", "0", "--no-warmup", *extra), capture_output=True, text=True,

@@ -102,6 +102,13 @@ def test_metrics_move_during_real_decode(metrics_server: harness.RunningServer) 
     latent = (after[("vaed_latent_frames_decoded_total", ())]
               - before[("vaed_latent_frames_decoded_total", ())])
     assert latent == t + 2
+    # a method the server does not have: UNIMPLEMENTED, counted as `other` (it was not counted)
+    with grpc.insecure_channel(metrics_server.target) as channel:
+        with pytest.raises(grpc.RpcError) as unknown:
+            channel.unary_unary("/vaed.v1.VaeDecoder/NoSuchMethod")(b"", timeout=30)
+    assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    other_key = ("vaed_requests_total", (("code", "UNIMPLEMENTED"), ("method", "other")))
+    assert scrape(port).get(other_key, 0) - before.get(other_key, 0) == 1
     # a batch counts each of its videos' frames (B = 2 had counted as one video)
     with VaeClient(metrics_server.target, timeout=60) as client:
         client.decode(np.concatenate([latents(2, seed=3), latents(2, seed=4)]))
