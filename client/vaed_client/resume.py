@@ -99,6 +99,9 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 ATTEMPT_FAILURES = (grpc.RpcError, ReplicaMismatchError)
 # A target that failed is avoided for this long when another one is left (seconds).
 FAILED_TARGET_COOLDOWN = 5.0
+# ... doubled for each failure in a row that no answer from the target broke, up to this: a hung
+# replica (it takes 15-80 s to fail a call) was otherwise tried again by a new call every 5 s.
+MAX_TARGET_COOLDOWN = 80.0
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,9 @@ class CallReport:
 
 class Targets:
     """The client's targets: calls start round-robin over the list, and a failed target is avoided
-    for FAILED_TARGET_COOLDOWN s while another is left. One `dns:///` name is one target (its
-    channel balances over the replicas itself)."""
+    while another is left: FAILED_TARGET_COOLDOWN s, doubled for each further failure before the
+    target answers again (`answered`), up to MAX_TARGET_COOLDOWN. One `dns:///` name is one target
+    (its channel balances over the replicas itself)."""
 
     def __init__(self, targets: Sequence[str]) -> None:
         if not targets:
@@ -160,6 +164,16 @@ class Targets:
         self.names = list(targets)
         self._next = 0
         self._failed_at = [float("-inf")] * len(self.names)
+        self._failures = [0] * len(self.names)  # in a row, since the target last answered
+
+    def cooldown(self, index: int) -> float:
+        """How long target `index` is avoided after its last failure."""
+        failures = self._failures[index]
+        return min(FAILED_TARGET_COOLDOWN * 2.0 ** max(failures - 1, 0), MAX_TARGET_COOLDOWN)
+
+    def answered(self, index: int) -> None:
+        """Target `index` sent a call data: its failures in a row start over."""
+        self._failures[index] = 0
 
     @property
     def elsewhere(self) -> bool:
@@ -180,6 +194,7 @@ class Targets:
         """Mark `index` failed; the target to resume on (another one when there is one), none of
         `refused` (targets of another decoder than the call's) while another is left."""
         self._failed_at[index] = time.monotonic()
+        self._failures[index] += 1
         return self._healthiest(index + 1, exclude=index, refused=refused)
 
     def instead_of(self, index: int, refused: set[int] | frozenset[int]) -> int:
@@ -193,7 +208,7 @@ class Targets:
         usable = [i for i in order if i not in refused] or order
         candidates = [i for i in usable if i != exclude] or usable
         now = time.monotonic()
-        fresh = [i for i in candidates if now - self._failed_at[i] >= FAILED_TARGET_COOLDOWN]
+        fresh = [i for i in candidates if now - self._failed_at[i] >= self.cooldown(i)]
         if fresh:
             return fresh[0]
         return min(candidates, key=lambda i: self._failed_at[i])  # the one that failed longest ago
@@ -298,8 +313,10 @@ class Progress:
         self._adopt_request_id(reply)
         if self._failed_at is not None and (reply.final or reply.HasField("frames")):
             self._recovered()
-        if self.report.first_data_seconds is None and (reply.HasField("frames") or reply.video):
-            self.report.first_data_seconds = time.monotonic() - self.started
+        if reply.HasField("frames") or reply.video:
+            self.targets.answered(self.target)
+            if self.report.first_data_seconds is None:
+                self.report.first_data_seconds = time.monotonic() - self.started
         if not reply.HasField("frames") or not len(reply.frames.shape):
             return reply
         check_layout(tuple(reply.frames.shape), wire_format, reply.frames.dtype)
@@ -333,6 +350,7 @@ class Progress:
             return None  # the resumed attempt's frames before the failure point: not a recovery yet
         if self._failed_at is not None:
             self._recovered()
+        self.targets.answered(self.target)
         if self.report.first_data_seconds is None:
             self.report.first_data_seconds = time.monotonic() - self.started
         self.delivered += 1

@@ -227,6 +227,36 @@ def test_a_resumed_call_that_delivered_no_frames_keeps_the_id_its_first_server_g
     assert progress.options(own) is own  # the caller's own id is the call's
 
 
+def test_a_target_failing_again_and_again_is_avoided_longer_until_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hung replica fails each call only after 15-80 s; with a fixed 5 s cooldown every new call
+    went back to it after 5 s. Each failure in a row doubles how long it is avoided (5, 10, 20 s,
+    ... 80 s at most) while another target is left; an answer from it starts over."""
+    from vaed_client import resume
+
+    now = [1000.0]
+    monkeypatch.setattr(resume.time, "monotonic", lambda: now[0])
+    targets = Targets(["hung:1", "ok:1"])
+    waits = []
+    for _ in range(6):
+        assert targets.after_failure(0) == 1
+        first_back = None
+        for second in range(0, 200):
+            now[0] += 1.0
+            if targets._healthiest(0, exclude=None) == 0:
+                first_back = second + 1
+                break
+        waits.append(first_back)
+    assert waits == [5, 10, 20, 40, 80, 80]
+    assert targets.cooldown(0) == resume.MAX_TARGET_COOLDOWN
+    progress = Progress(ResumePolicy(), targets, CallReport(), None, "rid")
+    progress.target = 0
+    progress.accept(_reply(0, 1), "rgb8")  # it answered
+    assert targets.cooldown(0) == resume.FAILED_TARGET_COOLDOWN
+    targets.after_failure(0)
+    now[0] += resume.FAILED_TARGET_COOLDOWN
+    assert targets._healthiest(0, exclude=None) == 0  # back after the first cooldown again
+
+
 def test_an_internal_error_from_core_is_a_lost_status_and_retried() -> None:
     # grpc.aio's INTERNAL for a message written into a call the server had ended (its refusal's
     # status lost): retried as UNAVAILABLE, on the same server too, so the next attempt gets the
