@@ -1,6 +1,6 @@
 """The call core: one call from admission to its log line, written once below the fronts.
 
-A front (the gRPC servicer, `vaed.service`; an HTTP front next) only translates.
+A front (the gRPC servicer, `vaed.service`; the HTTP front, `vaed.http.front`) only translates.
 It hands the core a `CallInput` -- how to receive the call's next raw message
 and how to parse one into an `InputMessage` -- a `deadline_passed()` callable,
 and a `to_message` converter; it iterates the `Call` the core returns and sends
@@ -22,14 +22,15 @@ second Decode message is refused without being parsed, and a refused chunk is
 never copied.
 
 Why the output is pulled: the core yields `FramesOut` pieces (a frame group
-split at --frame-message-bytes, on frame boundaries) and one `CallEnd`,
+split at the wire's frame message size, on frame boundaries) and one `CallEnd`,
 already converted by the front's `to_message`; a group's output credit goes
 back when the front asks for the item after its last piece, i.e. once the
 front has sent it, so a slow reader stalls only its own session.
 
 Why the front passes `deadline_passed`: a call the front cancels ends
-DEADLINE_EXCEEDED when its deadline ran out and CANCELLED otherwise; only the
-front knows its deadline.
+DEADLINE_EXCEEDED when its deadline ran out, UNAVAILABLE when the server cut it
+at the end of its drain grace (`Lifecycle.cutting`), and CANCELLED otherwise;
+only the front knows its deadline.
 
 Operations: `decode` (one message) and `decode_stream` (a stream of chunks)
 share admission, the first-message read, options, the session, the output and

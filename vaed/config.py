@@ -91,7 +91,9 @@ class ServerConfig:
     spatial_min_pixels: int = option(
         SPATIAL_MIN_PIXELS, "--parallel spatial shards output frames of at least this many pixels; smaller "
         "ones decode on the first GPU", parse=whole_number, default_note="= 480x832")
-    max_sessions: int = option(16, "concurrent decode calls; more get RESOURCE_EXHAUSTED", parse=positive_int)
+    max_sessions: int = option(
+        16, "concurrent Decode, DecodeStream and Encode calls (gRPC and HTTP); more get RESOURCE_EXHAUSTED",
+        parse=positive_int)
     max_concurrent_rpcs: int | None = option(
         None, "concurrent RPCs of any kind but health; more get RESOURCE_EXHAUSTED unread", parse=positive_int,
         no_default="2 x --max-sessions + 8")
@@ -117,8 +119,9 @@ class ServerConfig:
     # (a lockstep client waits for those frames), nor while a full backlog keeps the server
     # from reading, nor after the client half-closed.
     session_first_message_timeout: float = option(
-        10.0, "seconds a Decode or DecodeStream call may wait for its first message; then it ends "
-        "DEADLINE_EXCEEDED and frees its session slot; 0 = no limit", parse=seconds, metavar="SECONDS")
+        10.0, "seconds a Decode, DecodeStream or Encode call may wait for its first message (an HTTP call "
+        "for its whole body); then it ends DEADLINE_EXCEEDED (HTTP 504) and frees its session slot; 0 = no limit",
+        parse=seconds, metavar="SECONDS")
     session_idle_timeout: float = option(
         30.0, "seconds a DecodeStream or Encode session may wait for its next message once everything it "
         "sent is done and sent back; then it ends DEADLINE_EXCEEDED and frees its "

@@ -3,7 +3,7 @@
 `logging.StreamHandler` writes on the thread that logs. When stderr is a pipe
 whose reader stalls (a stuck log shipper), the write blocks once the pipe's
 64 KiB buffer is full, and the event loop and the device thread stop with it:
-a `vaed serve` whose stderr nobody read hung on its ~200th call. Here a record
+a `vaed serve` whose stderr nobody read hung after a few hundred calls. Here a record
 is formatted on the logging thread and put on a bounded queue without waiting;
 one writer thread writes the queue to the file descriptor. When the queue is
 full the record is dropped and counted, and the writer reports the count once

@@ -26,8 +26,9 @@ Exported names (all prefixed ``vaed_``):
 * ``vaed_active_sessions{device}``                 gauge, scrape time
 * ``vaed_pending_latent_frames{device}``           gauge, scrape time: the autoscaling signal
 * ``vaed_device_healthy{device}``                  gauge, scrape time (1/0)
-* ``vaed_gpu_memory_allocated_bytes{device}``      gauge, scrape time, CUDA devices only
-* ``vaed_gpu_memory_peak_bytes{device}``           gauge, scrape time, CUDA devices only
+* ``vaed_gpu_memory_allocated_bytes{device}``      gauge, scrape time (0 on a CPU device)
+* ``vaed_gpu_memory_peak_bytes{device}``           gauge, scrape time (0 on a CPU device)
+* ``vaed_log_records_dropped_total``               counter: log records the stalled log writer dropped
 * ``vaed_startup_seconds``                         gauge: seconds from `vaed serve`'s start to SERVING
 * ``vaed_startup_phase_seconds{phase,device}``     gauge: each start-up phase (``vaed.startup``);
   ``device`` is empty for the process's own phases (import, gc freeze)

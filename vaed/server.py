@@ -446,8 +446,8 @@ class VaedServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("draining: waiting up to %.1f s for %d session(s)", grace, self.pool.admitted)
         # The server keeps answering while sessions finish: new calls get UNAVAILABLE
-        # from the servicer, which clients retry on another replica. Once gRPC's own
-        # stop begins it cancels new calls (CANCELLED, not retried), so that comes last.
+        # from the servicer, which clients retry on another replica. gRPC's own stop
+        # refuses new calls outright and cuts the rest at the deadline, so that comes last.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while self.pool.admitted and loop.time() < deadline:

@@ -121,6 +121,8 @@ def with_default_port(target: str, port: int = DEFAULT_PORT) -> str:
     if colons == 0:
         return f"{prefix}{host}:{port}"
     if colons == 1:  # host:port
+        if not host.partition(":")[0]:  # ":50051": gRPC fails to resolve it ("host must not be empty")
+            raise ValueError(f"target {target!r} names no host")
         _check_port(target, host.partition(":")[2])
         return target
     try:

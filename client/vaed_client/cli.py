@@ -25,10 +25,10 @@ with B > 1 every batch item gets its own output, named with a `_bN` suffix.
 Where an .mp4 is encoded: on the server (`--server-side`) when the output is
 one .mp4 (batch 1) and the server offers MP4 (ModelInfo.video_formats), else
 here (`--client-side`, and always for .mkv, PNG folders and B > 1). The
-server is the default because it is faster end to end and lighter: on an
-H200 a 480x832x81 video came as 4.58 MB of MP4 in 1.127 s against 97 MB of
-RGB8 frames in 1.153 s (21x fewer bytes, before the client's own encode),
-and the client's CPU encodes nothing. Both use H.264 yuv420p at `--crf` 18
+server is the default because it is lighter end to end: on an H200 a
+480x832x81 video came as 4.58 MB of MP4 in 1.156 s against 97 MB of RGB8
+frames in 1.135 s (21x fewer bytes in about the same time, before the
+client's own encode), and the client's CPU encodes nothing. Both use H.264 yuv420p at `--crf` 18
 (or `--lossless`), so the file's quality does not depend on where it was
 encoded (x264's presets differ: the server's is veryfast).
 An output that exists already (a file, or a folder holding frame PNGs) is

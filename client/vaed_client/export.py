@@ -40,7 +40,8 @@ MPEG4_BITS_PER_PIXEL = 0.25
 # these are intermediate frames, speed matters more.
 PNG_COMPRESS_LEVEL = 1
 SUPPORTED_OUTPUTS = (
-    ".mp4 (H.264; lossless with --lossless), .mkv (FFV1, lossless), or a folder of PNG frames (no suffix)"
+    ".mp4 (H.264; lossless with lossless=True, or --lossless), .mkv (FFV1, lossless), or a folder of PNG frames "
+    "(no suffix)"
 )
 
 

@@ -3,8 +3,8 @@
 The server encodes each decoded group as it comes (H.264 on its CPU threads, beside the GPU) and
 sends fragmented-MP4 bytes (an init segment, then fragments) in `FrameChunk.video`; their
 concatenation is one MP4 file. On an H200, a 480x832x81 video arrived as 4.58 MB of MP4 in
-1.127 s against 97 MB of RGB8 frames in 1.153 s: a file 21x smaller, sooner, and no encoder on the
-caller's machine. Options: `fps` (the model's by default: 16 Wan2.1, 24 Wan2.2), `crf` (0..51,
+1.156 s against 97 MB of RGB8 frames in 1.135 s: a file 21x smaller in about the same time, and no
+encoder on the caller's machine. Options: `fps` (the model's by default: 16 Wan2.1, 24 Wan2.2), `crf` (0..51,
 x264's 23 by default), `preset` (x264's, "veryfast" by default), `lossless=True` (H.264 RGB at
 CRF 0: exactly the RGB8 frames, for files; browsers do not play it).
 

@@ -15,7 +15,8 @@ frame exactly once and the result equals an undisturbed call bit for bit.
   RESOURCE_EXHAUSTED (sessions full or out of memory: another replica may
   have room; so only with several targets or a `dns:` name, never on the
   one server that said it), CANCELLED that this client did not ask for (a server
-  stopping past its drain grace), and grpc.aio's INTERNAL "Internal error from Core" for a
+  cutting a call at the end of its drain grace sends UNAVAILABLE), and grpc.aio's
+  INTERNAL "Internal error from Core" for a
   call that ended while the client still wrote, whose status gRPC lost (as UNAVAILABLE).
   Never: INVALID_ARGUMENT, UNAUTHENTICATED, DEADLINE_EXCEEDED (the call's own
   timeout covers all its attempts), INTERNAL and the rest: retrying a request

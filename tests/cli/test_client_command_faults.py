@@ -337,7 +337,7 @@ def test_bad_server_and_timeout_flags_are_usage_errors(
 
 
 def test_the_library_refuses_an_empty_port_too() -> None:
-    for target in ("localhost:", "[::1]:", "dns:///vaed:", ""):
+    for target in ("localhost:", "[::1]:", "dns:///vaed:", "", ":50051", "dns:///:50051"):
         with pytest.raises(ValueError, match="empty port|names no host"):
             channel.with_default_port(target)
     with pytest.raises(ValueError, match="empty port"):

@@ -1,7 +1,7 @@
 """The server's one HTTP stack: an aiohttp application served from the running asyncio loop.
 
 Why aiohttp: it parses HTTP/1.1 with a maintained C parser (llhttp), runs in
-the loop that already runs grpc.aio, and is what the HTTP front will use, so
+the loop that already runs grpc.aio, and serves the HTTP front too, so
 /metrics and the front are routes of one ``web.Application`` on one
 ``AppRunner`` -- one stack, one set of limits. No thread is started: an idle
 connection costs a socket and a protocol object.
