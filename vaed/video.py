@@ -339,8 +339,8 @@ class AsyncPackager:
 
     def discard(self) -> None:
         """The call is over: free the encoder of a video that did not close (a cut or failed
-        call), after the step still running on the pool if there is one (a packager is fed by
-        one thread at a time). Also drop an early open the call never waited for: one still
+        call), on the pool, after the step still running there if there is one (a packager is
+        fed by one thread at a time). Also drop an early open the call never waited for: one still
         waiting for its event never starts, and a failed one is not reported as never retrieved
         (asyncio's cancel() clears that report on a future already done, and cancels a pending
         one)."""
@@ -350,5 +350,10 @@ class AsyncPackager:
         step = self._step
         if step is not None and not step.done():
             step.add_done_callback(lambda _: self._packager.abandon())  # on the pool, after the step
-        else:
+            return
+        # on the pool too: closing an opened encoder flushes x264 and joins its threads, which
+        # the event loop (discard's caller, at a call's end) must not wait for
+        try:
+            self._executor.submit(self._packager.abandon)
+        except RuntimeError:  # the pool was shut down (the server stopping): free it here
             self._packager.abandon()

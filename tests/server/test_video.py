@@ -344,6 +344,35 @@ def test_an_abandoned_packager_frees_its_encoder_at_once():
         gc.enable()
 
 
+def test_discard_frees_an_idle_encoder_on_the_pool_not_on_the_event_loop(monkeypatch: pytest.MonkeyPatch):
+    """A call cut between its steps: closing its opened encoder flushes x264 and joins its
+    threads; `discard` (on the event loop, at the call's end) ran that inline, and now leaves it
+    to the pool."""
+    import threading
+
+    where: list[str] = []
+    original = Fmp4Packager.abandon
+
+    def abandon(self: Fmp4Packager) -> None:
+        where.append(threading.current_thread().name)
+        original(self)
+
+    monkeypatch.setattr(Fmp4Packager, "abandon", abandon)
+    pool = PackagingPool(threads=2)
+
+    async def run() -> None:
+        packager = pool.packager(VideoOptions())
+        await packager.add(_smooth_video(1))  # opened and fed; no step running now
+        packager.discard()
+        for _ in range(6000):
+            if where:
+                break
+            await asyncio.sleep(0.01)
+
+    _run_then_shut_down(pool, run)
+    assert len(where) == 1 and where[0] != threading.main_thread().name, where
+
+
 def test_discard_frees_the_encoder_after_the_step_still_on_the_pool(monkeypatch: pytest.MonkeyPatch):
     """A call cut while its frames encode: `discard` (from the call's end, on the event loop)
     leaves the encoder to the step running on the pool and frees it right after that step (a
