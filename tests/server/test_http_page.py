@@ -12,6 +12,7 @@ played decode goes to $VAED_TEST_ARTIFACTS when set (else the test's tmp_path); 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
@@ -51,7 +52,7 @@ TOKEN = "page-token"
 # What the page's player exposes (window.vaedPage) and the video element's state, in one read.
 PLAYER_STATE = """
 const p = window.vaedPage, v = document.getElementById('video');
-return {state: p.state, error: p.error, mime: p.mime, firstFrameMs: p.firstFrameMs, doneMs: p.doneMs,
+return {state: p.state, error: p.error, mime: p.mime, firstFrameMs: p.firstFrameMs, doneMs: p.doneMs, bytes: p.bytes,
         framesShown: p.framesShown, expected: p.expected, currentTime: v.currentTime, readyState: v.readyState,
         width: v.videoWidth, height: v.videoHeight, ended: v.ended,
         decodedFrames: v.getVideoPlaybackQuality().totalVideoFrames};
@@ -600,6 +601,31 @@ def test_a_page_that_fails_mid_answer_ends_its_call(browser: webdriver.Chrome) -
         set_random_shape(browser, 2, 8, 8)
         browser.find_element(By.ID, "decode").click()
         assert played_to_the_end(browser)["decodedFrames"] == 1 + SCALE_T
+
+
+def test_a_stream_cut_by_the_servers_stop_is_said_to_be_so(browser: webdriver.Chrome) -> None:
+    """The server stops (its drain grace ends) while the page reads a decode held at latent frame
+    3: the page says the connection closed mid-answer and after how many bytes, where it showed
+    the browser's "network error" alone."""
+    config = make_config(MODEL, http_port=0, warmup=False)
+    release, held = threading.Event(), threading.Event()
+    with serve_in_thread(config, build_engine=held_at_frame_3(config, held, release)) as running:
+        try:
+            open_page(browser, running.server.http_port)
+            set_random_shape(browser, 6, 8, 8)
+            browser.find_element(By.ID, "decode").click()
+            assert held.wait(WAIT_S)
+            wait_for(browser, lambda: player(browser)["bytes"] > 0, "the answer's first bytes")
+            stopping = asyncio.run_coroutine_threadsafe(running.server.stop(grace=0.2), running.loop)
+            WebDriverWait(browser, WAIT_S, poll_frequency=0.05).until(lambda _: player(browser)["state"] == "error")
+            error = player(browser)["error"]
+            assert re.match(r"the connection closed after \d+ bytes of the answer, before its end \(.+\): "
+                            r"the server stopped, restarted or cut the call; see its log$", error), error
+            assert f"after {player(browser)['bytes']} bytes" in error
+        finally:
+            release.set()
+        stopping.result(WAIT_S)
+    browser.get("about:blank")
 
 
 def test_a_browser_that_cannot_play_the_stream_still_saves_it(browser: webdriver.Chrome, served: int) -> None:

@@ -430,9 +430,15 @@ async function decodeAndPlay() {
 }
 
 async function receive(latents, video, started, run, signal) {
-  const response = await fetch(decodeUrl(latents), {
-    method: "POST", body: latents.bytes, headers: { "Content-Type": "tensor/binary", ...authHeaders() }, signal,
-  });
+  let response;
+  try {
+    response = await fetch(decodeUrl(latents), {
+      method: "POST", body: latents.bytes, headers: { "Content-Type": "tensor/binary", ...authHeaders() }, signal,
+    });
+  } catch (err) {
+    // the browser's own words ("Failed to fetch") say nothing of why
+    throw new Error(`could not reach the server (${err.message}): it may be down or restarting`);
+  }
   if (!response.ok) throw new Error(await errorOf(response));
   const reader = response.body.getReader();
   const parts = [];
@@ -440,7 +446,15 @@ async function receive(latents, video, started, run, signal) {
   let appender = null;
   let mediaSource = null;
   for (;;) {
-    const { done, value } = await reader.read();
+    let chunk;
+    try {
+      chunk = await reader.read();
+    } catch (err) {
+      // a stream cut mid-answer reads as "network error" alone
+      throw new Error(`the connection closed after ${page.bytes} bytes of the answer, before its end `
+        + `(${err.message}): the server stopped, restarted or cut the call; see its log`);
+    }
+    const { done, value } = chunk;
     if (done) break;
     if (page.firstByteMs === null) {
       page.firstByteMs = performance.now() - started;
