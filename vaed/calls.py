@@ -427,10 +427,17 @@ class CallCore:
 
     def finish(self, record: CallRecord, status: Status, error: str = "") -> None:
         (log.info if status is Status.OK else log.warning)(log_line(record, status, error))
-        if self.metrics is not None:
-            self.metrics.request_finished(record.method, status.name, time.perf_counter() - record.started)
-            if status is Status.OK and record.first_frame_at is not None:
-                self.metrics.observe_first_frame(record.method, record.first_frame_at - record.started)
+        if self.metrics is None:
+            return
+        if status in (Status.RESOURCE_EXHAUSTED, Status.UNAVAILABLE) and record.shape is None:
+            # refused before it read its input (sessions full, draining, warming up): counted, not
+            # timed, as the interceptors' refusals are (a flood of instant answers would drag the
+            # latency quantiles toward zero)
+            self.metrics.request_refused(record.method, status.name)
+            return
+        self.metrics.request_finished(record.method, status.name, time.perf_counter() - record.started)
+        if status is Status.OK and record.first_frame_at is not None:
+            self.metrics.observe_first_frame(record.method, record.first_frame_at - record.started)
 
     def failed(self, record: CallRecord, exc: BaseException) -> CallFailed:
         """Log and count a failed call; what its front sends (an internal error's details stay in the log)."""

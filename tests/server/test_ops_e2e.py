@@ -8,6 +8,7 @@ import argparse
 import urllib.request
 from pathlib import Path
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -20,7 +21,7 @@ from vaed_client import cli as client_cli
 from vaed_client.wire import AUTH_TOKEN_ENV
 from vaed.config import ServerConfig
 from vaed_client import VaeClient
-from vaed_client.errors import InvalidArgumentError, UnauthenticatedError, UnavailableError
+from vaed_client.errors import InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, UnavailableError
 
 TOKEN = "e2e-token-5f1c0a7d"
 MODEL = "random:wan2.1-tiny"  # z_dim 4, 8x spatial, 4x temporal; float32 on CPU
@@ -306,3 +307,39 @@ def test_frame_one_waits_until_frame_zero_is_handed_over(monkeypatch: pytest.Mon
         monkeypatch.setattr(engine, "decode_frame", recording_decode)
         client.decode(latents(3))
     assert events.index(("handed over", 0)) < events.index(("decode", 1)), events
+
+
+def test_a_call_refused_before_its_input_is_counted_but_not_timed() -> None:
+    """Sessions full: the refusal answers at once, before the call reads its input. It is counted
+    in vaed_requests_total as before, and kept out of the duration histogram, as the RPC cap's and
+    the token's refusals are (instant answers dragged the latency quantiles toward zero)."""
+    import threading
+
+    config = make_config(metrics_port=0, max_sessions=1, warmup=False)
+    reached, release = threading.Event(), threading.Event()
+
+    def held() -> None:
+        reached.set()
+        release.wait(120)
+
+    with harness.serve_in_thread(config, build_engine=harness.engine_calling_at(config, 1, held)) as running:
+        port = running.server.metrics_port
+        assert port
+        outcome: list[Any] = []
+        holder = threading.Thread(target=lambda: outcome.append(harness.decode_rpc(running.target, latents(3))))
+        holder.start()
+        try:
+            assert reached.wait(60)
+            with VaeClient(running.target, resume=False, timeout=60) as client:
+                for _ in range(3):
+                    with pytest.raises(ResourceExhaustedError):
+                        client.decode(latents(2))
+            refused = scrape(port)
+        finally:
+            release.set()
+            holder.join(60)
+        after = scrape(port)
+    assert outcome == [1 + 4 * 2]
+    assert refused[("vaed_requests_total", (("code", "RESOURCE_EXHAUSTED"), ("method", "DecodeStream")))] == 3
+    assert refused.get(("vaed_request_duration_seconds_count", (("method", "DecodeStream"),)), 0) == 0
+    assert after[("vaed_request_duration_seconds_count", (("method", "Decode"),))] == 1  # the held call, timed
