@@ -275,7 +275,8 @@ class AsyncVaeClient:
         request_id: str | None = None,
         report: CallReport | None = None,
     ) -> AsyncIterator[DecodedChunk]:
-        """Async-iterate DecodedChunks as they decode; leaving early cancels.
+        """Async-iterate DecodedChunks as they decode; leaving early cancels (`aclose()`, or the
+        generator dropped: one held in a variable after a `break` needs `await chunks.aclose()`).
         The latents go as in `VaeClient.stream`: two frames first, the rest after the first frame
         (a resumed attempt sends them all at once)."""
         spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
@@ -335,7 +336,8 @@ class AsyncVaeClient:
         max_pending: int = 8,
         report: CallReport | None = None,
     ) -> AsyncDecodeSession:
-        """Open a DecodeStream session (see `VaeClient.session`); it starts on first use."""
+        """Open a DecodeStream session (see `VaeClient.session`); its call starts with the first
+        push (or close)."""
         spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                                raw_dtype=raw_dtype, request_id=request_id)
         return AsyncDecodeSession(self, spec, max_pending=max_pending, report=report)
@@ -348,7 +350,7 @@ class AsyncDecodeSession(SessionView):
     attempt's request stream reads (`push` waits while `max_pending` messages
     wait to be sent), and a background task reads replies into a local queue
     so pushing everything before iterating cannot deadlock; it also resumes
-    the session when its server fails. The call starts on first use.
+    the session when its server fails. The call starts with the first push (or close).
     """
 
     def __init__(self, client: AsyncVaeClient, spec: CallSpec, *, max_pending: int = 8,
@@ -375,14 +377,15 @@ class AsyncDecodeSession(SessionView):
         await self._changed.wait()
 
     async def _start(self) -> Any:
-        if self._call is None:
+        """Make the reply reader, once; it opens the call at the first push or close (see
+        `DecodeSession._first_message_or_close`)."""
+        if self._reader is None:
             self._client._stub  # noqa: B018  (binds the client to this loop)
             self._state.info = await self._client._cached_info()  # see SessionState.info
-            if self._call is not None:  # another of this session's tasks started it meanwhile
+            if self._reader is not None:  # another of this session's tasks started it meanwhile
                 return self._call
             self._replies = asyncio.Queue()
             self._changed = asyncio.Event()
-            self._open()
             self._reader = asyncio.get_running_loop().create_task(self._read_replies())
         return self._call
 
@@ -416,6 +419,11 @@ class AsyncDecodeSession(SessionView):
         replies = self._replies
         assert replies is not None
         try:
+            while not len(self._log) and not self._log.closed and not self._state.cancelled:
+                await self._wait_change()  # the call starts with the first push, or close
+            if self._state.cancelled:
+                raise CancelledError("session cancelled")
+            self._open()
             while True:
                 call = self._call
                 error: VaedError
@@ -480,7 +488,7 @@ class AsyncDecodeSession(SessionView):
         self._log.closed = True
         if self._call is not None:
             self._call.cancel()
-            self._notify()
+        self._notify()  # a reader still waiting for the first push ends too
 
     async def _next_reply(self) -> Any:
         if self._state.error is not None:

@@ -44,7 +44,7 @@ from .core import (
     stream_latents,
 )
 from .encoding import EncodedAssembly, encode_options, prepare_video, video_chunks
-from .errors import ClientClosedError, VaedError
+from .errors import CancelledError, ClientClosedError, VaedError
 from .mp4 import mp4_output
 from .resume import ATTEMPT_FAILURES, CallReport, Progress, ReplayLog, ResumePolicy, Targets, policy_of
 from .video import DecodedChunk, has_frames
@@ -288,9 +288,12 @@ class VaeClient:
         report: CallReport | None = None,
     ) -> ChunkStream:
         """Yield DecodedChunks (frames in `output_type`) as the server decodes
-        them. Stopping the iteration early (break, close(), or dropping the
-        iterator, even before its first next()) cancels the decode on the
-        server. Sent as a DecodeStream: the first two latent frames,
+        them. Stopping the iteration early cancels the decode on the server:
+        close(), leaving a `with client.stream(...) as chunks:` block, or
+        dropping the iterator, even before its first next() (a `break` out of
+        `for chunk in client.stream(...)` drops it; one held in a variable
+        after the break needs close() or the with block: Python tells an
+        iterator nothing of a break). Sent as a DecodeStream: the first two latent frames,
         then the rest once the first frame is back, so the first frame waits
         for neither the whole upload nor its traffic (`core.StreamedLatents`).
         A resumed attempt sends everything at once (its first frames are skipped)."""
@@ -337,7 +340,9 @@ class VaeClient:
         report: CallReport | None = None,
     ) -> DecodeSession:
         """Open a DecodeStream session: push latent chunks, iterate frames. The session keeps
-        its pushed latents to replay them if its server fails (`ResumePolicy.max_replay_bytes`)."""
+        its pushed latents to replay them if its server fails (`ResumePolicy.max_replay_bytes`).
+        Its call starts with the first push (or close), so a generator may open the session well
+        before its first latents: the server's --session-first-message-timeout counts from there."""
         spec = frame_call_spec(output_type=output_type, format=format, raw_latents=raw_latents,
                                raw_dtype=raw_dtype, request_id=request_id)
         return DecodeSession(self, spec, max_pending=max_pending, report=report)
@@ -374,6 +379,12 @@ class ChunkStream(Iterator[DecodedChunk]):
         call = self._current.gate.call
         if call is not None:
             call.cancel()
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def __del__(self) -> None:
         self.close()
@@ -447,7 +458,6 @@ class DecodeSession(SessionView):
         self.report = self._progress.report
         self._attempt = 0
         self._call: Any = None
-        self._open()
         self._reader = threading.Thread(target=self._read_replies, name="vaed-session-reader", daemon=True)
         self._reader.start()
 
@@ -529,8 +539,20 @@ class DecodeSession(SessionView):
             call.cancel()
 
     # -- reply side --------------------------------------------------------
+    def _first_message_or_close(self) -> bool:
+        """Wait for the first push (or close): the call starts then, not when the session is made
+        (a DiT's first chunk can take longer than the server's first-message timeout, 10 s, and
+        an open call holds a session slot). False: cancelled first."""
+        with self._cond:
+            while not len(self._log) and not self._log.closed and not self._state.cancelled:
+                self._cond.wait(0.5)
+            return not self._state.cancelled
+
     def _read_replies(self) -> None:
         try:
+            if not self._first_message_or_close():
+                raise CancelledError("session cancelled")
+            self._open()
             while True:
                 with self._cond:
                     call = self._call

@@ -5,7 +5,7 @@ that half-closed are not idle; the sessions gauge counts a call from admission.
 
 Every wait is a bound on a hang (a minute), never a speed threshold: the servers'
 timeouts are seconds, and without them an idle call holds its slot until its
-connection ages out (300 s + 60 s grace).
+connection ages out (300 s + its 600 s grace).
 """
 
 from __future__ import annotations
@@ -154,6 +154,49 @@ def test_a_session_that_stops_sending_ends_deadline_exceeded_after_its_frames(se
     assert IDLE_FLAG in str(failure.value) and "2 latent frames received" in str(failure.value)
     assert frames == 5  # everything it sent was decoded and delivered first
     _wait_for(lambda: _slots_free(server), "the idle session's slot is free")
+
+
+@pytest.mark.parametrize("front", ["sync", "asyncio"])
+def test_a_session_opened_long_before_its_first_push_starts_its_call_with_it(server, front):
+    """A generator opens its session, then takes longer than --session-first-message-timeout (T)
+    to make its first latents (its reader already waiting, asyncio): the session's call starts
+    with the first push, so it holds no slot meanwhile and its video comes whole. The call had
+    started with the session and ended DEADLINE_EXCEEDED before the first push."""
+    import asyncio
+
+    from vaed_client import AsyncVaeClient
+    from vaed_client.video import assemble
+
+    x = torch.randn(1, Z, 3, 5, 7, generator=torch.Generator().manual_seed(7))
+    with VaeClient(server.target, timeout=WAIT_S) as client:
+        want = client.decode(x, output_type="pt")
+        if front == "sync":
+            with client.session(output_type="pt") as session:
+                time.sleep(T / 2)
+                assert server.server.pool.admitted == 0  # no call, no slot
+                time.sleep(2.5 * T)  # past the first-message timeout
+                session.push(x[:, :, :1])
+                session.push(x[:, :, 1:])
+                got = session.collect()
+            assert torch.equal(got, want)
+            return
+
+    async def late_first_push() -> Any:
+        async with AsyncVaeClient(server.target, timeout=WAIT_S) as aclient:
+            async with aclient.session(output_type="pt") as session:
+                async def read() -> list[Any]:
+                    return [chunk async for chunk in session]
+
+                reader = asyncio.ensure_future(read())  # waiting for frames before any push
+                await asyncio.sleep(T / 2)
+                assert server.server.pool.admitted == 0
+                await asyncio.sleep(2.5 * T)
+                await session.push(x[:, :, :1])
+                await session.push(x[:, :, 1:])
+            return await reader
+
+    chunks = asyncio.run(late_first_push())
+    assert torch.equal(torch.as_tensor(assemble(chunks)), want)
 
 
 # -- what is not idle ------------------------------------------------------------------------------
@@ -361,6 +404,28 @@ def test_a_stream_closed_or_dropped_before_its_first_next_frees_its_slot():
             del chunks
             _wait_for(lambda: _slots_free(running), f"the slot of the stream to {how} is free")
         assert torch.equal(client.decode(latents, format="raw", raw_dtype="float32"), want)
+
+
+def test_a_break_out_of_a_streams_with_block_cancels_its_decode(caplog: pytest.LogCaptureFixture):
+    """A `break` tells an iterator nothing, so a stream still referenced after one decoded on to
+    the end for nobody; leaving its `with` block closes it: the call, held on the server at
+    latent frame 1 until then, ends CANCELLED and frees its slot."""
+    from harness import engine_calling_at
+
+    caplog.set_level("INFO", logger="vaed")
+    config = make_config(max_sessions=1, warmup=False)  # the warm-up's frame 1 would wait too
+    release = threading.Event()
+    build = engine_calling_at(config, 1, lambda: release.wait(WAIT_S))
+    with serve_in_thread(config, build_engine=build) as running, VaeClient(running.target, timeout=WAIT_S) as client:
+        try:
+            with client.stream(torch.randn(1, Z, 6, 5, 7), request_id="break-in-with") as chunks:
+                for _ in chunks:
+                    break
+            _wait_for(lambda: _slots_free(running), "the slot of the stream left by a break")
+        finally:
+            release.set()
+        _wait_for(lambda: "id=break-in-with status=" in caplog.text, "the call's log line")
+    assert "id=break-in-with status=CANCELLED" in caplog.text, caplog.text
 
 
 def test_an_encode_that_stops_sending_is_told_so_in_its_own_words():
