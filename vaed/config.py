@@ -111,7 +111,7 @@ class ServerConfig:
         parse=positive_int)
     # How long an admitted call may wait for its client's messages (0 = no limit): past it the
     # call ends DEADLINE_EXCEEDED and frees its slot, so idle calls cannot hold every slot until
-    # their connection ages out (300 s + 60 s grace). 10 s before the first message: the client
+    # their connection ages out (300 s + its 600 s grace). 10 s before the first message: the client
     # library sends it as the call opens (decode, stream) or with the caller's first push
     # (session(): open it with the first chunk in hand). 30 s between later messages of a
     # DecodeStream: a streaming generator sends one chunk per generation step, and only the
@@ -128,7 +128,7 @@ class ServerConfig:
         "slot; 0 = no limit", parse=seconds, metavar="SECONDS")
     # How long an answer may wait for its client to take any of it, on both fronts: a client that
     # opens a large decode and reads nothing otherwise holds its session slot, with the server
-    # idle, until its connection goes (gRPC: --max-connection-age 300 s + 60 s grace).
+    # idle, until its connection goes (gRPC: --max-connection-age 300 s + its 600 s grace).
     send_timeout: float = option(
         30.0, "seconds an answer may wait for its client to take any of it (a gRPC call's next response "
         "message; an HTTP answer's next bytes, the front's or /metrics'); then the call ends "
@@ -181,8 +181,12 @@ class ServerConfig:
     max_connection_age: float = option(
         300.0, "seconds after which a connection is closed so clients re-resolve DNS and reach "
         "new replicas; 0 = never", parse=seconds)
+    # 600 s, as the manifests have it: a DecodeStream session longer than age + grace is cut (and
+    # resumed, replaying its latents); a longer grace costs nothing, no new call starts on the
+    # closing connection (60 s cut a streaming generator's sessions every 6 minutes)
     max_connection_age_grace: float = option(
-        60.0, "seconds in-flight calls get after --max-connection-age", parse=seconds)
+        600.0, "seconds in-flight calls (a long DecodeStream session) get after --max-connection-age "
+        "before they are cut", parse=seconds)
     # Connection and stream limits (gRPC core; see vaed.server.grpc_options for the measurements).
     handshake_timeout: float = option(
         10.0, "seconds a new connection may take to send the HTTP/2 preface (and TLS handshake) "

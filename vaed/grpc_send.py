@@ -3,7 +3,7 @@
 A client that opens a large Decode and never reads its response stream stops
 the server's writes (HTTP/2 flow control), so the session's decode waits on
 its --queue-chunks credits and holds its slot while the server idles: until
-the connection ages out (--max-connection-age 300 s + 60 s grace). With
+the connection ages out (--max-connection-age 300 s + its 600 s grace). With
 --max-sessions N, N such clients locked everyone else out. Here every write
 of a call's answer must complete within `timeout` seconds, else the call is
 ended; its front then ends the Call (logged DEADLINE_EXCEEDED, slot freed).
