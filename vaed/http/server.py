@@ -412,8 +412,7 @@ class _Connection(web.RequestHandler):
         if self._buffered_bytes() < self._buffered:
             self._arm()
             return
-        if self.transport is not None:
-            self.send_timed_out = True
-            _protocol_log.warning("HTTP client read nothing of its answer for %g s; connection aborted",
-                                  self._send_timeout)
-            self.cut()
+        self.send_timed_out = True
+        _protocol_log.warning("HTTP client read nothing of its answer for %g s; connection aborted",
+                              self._send_timeout)
+        self.cut()
