@@ -466,6 +466,9 @@ class AsyncDecodeSession(SessionView):
             if len(self._log) - self._log.sent < self._max_pending:
                 self._log.append(message)
                 self._notify()
+                # the first push starts the call (on the reader): it has begun when push returns
+                while self._call is None and self._reader is not None and not self._reader.done():
+                    await self._wait_change()
                 return
             if self._reader is not None and self._reader.done():
                 raise RuntimeError("session already ended")

@@ -447,6 +447,7 @@ class DecodeSession(SessionView):
 
     def __init__(self, client: VaeClient, spec: CallSpec, *, max_pending: int = 8,
                  report: CallReport | None = None) -> None:
+        client._stub  # noqa: B018  (a closed client says so here, as before the call started later)
         self._state = SessionState(spec)
         self._state.info = client._cached_info()
         self._client = client
@@ -516,6 +517,9 @@ class DecodeSession(SessionView):
                 if len(self._log) - self._log.sent < self._max_pending:
                     self._log.append(message)
                     self._cond.notify_all()
+                    # the first push starts the call (on the reader): it has begun when push returns
+                    while self._call is None and self._state.failure is None and self._reader.is_alive():
+                        self._cond.wait(0.1)
                     return
                 if not self._reader.is_alive():
                     raise RuntimeError("session already ended")

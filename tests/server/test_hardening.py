@@ -170,21 +170,32 @@ def test_session_equals_one_shot_at_every_shape(server, h, w, split):
 # -- limits on calls ----------------------------------------------------------------------------
 
 def test_concurrent_rpcs_over_the_cap_are_resource_exhausted(server):
-    """max_concurrent_rpcs=6: six open sessions hold every RPC slot (4 sessions + 2 waiting)."""
-    with VaeClient(server.target) as client:
-        sessions = [client.session() for _ in range(6)]
+    """max_concurrent_rpcs=6: four sessions and two DecodeStream calls that have sent nothing yet
+    hold every RPC slot. (A client session's call starts with its first push, so the two silent
+    calls are raw ones.)"""
+    stop = threading.Event()
+
+    def silent() -> Iterator[bytes]:
+        stop.wait(60)
+        yield from ()
+
+    with VaeClient(server.target) as client, grpc.insecure_channel(server.target) as channel:
+        sessions = [client.session() for _ in range(4)]
+        waiting = [channel.stream_stream(f"/{wire.SERVICE_NAME}/DecodeStream")(silent(), timeout=60) for _ in range(2)]
         try:
-            for s in sessions[:4]:
+            for s in sessions:
                 s.push(torch.randn(1, Z, 1, 5, 7))
             deadline = time.monotonic() + 10
             while server.server.pool.active_sessions < 4 and time.monotonic() < deadline:
                 time.sleep(0.02)
-            with grpc.insecure_channel(server.target) as channel:
-                stub = wire.pb_grpc.VaeDecoderStub(channel)
-                code, details = _status(stub.Decode(pb.DecodeRequest(), timeout=10))
+            stub = wire.pb_grpc.VaeDecoderStub(channel)
+            code, details = _status(stub.Decode(pb.DecodeRequest(), timeout=10))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "calls in flight" in details
         finally:
+            stop.set()
+            for call in waiting:
+                call.cancel()
             for s in sessions:
                 s.cancel()
 
