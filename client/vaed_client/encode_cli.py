@@ -30,6 +30,7 @@ import numpy as np
 from .dtypes import is_torch
 from .encoding import LATENTS, OUTPUT_TYPES
 from .errors import LocalInputError, VaedError
+from .export import folder_problem
 
 VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov")
 OUTPUT_SUFFIXES = (".safetensors", ".npy")
@@ -95,8 +96,8 @@ def check_output(path: pathlib.Path, force: bool) -> None:
     if path.exists() and not force:
         raise LocalInputError(f"{path} exists (use --force to overwrite)")
     # checked now: the output is written after the server's work (as root this always passes)
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise LocalInputError(f"{path}: no permission to write in {path.parent}")
+    if (problem := folder_problem(path)) is not None:
+        raise LocalInputError(f"{path}: {problem}")
 
 
 def write_output(path: pathlib.Path, key: str, result: Any) -> None:
